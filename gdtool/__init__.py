@@ -1,0 +1,13 @@
+"""gdtool: where the time of a decode step goes, host or device, and what a CUDA graph wins back.
+
+    import gdtool
+    model = gdtool.load_model("tiny-llama", seed=0)
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(5, 12), seed=0)
+    out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=32)
+    print(out.tokens, out.steps, out.host_syncs)
+"""
+from .decode import MODES, DecodeOutput, decode
+from .models import PRESETS, load_model, random_prompts
+
+__all__ = ["MODES", "PRESETS", "DecodeOutput", "decode", "load_model", "random_prompts"]
+__version__ = "0.1.0"

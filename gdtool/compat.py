@@ -1,0 +1,70 @@
+"""The few places where supported transformers releases differ (5.17 on the GPU machine, newer on PyPI).
+
+- The cache keyword of a model's forward: `past_key_values` (5.17) or `cache` (later 5.x).
+- The static cache: sized like generate() sizes it, and rewound after warm-up.
+- Whether the repetition penalty sees left pads: up to 5.2x generate() penalizes every id of
+  `input_ids`, pads included; later releases skip each row's left padding (`prompt_ignore_length`).
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def penalty_sees_left_pads() -> bool:
+    """Whether this transformers' generate() lets the repetition penalty see the prompt's left pads."""
+    from transformers.generation.utils import GenerationMixin
+    return "prompt_ignore_length" not in inspect.getsource(GenerationMixin._get_logits_processor)
+
+
+PENALTY_SEES_LEFT_PADS = penalty_sees_left_pads()
+
+
+def forward_kwargs(model) -> tuple[str, bool]:
+    """(name of the cache keyword, whether forward accepts logits_to_keep)."""
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    return cache_kw, "logits_to_keep" in params
+
+
+def cache_length(model, prompt_width: int, max_new_tokens: int) -> int:
+    """The static cache length generate() would use, including what earlier generate() calls left behind."""
+    length = prompt_width + max_new_tokens - 1
+    max_cache_len = getattr(model.generation_config, "max_cache_len", None)
+    if max_cache_len is not None:
+        length = max(length, max_cache_len)
+    return max(length, getattr(model, "_previous_max_cache_length", -1))
+
+
+def remember_cache_length(model, length: int) -> None:
+    # generate() keeps its largest static cache length on the model and never shrinks later caches below
+    # it; keeping the same attribute lets generate() and gdtool.decode() calls interleave with the same bits.
+    model._previous_max_cache_length = length
+
+
+def static_cache(model, length: int):
+    from transformers import StaticCache
+    return StaticCache(config=model.config, max_cache_len=length)
+
+
+def cache_layers(cache):
+    return list(cache.layers)
+
+
+def full_attention_only(cache) -> bool:
+    from transformers.cache_utils import StaticLayer
+    return all(type(layer) is StaticLayer for layer in cache_layers(cache))
+
+
+def rewind(cache, length: int) -> None:
+    """Forget everything written at or after slot `length` (warm-up steps) and write there next."""
+    for layer in cache_layers(cache):
+        if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
+            layer.keys[:, :, length:].zero_()
+            layer.values[:, :, length:].zero_()
+        counter = getattr(layer, "cumulative_length", None)
+        if isinstance(counter, torch.Tensor):
+            counter.fill_(length)
+        elif counter is not None:
+            layer.cumulative_length = length

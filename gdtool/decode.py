@@ -1,0 +1,396 @@
+"""The three decode loops. They drive the same `Step` and differ only in where a step runs.
+
+    eager          per step the host runs forward, select, update, and reads the "all finished" flag
+    forward-graph  the model forward is one CUDA-graph replay; select, update and the check stay eager
+    step-graph     the whole step is one replay; the host reads the flag every `eos_poll_interval` steps
+
+Tokens never depend on the mode or on the polling interval: every mode computes, bit for bit,
+`torch.manual_seed(seed); model.generate(..., cache_implementation="static", disable_compile=True)`.
+
+    out = gdtool.decode(model, ids, mask, mode="step-graph", max_new_tokens=64, eos_poll_interval=16)
+    out = gdtool.decode(model, ids, mask, mode="eager", max_new_tokens=64, do_sample=True, seed=0)
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import compat, graphs, ranges
+from .settings import UNSET, Settings, resolve
+from .step import State, Step, new_state, seed_seen
+from .syncs import Counter, hidden_waits
+
+MODES = ("eager", "forward-graph", "step-graph")
+DEFAULT_POLL = {"eager": 1, "forward-graph": 1, "step-graph": 16}
+WARMUP_STEPS = 2
+
+
+@dataclass
+class DecodeOutput:
+    tokens: torch.Tensor              # [B, T] new tokens on the CPU, trimmed as generate() trims them
+    lengths: torch.Tensor             # [B] tokens per row up to and including its EOS
+    steps: int                        # decode forwards after the prefill
+    replays: int                      # graph launches
+    host_syncs: int                   # blocking host waits, hidden ones included
+    polls: int                        # reads of the "all finished" flag
+    wasted_steps: int                 # steps run after the last row had finished
+    mode: str
+    batch: int
+    max_new_tokens: int
+    device: str
+    timings: dict = field(default_factory=dict)
+    scores: tuple | None = None       # T x [B, V] float32 processed scores, with return_scores=True
+    captures: int = 0                 # graphs captured by this call
+
+    @property
+    def new_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+
+def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, mode: str = "eager",
+           max_new_tokens: int | None = None, do_sample=UNSET, temperature=UNSET, top_k=UNSET, top_p=UNSET,
+           repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET, seed: int | None = None,
+           eos_poll_interval: int | str | None = None, return_scores: bool = False, target_lengths=None,
+           capture: bool | None = None, **unsupported) -> DecodeOutput:
+    """Decode `max_new_tokens` (required) from left-padded prompts; see the module docstring.
+
+    Settings resolve as generate() resolves them (explicit, then `model.generation_config`, then
+    transformers' defaults; an explicit None overrides). `seed` seeds the global generators as
+    `torch.manual_seed(seed)` does; with `seed=None` the global generator is used and left where
+    generate() would have left it. `target_lengths` ([B] ints) forces row b to emit its first EOS id
+    as its target_lengths[b]-th token (a harness for controlled lengths with random weights).
+    `capture`: None captures the graph modes where CUDA is available; False runs them uncaptured;
+    True requires capture.
+    """
+    explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
+                    repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    settings = resolve(model, max_new_tokens, explicit, unsupported)
+    engine = Engine(model, mode, settings, input_ids, return_scores=return_scores,
+                    with_targets=target_lengths is not None, capture=capture)
+    try:
+        return engine.run(input_ids, attention_mask, target_lengths=target_lengths, seed=seed,
+                          eos_poll_interval=eos_poll_interval)
+    finally:
+        engine.close()
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} is not one of {MODES}")
+
+
+def check_poll(eos_poll_interval, mode: str):
+    poll = DEFAULT_POLL[mode] if eos_poll_interval is None else eos_poll_interval
+    if poll == "async":
+        return poll
+    if isinstance(poll, bool) or not isinstance(poll, int) or poll < 0:
+        raise ValueError(f"eos_poll_interval={eos_poll_interval!r} must be an int >= 0 (1 = every step, 0 = never) "
+                         "or 'async'")
+    return poll
+
+
+def check_model(model, mode: str, device: torch.device) -> None:
+    """Refuse, with the reason, what the graph modes cannot capture exactly."""
+    if model.training:
+        dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        attn_dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+        if mode != "eager" or dropout or attn_dropout > 0:
+            raise ValueError("the model is in training mode (models built from a config start that way) and dropout "
+                             "would change every token; call model.eval() first")
+    if mode == "eager":
+        return
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        raise ValueError(f"attention implementation {impl!r} is not supported by the graph modes; load the model "
+                         "with attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
+    text = model.config.get_text_config()
+    experts = [getattr(text, k, 0) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")]
+    if max(experts) > 1:
+        raise ValueError("mixture-of-experts layers route tokens on the host and cannot be captured; use mode='eager'")
+    if not getattr(model, "_can_compile_fullgraph", True):
+        raise ValueError(f"{type(model).__name__} does not declare that its forward can be captured "
+                         "(_can_compile_fullgraph is False); use mode='eager'")
+
+
+def _validate(model, input_ids, attention_mask, settings: Settings, target_lengths):
+    """Check the inputs on the host (one read-back) and return the attention mask to use."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.dtype == torch.bool or input_ids.is_complex():
+        raise ValueError("input_ids must be a 2-D integer tensor [batch, prompt_length]; got "
+                         f"{type(input_ids).__name__} {getattr(input_ids, 'shape', '')} {getattr(input_ids, 'dtype', '')}")
+    batch, width = input_ids.shape
+    if batch == 0:
+        raise ValueError("the batch is empty (input_ids has 0 rows); pass at least one prompt")
+    if width == 0:
+        raise ValueError("the prompts are empty (input_ids has 0 columns); every row needs at least one token")
+    device = next(model.parameters()).device
+    if input_ids.device != device:
+        raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
+                         f"input_ids.to({str(device)!r})")
+    vocab = model.config.get_text_config().vocab_size
+    ids = input_ids.detach().cpu()
+    if ids.min() < 0 or ids.max() >= vocab:
+        raise ValueError(f"input_ids hold token ids outside the vocabulary [0, {vocab}) (min {int(ids.min())}, "
+                         f"max {int(ids.max())}); check the tokenizer matches the model")
+    if attention_mask is None:
+        attention_mask = _infer_mask(input_ids, settings)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}; got "
+                         f"{tuple(getattr(attention_mask, 'shape', ()))}")
+    if attention_mask.device != device:
+        raise ValueError(f"attention_mask is on {attention_mask.device} but the model is on {device}; "
+                         f"move it with attention_mask.to({str(device)!r})")
+    mask = attention_mask.detach().cpu().long()
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError("attention_mask must hold only 0 (pad) and 1 (token)")
+    if (mask.sum(1) == 0).any():
+        rows = (mask.sum(1) == 0).nonzero().flatten().tolist()
+        raise ValueError(f"rows {rows} have no token (their attention_mask is all 0); drop them or give them a prompt")
+    if (mask[:, 1:] < mask[:, :-1]).any():
+        rows = (mask[:, 1:] < mask[:, :-1]).any(1).nonzero().flatten().tolist()
+        raise ValueError(f"rows {rows} are right-padded or have holes in their attention_mask; gdtool needs "
+                         "left padding (tokenizer.padding_side = 'left'): pads first, then the prompt")
+    max_positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if max_positions is not None and width + settings.max_new_tokens - 1 > max_positions:
+        raise ValueError(f"prompt width {width} + max_new_tokens {settings.max_new_tokens} - 1 exceeds the model's "
+                         f"{max_positions} positions; shorten the prompt or ask for fewer tokens")
+    targets = None
+    if target_lengths is not None:
+        if not settings.has_eos:
+            raise ValueError("target_lengths forces an EOS token, but EOS is disabled; pass eos_token_id")
+        targets = torch.as_tensor(target_lengths, dtype=torch.long).flatten()
+        if targets.numel() != batch or (targets < 1).any():
+            raise ValueError(f"target_lengths needs one length >= 1 per row ({batch} rows); got {target_lengths!r}")
+    return attention_mask.long(), targets
+
+
+def _infer_mask(input_ids, settings: Settings) -> torch.Tensor:
+    # generate(): without a mask, pads are inferred from the pad id, unless pad is also an EOS id.
+    pad = settings.pad_token_id
+    if pad is not None and (input_ids == pad).any() and pad not in settings.eos_token_id:
+        return input_ids.ne(pad).long()
+    return torch.ones_like(input_ids, dtype=torch.long)
+
+
+def default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
+
+
+class Engine:
+    """Buffers, static cache and captured graphs for one (model, mode, settings, batch, width).
+
+    `run()` may be called again with prompts of the same shape: buffers are refilled in place and
+    captured graphs are replayed, not captured again.
+    """
+
+    def __init__(self, model, mode: str, settings: Settings, input_ids: torch.Tensor, return_scores: bool = False,
+                 with_targets: bool = False, capture: bool | None = None, cache_len: int | None = None):
+        check_mode(mode)
+        device = next(model.parameters()).device
+        check_model(model, mode, device)
+        if capture and not graphs.can_capture(device):
+            raise ValueError(f"capture=True needs a CUDA device, and the model is on {device}; use capture=None to run "
+                             "the graph modes uncaptured (same step function) where there is no CUDA")
+        self.model, self.mode, self.settings, self.device = model, mode, settings, device
+        self.captures_enabled = mode != "eager" and capture is not False and graphs.can_capture(device)
+        self.batch, self.width = input_ids.shape
+        self.cache_len = cache_len or compat.cache_length(model, self.width, settings.max_new_tokens)
+        self.cache = compat.static_cache(model, self.cache_len)
+        if mode != "eager" and not compat.full_attention_only(self.cache):
+            raise ValueError("the graph modes support static caches of full-attention layers only; this model has "
+                             "sliding-window or other layers; use mode='eager'")
+        vocab = model.config.get_text_config().vocab_size
+        self.state: State = new_state(input_ids, torch.ones_like(input_ids), settings, self.cache_len, vocab,
+                                      return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None)
+        cache_kw, logits_to_keep = compat.forward_kwargs(model)
+        self.step = Step(model, self.cache, self.state, settings, self.width, cache_kw, logits_to_keep)
+        self.graph = None
+        self.captures = 0
+
+    # -- one call ---------------------------------------------------------------------------------
+    def run(self, input_ids, attention_mask=None, target_lengths=None, seed=None, eos_poll_interval=None):
+        t_start = time.perf_counter()
+        settings, state, device = self.settings, self.state, self.device
+        poll = check_poll(eos_poll_interval, self.mode)
+        if tuple(input_ids.shape) != (self.batch, self.width):
+            raise ValueError(f"this engine was built for prompts of shape {(self.batch, self.width)}; got "
+                             f"{tuple(input_ids.shape)}")
+        mask, targets = _validate(self.model, input_ids, attention_mask, settings, target_lengths)
+        if (targets is None) != (state.targets is None):
+            raise ValueError("target_lengths must be given to every call of an engine built with them, and only then")
+        waits = Counter()
+        explicit_waits = 1  # the read-back of the inputs for validation
+        compat.remember_cache_length(self.model, self.cache_len)
+        self._reset(input_ids, mask, targets)
+        if seed is not None:
+            torch.manual_seed(seed)
+        generator = default_generator(device)
+        timings = {"warmup_s": 0.0, "capture_s": 0.0}
+        n = settings.max_new_tokens
+        captures_before = self.captures
+
+        with torch.inference_mode(), ranges.span(ranges.DECODE, self.batch):
+            t0 = time.perf_counter()
+            with ranges.span(ranges.PREFILL), hidden_waits(device, waits):
+                self.step.prefill(input_ids, mask)
+            _sync(device)
+            explicit_waits += device.type == "cuda"
+            timings["prefill_s"] = time.perf_counter() - t0
+            trail = {0: generator.get_state()} if settings.do_sample else None
+            if self.mode != "eager" and n > 1 and self.graph is None:
+                explicit_waits += self._capture(generator, timings, waits)
+            t0 = time.perf_counter()
+            steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
+            explicit_waits += loop_waits
+            done_at, lengths, tokens = int(state.done_at), state.lengths.cpu(), state.out.cpu()
+            explicit_waits += 1
+            timings["decode_s"] = time.perf_counter() - t0
+        used = done_at + 1 if done_at >= 0 else n
+        wasted = max(0, steps - (used - 1))
+        if trail is not None and wasted:
+            generator.set_state(trail[used - 1])
+        scores = tuple(state.scores[i].clone() for i in range(used)) if state.scores is not None else None
+        timings["total_s"] = time.perf_counter() - t_start
+        replays = steps if self.graph is not None else 0
+        return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
+                            host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
+                            batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
+                            captures=self.captures - captures_before)
+
+    def _reset(self, input_ids, mask, targets) -> None:
+        s = self.state
+        with torch.inference_mode():
+            compat.rewind(self.cache, 0)
+            s.mask.zero_()
+            s.mask[:, :self.width] = mask
+            s.index.zero_()
+            s.out.fill_(self.step.pad)
+            s.lengths.zero_()
+            s.unfinished.fill_(1)
+            s.done.zero_()
+            s.done_at.fill_(-1)
+            if s.seen is not None:
+                seed_seen(s.seen, input_ids, mask)
+            if s.scores is not None:
+                s.scores.zero_()
+            if targets is not None:
+                s.targets.copy_(targets)
+
+    def _capture(self, generator, timings, waits) -> int:
+        """Warm up and capture this mode's graph; leave state, cache and generator as after the prefill."""
+        snapshot, rng = self.state.snapshot(), generator.get_state()
+        fn = self.step.forward if self.mode == "forward-graph" else self.step
+        syncs = 0
+        t0 = time.perf_counter()
+        with ranges.span(ranges.WARMUP):
+            if self.captures_enabled:
+                with hidden_waits(self.device, waits):
+                    graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width))
+                _sync(self.device)
+                syncs += 1
+        timings["warmup_s"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        with ranges.span(ranges.CAPTURE):
+            self.graph = graphs.capture(fn, self.device) if self.captures_enabled else graphs.Uncaptured(fn)
+            self.captures += self.captures_enabled
+            syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
+        timings["capture_s"] = time.perf_counter() - t0
+        self.state.restore(snapshot)
+        compat.rewind(self.cache, self.width)
+        generator.set_state(rng)
+        return syncs
+
+    def _loop(self, poll, trail, generator, waits):
+        """Run decode steps 1..N-1 until a poll finds every row finished. Returns (steps, polls, waits)."""
+        state, step, n, mode, device = self.state, self.step, self.settings.max_new_tokens, self.mode, self.device
+        polls = syncs = 0
+        flag = _FlagReader(state.done, device) if poll == "async" else None
+        if flag is not None:
+            flag.copy()  # the prefill token's flag, read after step 1 is launched
+        if poll != "async" and poll >= 1:
+            with ranges.span(ranges.EOS_CHECK if mode != "step-graph" else ranges.EOS_POLL):
+                polls, syncs = 1, 1
+                if bool(state.done):
+                    return 0, polls, syncs
+        steps = 0
+        for j in range(1, n):
+            with ranges.span(ranges.STEP, j):
+                if mode == "eager":
+                    with ranges.span(ranges.FORWARD), hidden_waits(device, waits):
+                        logits = step.forward()
+                    with ranges.span(ranges.SELECT):
+                        next_tokens = step.select(logits)
+                    with ranges.span(ranges.UPDATE):
+                        step.update(next_tokens)
+                elif mode == "forward-graph":
+                    with ranges.span(ranges.REPLAY):
+                        self.graph.replay()
+                    with ranges.span(ranges.SELECT):
+                        step.update(step.select(self.graph.output))
+                else:
+                    with ranges.span(ranges.REPLAY):
+                        self.graph.replay()
+                steps = j
+                if trail is not None:
+                    trail[j] = generator.get_state()
+                check = ranges.EOS_POLL if mode == "step-graph" else ranges.EOS_CHECK
+                if poll == "async":
+                    with ranges.span(check):
+                        flag.copy()
+                        finished = flag.read_previous()
+                    polls += 1
+                    syncs += 1
+                    if finished:
+                        break
+                elif poll >= 1 and j % poll == 0:
+                    with ranges.span(check):
+                        polls += 1
+                        syncs += 1
+                        if bool(state.done):
+                            break
+                if trail is not None and (poll == "async" or (poll >= 1 and j % poll == 0)):
+                    for old in [k for k in trail if k < j - 1]:
+                        del trail[old]
+        return steps, polls, syncs
+
+    def close(self) -> None:
+        if self.graph is not None:
+            self.graph.close()
+            self.graph = None
+        self.cache = None
+        self.step = None
+
+
+class _FlagReader:
+    """The deferred EOS check: after step t is launched, read the flag that step t-1 copied to pinned memory."""
+
+    def __init__(self, done: torch.Tensor, device: torch.device):
+        self.done = done
+        pinned = device.type == "cuda"
+        self.slots = [torch.zeros((), dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
+        self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self.copies = 0
+
+    def copy(self) -> None:
+        """Queue a copy of the flag as it stands after the work launched so far."""
+        slot = self.copies % 2
+        self.slots[slot].copy_(self.done, non_blocking=True)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+        self.copies += 1
+
+    def read_previous(self) -> bool:
+        """Wait for the copy before the last one and read it: the step before the one just launched."""
+        slot = self.copies % 2  # the older of the two slots
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return bool(self.slots[slot])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,60 @@
+"""Capture-safe token selection, bit for bit what generate() computes.
+
+generate() processes float32 scores in this order: repetition penalty, then (sampling only)
+temperature, top-k, top-p; then argmax, or softmax + `torch.multinomial(probs, 1)`. Each function
+below repeats transformers' arithmetic exactly (`s / T`, never `s * (1 / T)`; top-k keeps ties;
+top-p compares against `1 - top_p` computed in Python double). None of them reads a tensor on the
+host, so the whole selection can live inside a CUDA graph.
+
+The multinomial draw is replaced by its exponential race,
+`argmax(probs / Exp(1))`, which is how ATen itself draws one sample: same bits, same generator
+consumption, and no host synchronization.
+"""
+from __future__ import annotations
+
+import torch
+
+from .settings import Settings
+
+
+def penalize(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """RepetitionPenaltyLogitsProcessor over a per-row "seen" mask instead of gathered ids."""
+    penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
+    return torch.where(seen, penalized, scores)
+
+
+def top_k_filter(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    top_k = min(max(top_k, 1), scores.size(-1))
+    kth = torch.topk(scores, top_k)[0][..., -1, None]
+    return scores.masked_fill(scores < kth, -float("inf"))
+
+
+def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - top_p)
+    remove_sorted[..., -1:] = 0
+    remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)
+    return scores.masked_fill(remove, -float("inf"))
+
+
+def process(scores: torch.Tensor, seen: torch.Tensor | None, s: Settings) -> torch.Tensor:
+    """The scores generate() would return (`output_scores=True`) for this step."""
+    if s.uses_penalty:
+        scores = penalize(scores, seen, s.repetition_penalty)
+    if s.uses_temperature:
+        scores = scores / s.temperature
+    if s.uses_top_k:
+        scores = top_k_filter(scores, s.top_k)
+    if s.uses_top_p:
+        scores = top_p_filter(scores, s.top_p)
+    return scores
+
+
+def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
+    """Next token per row, [batch] int64."""
+    if not do_sample:
+        return torch.argmax(scores, dim=-1)
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    race = torch.empty_like(probs).exponential_(1)
+    return torch.argmax(probs / race, dim=-1)

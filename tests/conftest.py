@@ -1,0 +1,36 @@
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+_models = {}
+
+
+@pytest.fixture(scope="session")
+def load():
+    """Cached presets: load(name, dtype=None, device=None)."""
+    import gdtool
+
+    def get(name, dtype=None, device=None):
+        key = (name, dtype, device)
+        if key not in _models:
+            _models[key] = gdtool.load_model(name, seed=0, dtype=dtype, device=device)
+        return _models[key]
+    return get
