@@ -1,0 +1,192 @@
+"""`python -m gdtool bench` on CPU with a tiny model: it runs, prints the table and a JSON line last,
+writes CSV + JSON, and its peers compute the same tokens as generate(). No speed is asserted."""
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+import gdtool
+from gdtool import bench
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls on a shared CPU: more threads only spin against each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+TINY = ["--model", "tiny-llama", "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "8", "--repeats", "2"]
+
+
+def run_main(argv, capsys):
+    rc = bench.main(argv)
+    out = capsys.readouterr().out
+    return rc, out, json.loads(out.strip().splitlines()[-1])
+
+
+def test_cli_prints_table_and_json(tmp_path, capsys):
+    rc, out, doc = run_main(TINY + ["--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert rc == 0
+    for heading in ("runner", "tok/s", "ms/step", "GB/s", "%floor", "x generate", "x gpt-fast"):
+        assert heading in out
+    assert "gdtool step-graph" in out and "n/a (cpu)" in out
+
+    rows = {r["runner"]: r for r in doc["results"]}
+    assert set(rows) == {"eager", "forward-graph", "step-graph", "generate", "generate-static", "gpt-fast"}
+    for runner in ("eager", "forward-graph", "step-graph", "generate"):
+        assert rows[runner]["status"] == "ok"
+        assert rows[runner]["tok_s"] > 0 and 0 < rows[runner]["floor_pct"]
+        assert rows[runner]["dynamo_graphs"] == 0  # nothing compiled with HF's kernels
+    for runner in ("generate-static", "gpt-fast"):
+        assert rows[runner]["status"] == "n/a (cpu)" and rows[runner]["tok_s"] is None
+    # ratio = gdtool tok/s over the peer's, for gdtool rows only
+    step = rows["step-graph"]
+    assert step["x_generate"] == pytest.approx(step["tok_s"] / rows["generate"]["tok_s"])
+    assert rows["generate"]["x_generate"] is None
+
+    name = "tiny-llama_b2_p8_n8"
+    assert doc["files"] == [str(tmp_path / f"{name}.csv"), str(tmp_path / f"{name}.json")]
+    df = pd.read_csv(tmp_path / f"{name}.csv")
+    timed = df[df.status == "ok"]
+    assert len(timed) == 4 * 2  # 4 runners x 2 repeats, one row each
+    assert (timed.steps == 7).all() and (timed.batch == 2).all() and (timed.max_new_tokens == 8).all()
+    # gdtool keeps generate()'s tokens bit for bit with HF's kernels
+    assert (timed.token_agreement == 1.0).all()
+    meta = json.loads((tmp_path / f"{name}.json").read_text())
+    for key in ("device_name", "driver", "torch", "transformers", "git_commit", "date", "copy_gb_s"):
+        assert key in meta["environment"]
+    assert meta["config"]["batch"] == 2 and meta["name"] == name
+
+
+def test_batch_list_and_subsets(tmp_path, capsys):
+    argv = ["--model", "tiny-llama", "--batch", "1,3", "--prompt-len", "4", "--max-new-tokens", "3", "--repeats", "1",
+            "--device", "cpu", "--modes", "step-graph", "--peers", "generate", "--out", str(tmp_path)]
+    rc, out, doc = run_main(argv, capsys)
+    assert rc == 0
+    assert [(r["batch"], r["runner"]) for r in doc["results"]] == [(1, "step-graph"), (1, "generate"),
+                                                                  (3, "step-graph"), (3, "generate")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tiny-llama_b1_p4_n3.csv", "tiny-llama_b1_p4_n3.json",
+                                                         "tiny-llama_b3_p4_n3.csv", "tiny-llama_b3_p4_n3.json"]
+
+
+def test_bad_arguments_say_what_to_do():
+    with pytest.raises(ValueError, match="unknown peer.*choose from"):
+        bench.main(TINY + ["--peers", "vllm"])
+    with pytest.raises(ValueError, match="unknown mode"):
+        bench.main(TINY + ["--modes", "fast"])
+    with pytest.raises(ValueError, match="nothing to measure"):
+        bench.main(TINY + ["--modes", "none", "--peers", "none"])
+    with pytest.raises(ValueError, match="leaves no decode step"):
+        bench.main(["--model", "tiny-llama", "--max-new-tokens", "1"])
+
+
+def test_a_failing_runner_is_reported_and_the_rest_still_run(tmp_path, capsys, monkeypatch):
+    def broken(model, prompt, static):
+        raise RuntimeError("CUDA out of memory (simulated)")
+    monkeypatch.setattr(bench, "_generate_runner", broken)
+    argv = TINY + ["--device", "cpu", "--modes", "eager", "--peers", "generate", "--out", str(tmp_path)]
+    rc, out, doc = run_main(argv, capsys)
+    assert rc == 1
+    rows = {r["runner"]: r for r in doc["results"]}
+    assert rows["generate"]["status"].startswith("error: RuntimeError: CUDA out of memory")
+    assert rows["eager"]["status"] == "ok"
+
+
+def test_config_name():
+    assert bench.BenchConfig(model="llama-1b", batch=1).name == "llama-1b_b1_p128_n256"
+    cfg = bench.BenchConfig(model="/ckpt/Qwen2.5-0.5B", batch=64, kernels=("hf", "compiled"))
+    assert cfg.name == "Qwen2.5-0.5B_b64_p128_n256_khf+compiled"
+    assert cfg.config_hash != bench.BenchConfig(model="/ckpt/Qwen2.5-0.5B", batch=32).config_hash
+
+
+def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):
+    model = load("tiny-llama")  # tied embeddings: the head reads the table, counted once
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    b = bench.step_bytes(model, batch=3, prompt_len=10, max_new_tokens=6)
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    assert b["weight_bytes"] == params * 4
+    assert b["kv_bytes"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (10 + 3) * 3 * 4
+    assert b["bytes_per_step"] == b["weight_bytes"] + b["kv_bytes"]
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    untied = LlamaForCausalLM(LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=False))
+    all_params = sum(p.numel() for p in untied.parameters())
+    # an untied input embedding is looked up, not read: one row per sequence
+    expected = (all_params - 500 * 32 + 3 * 32) * 4
+    assert bench.step_bytes(untied, batch=3, prompt_len=10, max_new_tokens=6)["weight_bytes"] == expected
+
+
+def _cfg(**kw):
+    return bench.BenchConfig(model="tiny-llama", batch=3, prompt_len=6, max_new_tokens=7, repeats=2, **kw)
+
+
+def test_peers_compute_generates_tokens_and_flag_an_eager_fallback(load):
+    model = load("tiny-llama")
+    cfg = _cfg()
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(6, 6), seed=0)
+    reference = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask, max_new_tokens=7,
+                               do_sample=False, eos_token_id=None, pad_token_id=0)[:, 6:]
+
+    # on CPU generate(cache_implementation="static") does not compile: the bench must say so
+    static = bench._measure(bench.RunnerResult("generate-static", "peer", "static"),
+                            bench._generate_runner(model, prompt, static=True), cfg, 7, compiled=True)
+    assert static.status == "eager-fallback" and "ran eager" in static.note
+    # the gpt-fast-style loop, uncompiled: same static cache logic, same tokens
+    loop = bench._measure(bench.RunnerResult("gpt-fast", "peer", "gpt-fast"),
+                          bench._gptfast_runner(model, prompt, 7, compile_kwargs=None), cfg, 4, compiled=False)
+    for result in (static, loop):
+        assert len(result.samples) == 2
+        for sample in result.samples:
+            assert sample.steps == 6 and sample.decode_s > 0
+            assert torch.equal(sample.tokens, reference)
+
+
+def test_gptfast_step_compiles_once_and_counts_graphs(load):
+    model = load("tiny-llama")
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(6, 6), seed=0)
+    once = bench._gptfast_runner(model, prompt, 7, compile_kwargs=dict(backend="eager", fullgraph=True))
+    result = bench._measure(bench.RunnerResult("gpt-fast", "peer", "gpt-fast"), once, _cfg(), 4, compiled=True)
+    assert result.status == "ok", result.note
+    assert result.compile["graphs"] == 1 and result.compile["recompiles"] == 0
+    assert result.compile["graphs_in_timed_runs"] == 0
+
+
+def test_dynamo_stats_count_recompiles():
+    bench._dynamo_fresh()
+    double = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+    double(torch.ones(2))
+    double(torch.ones(3))  # a new shape: a recompile
+    double(torch.ones(3))
+    stats = bench._dynamo_stats()
+    assert stats["graphs"] == 2 and stats["recompiles"] == 1
+    bench._dynamo_fresh()
+    assert bench._dynamo_stats()["graphs"] == 0
+
+
+def test_token_count_is_asserted(load):
+    model = load("tiny-llama")
+
+    def short_once(new_tokens):  # a runner that stops early (EOS left on, say)
+        return bench.Sample(decode_s=1.0, prefill_s=0.1, steps=new_tokens - 1,
+                            tokens=torch.zeros(3, new_tokens - 2, dtype=torch.long))
+    with pytest.raises(AssertionError, match="expected \\(3, 7\\): EOS must be off"):
+        bench._measure(bench.RunnerResult("x", "peer", "x"), short_once, _cfg(), 4, compiled=False)
+
+
+@pytest.mark.cuda
+def test_compiled_peers_really_compile_on_cuda(tmp_path, capsys):
+    argv = ["--model", "tiny-llama", "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "16", "--repeats", "2",
+            "--modes", "step-graph", "--out", str(tmp_path)]
+    rc, out, doc = run_main(argv, capsys)
+    assert rc == 0, out
+    rows = {r["runner"]: r for r in doc["results"]}
+    for runner in ("generate-static", "gpt-fast"):
+        assert rows[runner]["status"] == "ok", rows[runner]
+        assert rows[runner]["dynamo_graphs"] >= 1
+    df = pd.read_csv(tmp_path / "tiny-llama_b2_p8_n16.csv")
+    assert (df.groupby("runner").dynamo_graphs_in_timed_runs.max() == 0).all()
