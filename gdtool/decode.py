@@ -114,8 +114,7 @@ def check_model(model, mode: str, device: torch.device) -> None:
                          "(_can_compile_fullgraph is False); use mode='eager'")
 
 
-def _validate(model, input_ids, attention_mask, settings: Settings, target_lengths):
-    """Check the inputs on the host (one read-back) and return the attention mask to use."""
+def check_input_ids(input_ids) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
             or input_ids.dtype == torch.bool or input_ids.is_complex():
         raise ValueError("input_ids must be a 2-D integer tensor [batch, prompt_length]; got "
@@ -125,6 +124,12 @@ def _validate(model, input_ids, attention_mask, settings: Settings, target_lengt
         raise ValueError("the batch is empty (input_ids has 0 rows); pass at least one prompt")
     if width == 0:
         raise ValueError("the prompts are empty (input_ids has 0 columns); every row needs at least one token")
+
+
+def _validate(model, input_ids, attention_mask, settings: Settings, target_lengths):
+    """Check the inputs on the host (one read-back) and return the attention mask to use."""
+    check_input_ids(input_ids)
+    batch, width = input_ids.shape
     device = next(model.parameters()).device
     if input_ids.device != device:
         raise ValueError(f"input_ids are on {input_ids.device} but the model is on {device}; move them with "
@@ -190,6 +195,7 @@ class Engine:
     def __init__(self, model, mode: str, settings: Settings, input_ids: torch.Tensor, return_scores: bool = False,
                  with_targets: bool = False, capture: bool | None = None, cache_len: int | None = None):
         check_mode(mode)
+        check_input_ids(input_ids)
         device = next(model.parameters()).device
         check_model(model, mode, device)
         if capture and not graphs.can_capture(device):

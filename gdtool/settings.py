@@ -80,6 +80,7 @@ def resolve(model, max_new_tokens, explicit: dict, extra: dict | None = None) ->
         raise ValueError(f"max_new_tokens must be a positive int (it is required); got {max_new_tokens!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+    _refuse_unsupported(None, extra)
     config = GenerationConfig()
     config.update(**model.generation_config.to_dict(), defaults_only=True, allow_custom_entries=True)
     config.update(**model.generation_config._get_default_generation_params(), defaults_only=True)
@@ -111,7 +112,10 @@ def _num(value):
 
 
 def _refuse_unsupported(config, extra: dict) -> None:
+    """Refuse explicit values first (config=None), then what the model's generation_config sets."""
     for name, off in _OFF.items():
+        if config is None and name not in extra:
+            continue
         value = extra[name] if name in extra else getattr(config, name, None)
         if value is None or any(value == o for o in off if o is not None):
             continue

@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for gdtool and run the main job or the tests.
+#   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the three modes compared)
+#   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU), then the
+#                                        parity tests again against the oldest supported transformers
+# VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
+# NVIDIA driver, else the CUDA build pip picks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+what=${1:-run}; shift || true
+VENV=${VENV:-.venv}
+OLDEST_TRANSFORMERS=5.17.0
+PY=${PYTHON:-python3}
+
+pip_block() {  # the pip entries of environment.yml, one per line
+    "$1" - <<'PYEOF'
+import re
+lines, inside, indent = open("environment.yml").read().splitlines(), False, None
+for line in lines:
+    if re.match(r"\s*- pip:\s*$", line):
+        inside, indent = True, len(line) - len(line.lstrip())
+        continue
+    if inside:
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if len(line) - len(line.lstrip()) <= indent:
+            break
+        print(stripped[1:].strip())
+PYEOF
+}
+
+setup() {  # setup VENV [transformers pin]
+    local venv=$1 pin=${2:-}
+    if [ ! -x "$venv/bin/python" ]; then
+        "$PY" -m venv "$venv"
+    fi
+    local py=$venv/bin/python
+    "$py" -m pip install -q --upgrade pip >/dev/null
+    if ! "$py" -c "import torch" 2>/dev/null; then
+        if command -v nvidia-smi >/dev/null 2>&1; then
+            "$py" -m pip install -q "torch>=2.11,<2.15"
+        else
+            "$py" -m pip install -q torch==2.13.0
+        fi
+    fi
+    pip_block "$py" | while read -r req; do
+        # shellcheck disable=SC2086
+        "$py" -m pip install -q $req
+    done
+    if [ -n "$pin" ]; then
+        "$py" -m pip install -q "transformers==$pin"
+    fi
+}
+
+browser() {  # Debian's chromium for the notebook browser test (as root, where apt exists)
+    if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+        apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null || \
+            echo "could not install chromium: the browser test will be skipped" >&2
+    fi
+}
+
+case "$what" in
+    run)
+        setup "$VENV"
+        exec "$VENV/bin/python" -m gdtool run "$@"
+        ;;
+    test)
+        setup "$VENV"
+        browser
+        "$VENV/bin/python" -m pytest -q -ra "$@"
+        echo "== parity against transformers $OLDEST_TRANSFORMERS =="
+        setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
+        "$VENV-oldest/bin/python" -m pytest -q -ra tests/test_parity.py tests/test_errors.py
+        ;;
+    *)
+        echo "usage: bash scripts/dev.sh run|test [args...]" >&2
+        exit 2
+        ;;
+esac

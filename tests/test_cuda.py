@@ -1,0 +1,168 @@
+"""On a GPU: real capture, bit for bit equal to generate() and to the uncaptured step."""
+import pytest
+import torch
+
+import gdtool
+from reference import assert_same, decode, generate
+
+pytestmark = pytest.mark.cuda
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
+
+
+@pytest.fixture(scope="module")
+def llama1b():
+    return gdtool.load_model("llama-1b", seed=0, device="cuda")
+
+
+def test_captured_forward_logits_equal_uncaptured_bf16(llama1b):
+    """The first thing to know on a new torch: does capture change the bits of HF's forward?"""
+    from transformers import StaticCache
+    from gdtool.compat import forward_kwargs, rewind
+    model = llama1b
+    cache_kw, _ = forward_kwargs(model)
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(6, 12), seed=0)
+    cache = StaticCache(config=model.config, max_cache_len=40)
+    width = prompt.input_ids.shape[1]
+    mask = torch.zeros(4, 40, dtype=torch.long, device="cuda")
+    mask[:, :width] = prompt.attention_mask
+    mask[:, width] = 1
+    tok = torch.randint(3, 1000, (4, 1), device="cuda")
+    pos = prompt.attention_mask.sum(1, keepdim=True)
+    with torch.inference_mode():
+        model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, **{cache_kw: cache})
+
+        def forward():
+            return model(input_ids=tok, position_ids=pos, attention_mask=mask, logits_to_keep=1,
+                         **{cache_kw: cache}).logits[:, -1].float()
+        eager = forward()
+        rewind(cache, width)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            forward()
+        torch.cuda.current_stream().wait_stream(side)
+        rewind(cache, width)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = forward()
+        rewind(cache, width)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(out, eager)
+
+
+@pytest.mark.parametrize("draw", ["exponential-race", "multinomial"])
+def test_sampling_draw_captures_and_matches_eager(draw):
+    probs = torch.randn(8, 128256, device="cuda").softmax(-1)
+
+    def sample():
+        if draw == "multinomial":
+            return torch.multinomial(probs, 1).squeeze(1)
+        return torch.argmax(probs / torch.empty_like(probs).exponential_(1), -1)
+    torch.manual_seed(3)
+    eager = [sample() for _ in range(3)]
+    torch.manual_seed(0)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        sample()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sample()
+    torch.manual_seed(3)
+    replayed = []
+    for _ in range(3):
+        graph.replay()
+        replayed.append(out.clone())
+    for a, b in zip(eager, replayed):
+        assert torch.equal(a, b)
+    eager_race = torch.manual_seed(3) and torch.multinomial(probs, 1).squeeze(1)
+    torch.manual_seed(3)
+    assert torch.equal(eager_race, torch.argmax(probs / torch.empty_like(probs).exponential_(1), -1))
+
+
+CASES = {
+    "greedy": dict(do_sample=False),
+    "sampling": SAMPLING,
+    "penalty-sampling": dict(SAMPLING, repetition_penalty=1.1),
+    "penalty-greedy": dict(do_sample=False, repetition_penalty=1.3),
+}
+
+
+@pytest.mark.parametrize("poll", [1, 4, 0, "async"])
+@pytest.mark.parametrize("mode", gdtool.MODES)
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("name,dtype", [("tiny-llama", torch.float32), ("tiny-llama", torch.bfloat16),
+                                        ("tiny-qwen2", torch.bfloat16)])
+def test_captured_parity_tiny(name, dtype, case, mode, poll):
+    model = gdtool.load_model(name, seed=0, dtype=dtype, device="cuda")
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(3, 9), seed=1)
+    greedy = decode(model, prompt.input_ids, prompt.attention_mask, 16, eos_token_id=None)
+    eos = sorted({int(greedy.tokens[0, 3]), int(greedy.tokens[1, 8])})
+    for seed in (0, 1):
+        settings = dict(CASES[case], eos_token_id=eos, pad_token_id=0)
+        ref = generate(model, prompt.input_ids, prompt.attention_mask, 16, seed=seed, **settings)
+        out = decode(model, prompt.input_ids, prompt.attention_mask, 16, seed=seed, mode=mode,
+                     eos_poll_interval=poll, **settings)
+        assert_same(out, *ref)
+        if mode != "eager":
+            assert out.captures == 1 and out.replays == out.steps
+
+
+@pytest.mark.parametrize("mode", gdtool.MODES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_captured_parity_llama1b(llama1b, case, mode):
+    prompt = gdtool.random_prompts(llama1b, batch=4, lengths=(5, 20), seed=2)
+    settings = dict(CASES[case], eos_token_id=None, pad_token_id=0)
+    ref = generate(llama1b, prompt.input_ids, prompt.attention_mask, 24, seed=5, **settings)
+    out = decode(llama1b, prompt.input_ids, prompt.attention_mask, 24, seed=5, mode=mode, **settings)
+    assert_same(out, *ref)
+
+
+def test_captured_parity_llama1b_unpadded_batch(llama1b):
+    """No row padded and the cache exactly full at the last step."""
+    prompt = gdtool.random_prompts(llama1b, batch=2, lengths=(9, 9), seed=3)
+    ref = generate(llama1b, prompt.input_ids, prompt.attention_mask, 12, eos_token_id=None)
+    for mode in gdtool.MODES:
+        assert_same(decode(llama1b, prompt.input_ids, prompt.attention_mask, 12, mode=mode, eos_token_id=None), *ref)
+
+
+def test_third_token_eos_stops_step_graph_early(llama1b):
+    prompt = gdtool.random_prompts(llama1b, batch=4, lengths=(5, 20), seed=2)
+    free = decode(llama1b, prompt.input_ids, prompt.attention_mask, 3, eos_token_id=None)
+    eos = sorted(set(free.tokens[:, 2].tolist()))
+    n = 64
+    out = decode(llama1b, prompt.input_ids, prompt.attention_mask, n, mode="step-graph", eos_token_id=eos,
+                 eos_poll_interval=4)
+    ref = generate(llama1b, prompt.input_ids, prompt.attention_mask, n, eos_token_id=eos)
+    assert_same(out, *ref)
+    assert out.tokens.shape[1] == 3
+    assert out.replays < n - 1 and out.replays == 4 and out.wasted_steps == 2
+
+
+def test_generator_restored_after_warmup_and_capture():
+    model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(3, 9), seed=4)
+    settings = dict(SAMPLING, eos_token_id=list(range(3, 1000)), pad_token_id=0)
+    torch.manual_seed(11)
+    refs = [generate(model, prompt.input_ids, prompt.attention_mask, 16, **settings)[0] for _ in range(3)]
+    after_ref = torch.rand(4, device="cuda")
+    torch.manual_seed(11)
+    outs = [decode(model, prompt.input_ids, prompt.attention_mask, 16, mode="step-graph", eos_poll_interval=8,
+                   **settings) for _ in range(3)]
+    after = torch.rand(4, device="cuda")
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out.tokens, ref.cpu())
+    assert torch.equal(after, after_ref)
+    assert any(out.wasted_steps for out in outs)
+
+
+def test_step_graph_syncs_only_at_polls(llama1b):
+    prompt = gdtool.random_prompts(llama1b, batch=2, lengths=(5, 9), seed=2)
+    out = decode(llama1b, prompt.input_ids, prompt.attention_mask, 33, mode="step-graph", eos_token_id=None,
+                 eos_poll_interval=16)
+    eager = decode(llama1b, prompt.input_ids, prompt.attention_mask, 33, mode="eager", eos_token_id=None)
+    assert out.polls == 3 and eager.polls == 33
+    assert out.host_syncs < eager.host_syncs

@@ -1,0 +1,182 @@
+"""Every bad input and unsupported setting: a clear error that names the problem and the fix."""
+import pytest
+import torch
+
+import gdtool
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gdtool.load_model("tiny-llama", seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompt(model):
+    return gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=0)
+
+
+def run(model, ids, mask, **kw):
+    kw.setdefault("max_new_tokens", 4)
+    return gdtool.decode(model, ids, mask, **kw)
+
+
+BAD_SETTINGS = [
+    (dict(max_new_tokens=0), "max_new_tokens=0 must be >= 1"),
+    (dict(max_new_tokens=None), "max_new_tokens must be a positive int"),
+    (dict(do_sample=True, temperature=0.0), "temperature=0.0 must be > 0"),
+    (dict(do_sample=True, temperature=-1.0), "temperature=-1.0 must be > 0"),
+    (dict(do_sample=True, top_k=-1), "top_k=-1 must be an int >= 0"),
+    (dict(do_sample=True, top_p=1.5), r"top_p=1.5 is outside \(0, 1\]"),
+    (dict(do_sample=True, top_p=0.0), r"top_p=0.0 is outside \(0, 1\]"),
+    (dict(repetition_penalty=0.0), "repetition_penalty=0.0 must be > 0"),
+    (dict(repetition_penalty=-2.0), "repetition_penalty=-2.0 must be > 0"),
+    (dict(eos_token_id=[2, 99999]), "eos_token_id 99999 is outside the vocabulary"),
+    (dict(eos_token_id=-1), "eos_token_id -1 is outside the vocabulary"),
+    (dict(pad_token_id=4096), "pad_token_id 4096 is outside the vocabulary"),
+    (dict(temperature=0.7), "temperature given with do_sample=False"),
+    (dict(do_sample=False, top_k=10, top_p=0.9), "top_k, top_p given with do_sample=False"),
+    (dict(eos_poll_interval=-1), "eos_poll_interval=-1 must be an int >= 0"),
+    (dict(eos_poll_interval="sometimes"), "eos_poll_interval='sometimes'"),
+    (dict(eos_poll_interval=1.5), "eos_poll_interval=1.5"),
+    (dict(mode="graph"), "mode='graph' is not one of"),
+    (dict(capture=True), "capture=True needs a CUDA device"),
+    (dict(target_lengths=[3]), "target_lengths needs one length >= 1 per row"),
+    (dict(target_lengths=[0, 2]), "target_lengths needs one length >= 1 per row"),
+    (dict(eos_token_id=None, target_lengths=[2, 2]), "EOS is disabled"),
+]
+
+
+@pytest.mark.parametrize("kwargs,message", BAD_SETTINGS, ids=[m for _, m in BAD_SETTINGS])
+def test_bad_settings(model, prompt, kwargs, message):
+    if kwargs.get("capture") and torch.cuda.is_available():
+        pytest.skip("capture=True is valid on a GPU")
+    with pytest.raises(ValueError, match=message):
+        run(model, prompt.input_ids, prompt.attention_mask, mode=kwargs.pop("mode", "step-graph"), **kwargs)
+
+
+REFUSED = [
+    ("min_new_tokens", 3), ("min_length", 5), ("no_repeat_ngram_size", 2), ("bad_words_ids", [[5]]),
+    ("suppress_tokens", [5]), ("min_p", 0.1), ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("eta_cutoff", 0.01),
+    ("num_beams", 2), ("stop_strings", ["x"]), ("max_time", 1.0), ("num_return_sequences", 2),
+    ("sequence_bias", {(5,): 1.0}), ("forced_eos_token_id", 2), ("renormalize_logits", True),
+]
+
+
+@pytest.mark.parametrize("name,value", REFUSED, ids=[n for n, _ in REFUSED])
+def test_unimplemented_settings_are_refused_by_name(model, prompt, name, value):
+    with pytest.raises(ValueError, match=f"{name}=.*gdtool does not implement it"):
+        run(model, prompt.input_ids, prompt.attention_mask, **{name: value})
+
+
+def test_unimplemented_setting_from_generation_config_is_refused_and_can_be_overridden(model, prompt):
+    model.generation_config.no_repeat_ngram_size = 3
+    try:
+        with pytest.raises(ValueError, match=r"no_repeat_ngram_size=3 \(set in model.generation_config\)"):
+            run(model, prompt.input_ids, prompt.attention_mask)
+        out = run(model, prompt.input_ids, prompt.attention_mask, no_repeat_ngram_size=0)
+        assert out.tokens.shape[0] == 2
+    finally:
+        model.generation_config.no_repeat_ngram_size = None
+
+
+def test_unknown_keyword(model, prompt):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'tempreature'"):
+        run(model, prompt.input_ids, prompt.attention_mask, tempreature=0.5)
+
+
+BAD_INPUTS = {
+    "empty batch": (lambda p: (p.input_ids[:0], p.attention_mask[:0]), "the batch is empty"),
+    "1-D ids": (lambda p: (p.input_ids[0], p.attention_mask[0]), "input_ids must be a 2-D integer tensor"),
+    "float ids": (lambda p: (p.input_ids.float(), p.attention_mask), "input_ids must be a 2-D integer tensor"),
+    "list ids": (lambda p: (p.input_ids.tolist(), p.attention_mask), "input_ids must be a 2-D integer tensor"),
+    "id too large": (lambda p: (p.input_ids + 5000, p.attention_mask), "outside the vocabulary"),
+    "negative id": (lambda p: (p.input_ids - 5000, p.attention_mask), "outside the vocabulary"),
+    "mask shape": (lambda p: (p.input_ids, p.attention_mask[:, 1:]), "attention_mask must have the shape"),
+    "mask values": (lambda p: (p.input_ids, p.attention_mask * 2), "only 0 \\(pad\\) and 1"),
+    "right padding": (lambda p: (p.input_ids, p.attention_mask.flip(1)), "right-padded or have holes"),
+    "hole": (lambda p: (p.input_ids, _hole(p.attention_mask)), "right-padded or have holes"),
+    "empty row": (lambda p: (p.input_ids, _empty_row(p.attention_mask)), r"rows \[1\] have no token"),
+    "other device": (lambda p: (p.input_ids.to("meta"), p.attention_mask), "input_ids are on meta"),
+    "mask on other device": (lambda p: (p.input_ids, p.attention_mask.to("meta")), "attention_mask is on meta"),
+}
+
+
+def _hole(mask):
+    mask = torch.ones_like(mask)
+    mask[0, 2] = 0
+    return mask
+
+
+def _empty_row(mask):
+    mask = mask.clone()
+    mask[1] = 0
+    return mask
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS))
+@pytest.mark.parametrize("mode", gdtool.MODES)
+def test_bad_inputs(model, prompt, case, mode):
+    make, message = BAD_INPUTS[case]
+    ids, mask = make(prompt)
+    with pytest.raises(ValueError, match=message):
+        run(model, ids, mask, mode=mode)
+
+
+def test_prompt_plus_new_tokens_beyond_positions(model, prompt):
+    with pytest.raises(ValueError, match="exceeds the model's 2048 positions"):
+        run(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=2048)
+
+
+def _tiny(config_cls, **fields):
+    from transformers import AutoModelForCausalLM
+    base = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config_cls(**{**base, **fields})).eval()
+
+
+def test_training_mode_is_refused_with_the_fix(prompt):
+    from transformers import LlamaConfig
+    m = _tiny(LlamaConfig, attention_dropout=0.1).train()
+    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
+    for mode in gdtool.MODES:
+        with pytest.raises(ValueError, match="training mode.*call model.eval"):
+            run(m, p.input_ids, p.attention_mask, mode=mode)
+    m.config.attention_dropout = 0.0
+    with pytest.raises(ValueError, match="training mode"):
+        run(m, p.input_ids, p.attention_mask, mode="step-graph")
+    run(m, p.input_ids, p.attention_mask, mode="eager")  # no dropout anywhere: eager is exact
+
+
+def test_sliding_window_layers_run_eager_only():
+    from transformers import MistralConfig
+    m = _tiny(MistralConfig, sliding_window=4)
+    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
+    for mode in ("forward-graph", "step-graph"):
+        with pytest.raises(ValueError, match="full-attention layers only.*use mode='eager'"):
+            run(m, p.input_ids, p.attention_mask, mode=mode, max_new_tokens=8)
+    from reference import assert_same, decode, generate
+    ref = generate(m, p.input_ids, p.attention_mask, 8, eos_token_id=None)
+    assert_same(decode(m, p.input_ids, p.attention_mask, 8, eos_token_id=None), *ref)
+
+
+def test_mixture_of_experts_is_refused_in_graph_modes():
+    from transformers import MixtralConfig
+    m = _tiny(MixtralConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
+    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
+    with pytest.raises(ValueError, match="mixture-of-experts"):
+        run(m, p.input_ids, p.attention_mask, mode="step-graph")
+
+
+def test_other_attention_kernels_are_refused_in_graph_modes(prompt):
+    m = gdtool.load_model("tiny-llama", seed=0)
+    m.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attention implementation 'flex_attention'.*attn_implementation='sdpa'"):
+        run(m, prompt.input_ids, prompt.attention_mask, mode="forward-graph")
+
+
+def test_unknown_preset_and_hub_names():
+    with pytest.raises(ValueError, match="neither a preset .* nor a local checkpoint folder"):
+        gdtool.load_model("meta-llama/Llama-3.2-1B")
+    with pytest.raises(ValueError, match="batch >= 1"):
+        gdtool.random_prompts(gdtool.load_model("tiny-llama"), batch=0)
