@@ -8,6 +8,7 @@
 """
 from .decode import MODES, DecodeOutput, decode
 from .models import PRESETS, load_model, random_prompts
+from .timing import ProfileResult, profile
 
-__all__ = ["MODES", "PRESETS", "DecodeOutput", "decode", "load_model", "random_prompts"]
+__all__ = ["MODES", "PRESETS", "DecodeOutput", "ProfileResult", "decode", "load_model", "profile", "random_prompts"]
 __version__ = "0.1.0"

@@ -320,6 +320,7 @@ class Engine:
         if poll != "async" and poll >= 1:
             with ranges.span(ranges.EOS_CHECK if mode != "step-graph" else ranges.EOS_POLL):
                 polls, syncs = 1, 1
+                ranges.count_syncs()
                 if bool(state.done):
                     return 0, polls, syncs
         steps = 0
@@ -350,12 +351,14 @@ class Engine:
                         finished = flag.read_previous()
                     polls += 1
                     syncs += 1
+                    ranges.count_syncs()
                     if finished:
                         break
                 elif poll >= 1 and j % poll == 0:
                     with ranges.span(check):
                         polls += 1
                         syncs += 1
+                        ranges.count_syncs()
                         if bool(state.done):
                             break
                 if trail is not None and (poll == "async" or (poll >= 1 and j % poll == 0)):
@@ -378,7 +381,8 @@ class _FlagReader:
         self.done = done
         pinned = device.type == "cuda"
         self.slots = [torch.zeros((), dtype=torch.bool, pin_memory=pinned) for _ in range(2)]
-        self.events = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        # blocking: the host sleeps in the wait instead of spinning, so the wait is not counted as host work
+        self.events = [torch.cuda.Event(blocking=True) if pinned else None for _ in range(2)]
         self.copies = 0
 
     def copy(self) -> None:

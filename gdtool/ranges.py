@@ -68,11 +68,15 @@ def _attach() -> None:
         return
     try:
         # The C calls that nvtx.annotate itself uses: half the cost of Domain.push_range's method call.
-        from nvtx._lib import pop_range as nvtx_pop, push_range as nvtx_push
-        _nvtx_push, _nvtx_pop = nvtx_push, nvtx_pop
+        from nvtx._lib import pop_range as nvtx_pop
+        from nvtx._lib import push_range as nvtx_push
     except ImportError:  # another nvtx layout: the public methods do the same, a little slower
-        _nvtx_push = lambda attributes, handle: domain.push_range(attributes)  # noqa: E731
-        _nvtx_pop = lambda handle: domain.pop_range()  # noqa: E731
+        def nvtx_push(attributes, handle):
+            domain.push_range(attributes)
+
+        def nvtx_pop(handle):
+            domain.pop_range()
+    _nvtx_push, _nvtx_pop = nvtx_push, nvtx_pop
     _domain, _handle = domain, domain.handle
     for name in NAMES:
         _attributes[name] = domain.get_event_attributes(message=name)
@@ -80,7 +84,7 @@ def _attach() -> None:
 
 def _register(name: str, payload) -> object:
     if not isinstance(name, str):
-        raise TypeError(f"range name must be a str, got {type(name).__name__}; use one of the constants in gdtool.ranges")
+        raise TypeError(f"range name must be a str, got {type(name).__name__}; use the constants in gdtool.ranges")
     if payload is None:
         key, value = name, None
     else:

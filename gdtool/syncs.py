@@ -15,6 +15,8 @@ from contextlib import contextmanager
 import torch
 from torch.overrides import TorchFunctionMode
 
+from . import ranges
+
 _HOST_READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
                torch.Tensor.tolist, torch.Tensor.__index__}
 
@@ -47,9 +49,12 @@ def hidden_waits(device: torch.device, counter: Counter):
                 yield
             finally:
                 torch.cuda.set_sync_debug_mode(previous)
-        counter.count += sum("synchroniz" in str(w.message) for w in caught)
+        found = sum("synchroniz" in str(w.message) for w in caught)
     else:
         mode = _HostReads()
         with mode:
             yield
-        counter.count += mode.count
+        found = mode.count
+    counter.count += found
+    if found:
+        ranges.count_syncs(found)

@@ -1,0 +1,412 @@
+"""Host vs device time per decode step, measured in-process: no profiler session needed.
+
+A decode step costs the host some work (Python, dispatch, kernel launches) and the GPU some work
+(kernels). Eager decode at small batch is host-bound: the GPU sits idle while Python launches the
+next kernel. A CUDA graph of the whole step turns hundreds of launches into one, and the step
+becomes device-bound: the GPU idles only when the host waits on it (an EOS poll). `profile` puts
+numbers on that story, one row per decode step:
+
+    res = gdtool.profile(model, ids, mask, mode="eager", max_new_tokens=64)
+    res.steps                     # DataFrame: one row per step
+    res.summary.loc["host_us"]    # median, p20, p80, mean, total, per_token
+    steps, summary = gdtool.profile(model, ids, mask, mode="step-graph", max_new_tokens=64, eos_poll_interval=16)
+
+    python -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos --out my-timing
+
+Columns, how each is measured, and what it cannot see:
+
+- ``wall_us``: host wall clock (``time.perf_counter_ns``) from entering to leaving the step's
+  ``step`` range. Everything the host did or waited for in the step.
+- ``host_us``: CPU time of the decoding thread in the step (``time.thread_time_ns``, Linux
+  CLOCK_THREAD_CPUTIME_ID): the Python thread's own work. Blocking waits are excluded because a
+  thread that sleeps accrues no CPU time. A CUDA wait does not sleep by default: the driver spins
+  while the GPU is busy, which would count the wait as work. So for the timed decode `profile`
+  switches the CUDA context to blocking-sync scheduling (``cuCtxSetFlags(CU_CTX_SCHED_BLOCKING_SYNC)``
+  through libcuda, restored afterwards); stream, device and copy synchronizations then sleep.
+  Blind spots: a wait that spins regardless (e.g. a launch blocking on a full launch queue; the
+  GPU tests check that device sync, ``.item()`` and event synchronize do sleep), work done on the
+  step's behalf by other threads (CUDA driver threads; on a CPU device, torch's intra-op worker
+  threads), and time the thread was descheduled, which is neither work nor a wait. Blocking sync wakes the thread a few
+  µs later than spinning would, which can add to ``wall_us`` at syncs (not to ``host_us``).
+- ``device_span_us``: GPU time between two CUDA events recorded on the current stream at the
+  step's start and end: when the GPU reached the step's first and last piece of work, idle gaps
+  included. Work on other streams is not bracketed.
+- ``device_busy_us``: sum of the durations of the kernels launched inside the step, from
+  torch.profiler's CUDA kernel records (CUPTI). A kernel record carries the correlation id of the
+  runtime call that launched it (cudaLaunchKernel; cudaGraphLaunch for every kernel of a replay);
+  the kernel belongs to the step whose range was open on the host when that call was made, however
+  late the kernel ran. Memcpy and memset are not kernels and are left out. The profiler slows the
+  host, so busy time comes from a second, identical decode (same seed, same steps) run under the
+  profiler, started at step 1 (after capture); everything else comes from the first.
+- ``gpu_idle_us``: ``device_span_us - device_busy_us``: the GPU waiting inside the step, for the
+  host or between kernels. As span and busy come from two runs of the same work, a step that keeps
+  the GPU busy throughout can show a small negative idle (run-to-run jitter); it is not clamped.
+- ``syncs``: blocking host waits in the step as decode counts them in ``host_syncs`` (EOS flag
+  reads and waits hidden in library code), reported through `gdtool.ranges.count_syncs`. Where
+  decode does not report them, only the step's EOS reads are counted (``notes`` says so).
+
+On a CPU device the three device columns are NaN (see ``notes``). The summary's ``per_token`` is
+the total over steps divided by steps x batch (each step makes one token per row), as in
+`gdtool.nsys`. Figures exclude prefill, warm-up and capture: only the ``step`` ranges are timed.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import ctypes
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from . import ranges
+
+COLUMNS = ("step", "wall_us", "host_us", "device_span_us", "device_busy_us", "gpu_idle_us", "syncs")
+METRICS = COLUMNS[1:]
+
+_MARK = "gdtool.step#"          # torch.profiler user-annotation name of a step in the kernel pass
+_SCHED_MASK = 0x07              # CU_CTX_SCHED_MASK
+_SCHED_BLOCKING_SYNC = 0x04     # CU_CTX_SCHED_BLOCKING_SYNC
+
+
+@dataclass
+class ProfileResult:
+    """`steps`: one row per decode step (COLUMNS); `summary`: per metric, over steps and per token.
+
+    Unpacks as ``steps, summary = gdtool.profile(...)``.
+    """
+    steps: pd.DataFrame
+    summary: pd.DataFrame
+    output: object = None                           # the DecodeOutput of the timed decode
+    notes: list = field(default_factory=list)       # how the figures were obtained, and any caveat
+
+    def __iter__(self):
+        return iter((self.steps, self.summary))
+
+
+def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, warmup: int = 1,
+            kernels: bool | None = None, blocking_sync: bool = True, **decode_kwargs) -> ProfileResult:
+    """Decode with `gdtool.decode(model, input_ids, attention_mask, mode=mode, **decode_kwargs)` and
+    time every decode step; see the module docstring for what each column measures.
+
+    `warmup` untimed decodes run first (lazy initialisation, allocator, cuBLAS). `kernels` (default:
+    on where CUDA is) runs one more decode under torch.profiler for ``device_busy_us``.
+    `blocking_sync=False` keeps the driver's spin-waits, which then count in ``host_us``.
+    """
+    from .decode import decode
+
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed decodes before the timed one)")
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    if kernels and not cuda:
+        raise ValueError(f"kernels=True needs a CUDA device and the model is on {device}; leave kernels=None")
+    kernels = cuda if kernels is None else bool(kernels)
+    notes: list[str] = []
+
+    def run():
+        return decode(model, input_ids, attention_mask, mode=mode, **decode_kwargs)
+
+    for _ in range(warmup):
+        run()
+
+    clock = _StepClock(cuda, capacity=int(decode_kwargs.get("max_new_tokens") or 0))
+    with _sched_blocking_sync(device, blocking_sync, notes):
+        ranges.add_listener(clock)
+        try:
+            out = run()
+        finally:
+            ranges.remove_listener(clock)
+        if cuda:
+            torch.cuda.synchronize(device)
+    steps = clock.frame()
+    if len(steps) != out.steps:
+        raise RuntimeError(f"saw {len(steps)} step ranges but the decode ran {out.steps} steps; a step range is "
+                           "missing or nested (is another listener popping ranges?)")
+
+    steps = _fill_syncs(steps, clock, out, notes)
+
+    if cuda:
+        notes.append("device_span_us: CUDA events on the current stream at each step's start and end")
+    else:
+        notes.append(f"device columns are NaN: the model is on {device}, there is no CUDA device to time")
+    if kernels:
+        busy, outside, kernel_steps = _kernel_pass(run, device)
+        steps["device_busy_us"] = steps["step"].map(busy).astype(float)
+        inside = sum(busy.values())
+        if outside > 0.05 * (inside + outside):
+            notes.append(f"{outside:.0f} µs of kernels ran while profiling but were launched outside any step range "
+                         f"(vs {inside:.0f} µs inside): check that the step ranges enclose the launches")
+        if kernel_steps != out.steps:
+            notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {out.steps}: device_busy_us is "
+                         "NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
+        notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
+    elif cuda:
+        notes.append("device_busy_us is NaN: kernels=False")
+    steps["gpu_idle_us"] = steps["device_span_us"] - steps["device_busy_us"]
+    steps = steps[list(COLUMNS)]
+    return ProfileResult(steps=steps, summary=summarize(steps, out.batch, mode=mode, notes=notes),
+                         output=out, notes=notes)
+
+
+def summarize(steps: pd.DataFrame, batch: int, **attrs) -> pd.DataFrame:
+    """Per metric: median, p20, p80, mean and total over steps, and per_token = total / (steps x batch)."""
+    values = steps[list(METRICS)].astype(float)
+    total = values.sum(min_count=1)
+    summary = pd.DataFrame({"median": values.median(), "p20": values.quantile(0.2), "p80": values.quantile(0.8),
+                            "mean": values.mean(), "total": total,
+                            "per_token": total / (len(values) * batch) if len(values) else math.nan})
+    summary.index.name = "metric"
+    summary.attrs.update(attrs, steps=len(values), batch=batch)
+    return summary
+
+
+class _StepClock:
+    """Range listener: wall and thread-CPU clocks and CUDA events around each ``step`` range."""
+
+    def __init__(self, cuda: bool, capacity: int):
+        self.cuda = cuda
+        # Created up front: making an event inside a step would land in that step's time.
+        self.events = [self._pair() for _ in range(capacity)] if cuda else []
+        self.rows: list[list] = []
+        self.open: list | None = None
+        self.syncs_reported = 0
+        self.eos_reads = 0
+
+    @staticmethod
+    def _pair():
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def push(self, name, payload):
+        if name == ranges.STEP:
+            if self.cuda:
+                k = len(self.rows)
+                if k == len(self.events):
+                    self.events.append(self._pair())
+                self.events[k][0].record()
+            # wall clock first, CPU clock last: the wall interval encloses the CPU interval.
+            row = [payload, time.perf_counter_ns(), 0, 0, 0, 0, 0]
+            row[3] = time.thread_time_ns()
+            self.open = row
+        elif self.open is not None and (name == ranges.EOS_CHECK or name == ranges.EOS_POLL):
+            self.open[6] += 1
+
+    def pop(self, name):
+        if name == ranges.STEP and self.open is not None:
+            row = self.open
+            row[4] = time.thread_time_ns()
+            row[2] = time.perf_counter_ns()
+            if self.cuda:
+                self.events[len(self.rows)][1].record()
+            self.rows.append(row)
+            self.open = None
+
+    def syncs(self, n):
+        self.syncs_reported += n
+        if self.open is not None:
+            self.open[5] += n
+
+    def frame(self) -> pd.DataFrame:
+        rows = self.rows
+        df = pd.DataFrame({
+            "step": pd.array([r[0] for r in rows], dtype="int64"),
+            "wall_us": [(r[2] - r[1]) / 1e3 for r in rows],
+            "host_us": [(r[4] - r[3]) / 1e3 for r in rows],
+            "syncs": pd.array([r[5] for r in rows], dtype="int64"),
+            "eos_reads": pd.array([r[6] for r in rows], dtype="int64"),
+        })
+        if self.cuda:
+            df["device_span_us"] = [start.elapsed_time(end) * 1e3 for start, end in self.events[:len(rows)]]
+        else:
+            df["device_span_us"] = math.nan
+        df["device_busy_us"] = math.nan
+        return df
+
+
+def _fill_syncs(steps: pd.DataFrame, clock: _StepClock, out, notes: list) -> pd.DataFrame:
+    if clock.syncs_reported == 0 and out.host_syncs > 0:
+        # decode does not report its waits through ranges.count_syncs: count the EOS reads, the waits
+        # gdtool makes inside steps, and say what is missing.
+        steps["syncs"] = steps["eos_reads"]
+        notes.append("syncs counts EOS flag reads only: waits hidden in library code are not reported per step "
+                     "(decode does not call gdtool.ranges.count_syncs)")
+    else:
+        notes.append("syncs: blocking waits reported by decode through gdtool.ranges.count_syncs")
+    return steps.drop(columns="eos_reads")
+
+
+class _KernelMarks:
+    """Range listener for the kernel pass: starts torch.profiler at the first step (after capture) and
+    marks each step with a user annotation, so that kernels can be assigned to steps."""
+
+    def __init__(self, cuda: bool = True):
+        from torch.profiler import ProfilerActivity
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        self.profiler = None
+        self.open = None
+        self.steps = 0
+
+    def push(self, name, payload):
+        if name == ranges.STEP:
+            if self.profiler is None:
+                self.profiler = torch.profiler.profile(activities=self.activities)
+                self.profiler.start()
+            self.open = torch.autograd.profiler.record_function(f"{_MARK}{payload}")
+            self.open.__enter__()
+            self.steps += 1
+
+    def pop(self, name):
+        if name == ranges.STEP and self.open is not None:
+            self.open.__exit__(None, None, None)
+            self.open = None
+
+
+def _kernel_pass(run, device) -> tuple[dict, float, int]:
+    cuda = device.type == "cuda"
+    marks = _KernelMarks(cuda)
+    ranges.add_listener(marks)
+    try:
+        run()
+    finally:
+        ranges.remove_listener(marks)
+        if marks.profiler is not None:
+            if cuda:
+                torch.cuda.synchronize(device)
+            marks.profiler.stop()
+    if marks.profiler is None:
+        return {}, 0.0, 0
+    busy, outside = busy_per_step(marks.profiler.events())
+    return busy, outside, marks.steps
+
+
+def busy_per_step(events) -> tuple[dict, float]:
+    """Kernel time per step (µs) from torch.profiler FunctionEvents with ``gdtool.step#<j>`` marks.
+
+    Each kernel record carries the CUPTI correlation id of the runtime call that launched it
+    (cudaLaunchKernel, cudaGraphLaunch for every kernel of a replay, ...); the kernel belongs to the
+    step whose mark encloses that call on the host. (torch's own kernel-to-op links skip graph
+    replays, which run inside no op.) Returns ({step: busy_us}, kernel µs launched outside any step).
+    """
+    marks = sorted((e.time_range.start, e.time_range.end, int(e.name[len(_MARK):]))
+                   for e in events if e.name.startswith(_MARK))
+    starts = [m[0] for m in marks]
+    busy = {m[2]: 0.0 for m in marks}
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    # runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx, ...): their id is the CUPTI correlation id
+    launches = {e.id: e.time_range.start for e in events
+                if e.device_type == cpu and e.name.startswith("cu") and "::" not in e.name}
+    outside = 0.0
+    for e in events:
+        if e.device_type != gpu or e.name.startswith(("Memcpy", "Memset")):
+            continue
+        duration = e.time_range.end - e.time_range.start
+        launched = launches.get(e.id)
+        i = bisect.bisect_right(starts, launched) - 1 if launched is not None else -1
+        if i >= 0 and launched <= marks[i][1]:
+            busy[marks[i][2]] += duration
+        else:
+            outside += duration
+    return busy, outside
+
+
+@contextmanager
+def _sched_blocking_sync(device: torch.device, wanted: bool, notes: list):
+    """Switch the current CUDA context to blocking-sync scheduling for the block (see module docstring)."""
+    if device.type != "cuda":
+        notes.append("host_us: thread CPU time of the decoding thread (no CUDA: nothing to spin on)")
+        yield
+        return
+    if not wanted:
+        notes.append("host_us: thread CPU time with the driver's default scheduling: spin-waits in syncs count as work")
+        yield
+        return
+    torch.cuda.synchronize(device)  # makes the device's context current on this thread
+    try:
+        libcuda = ctypes.CDLL("libcuda.so.1")
+        get_flags, set_flags = libcuda.cuCtxGetFlags, libcuda.cuCtxSetFlags  # cuCtxSetFlags: driver >= 12.1
+    except (OSError, AttributeError) as err:
+        notes.append(f"host_us includes spin-waits: cannot switch to blocking sync ({err}); needs libcuda with "
+                     "cuCtxSetFlags (driver for CUDA 12.1 or newer)")
+        yield
+        return
+    flags = ctypes.c_uint()
+    status = get_flags(ctypes.byref(flags))
+    new = (flags.value & ~_SCHED_MASK) | _SCHED_BLOCKING_SYNC if status == 0 else None
+    status = set_flags(ctypes.c_uint(new)) if new is not None else status
+    if status != 0:
+        notes.append(f"host_us includes spin-waits: cuCtxGetFlags/cuCtxSetFlags failed with CUresult {status}")
+        yield
+        return
+    notes.append("host_us: thread CPU time with the CUDA context in blocking-sync scheduling (waits sleep)")
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize(device)
+        set_flags(ctypes.c_uint(flags.value))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Profile each (batch, mode) in-process; write steps.csv, summary.csv and env.json under --out."""
+    p = argparse.ArgumentParser(prog="python -m gdtool profile", description=main.__doc__)
+    p.add_argument("--model", default="llama-1b")
+    p.add_argument("--batch", default="1", help="comma list, e.g. 1,16")
+    p.add_argument("--modes", default="eager,forward-graph,step-graph", help="comma list")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed decodes before the timed one")
+    p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps")
+    p.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler pass (device_busy_us NaN)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16")
+    p.add_argument("--out", default="timing-profiles")
+    a = p.parse_args(argv)
+    from .models import load_model, random_prompts
+    from .sweep import environment
+
+    settings = {}
+    for pair in a.set:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            p.error(f"--set {pair!r}: use KEY=VALUE, e.g. --set eos_poll_interval=16")
+        try:
+            settings[key] = json.loads(value)
+        except json.JSONDecodeError:
+            settings[key] = value
+    if a.no_eos:
+        settings["eos_token_id"] = None
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "env.json").write_text(json.dumps(environment(), indent=2) + "\n")
+    model = load_model(a.model, seed=0)
+    all_steps, all_summaries = [], []
+    for batch in [int(b) for b in a.batch.split(",")]:
+        prompt = random_prompts(model, batch=batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
+        for mode in a.modes.split(","):
+            res = profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, warmup=a.warmup,
+                          kernels=False if a.no_kernels else None, max_new_tokens=a.max_new_tokens, seed=a.seed,
+                          **settings)
+            config = {"model": a.model, "batch": batch, "mode": mode, "max_new_tokens": a.max_new_tokens,
+                      "prompt_length": a.prompt_length, "eos": not a.no_eos,
+                      "settings": json.dumps(settings, sort_keys=True)}
+            all_steps.append(res.steps.assign(**config))
+            all_summaries.append(res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)))
+            # written after every config: a crash keeps what was measured
+            pd.concat(all_steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
+            pd.concat(all_summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
+    table = pd.concat(all_summaries, ignore_index=True).pivot_table(index=["batch", "mode"], columns="metric",
+                                                                     values="per_token", sort=False, dropna=False)
+    print("per token (µs; syncs per token):")
+    print(table[list(METRICS)].round(2).to_string())
+    print(json.dumps({"out": str(out_dir), "per_token": json.loads(table.reset_index().to_json(orient="records"))}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,232 @@
+"""gdtool.profile: one row per decode step, host vs device time. CPU here; GPU checks are marked cuda."""
+from __future__ import annotations
+
+import math
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import gdtool
+from gdtool import ranges, timing
+
+
+@pytest.fixture(scope="module")
+def tiny(load):
+    model = load("tiny-llama", device="cpu")
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(2, 5), seed=0)
+    return model, prompt
+
+
+@pytest.mark.parametrize("mode,poll", [("eager", 1), ("forward-graph", 1), ("step-graph", 2)])
+def test_profile_rows_and_clocks_on_cpu(tiny, mode, poll):
+    model, prompt = tiny
+    res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=6,
+                         eos_token_id=None, eos_poll_interval=poll, seed=0)
+    steps, summary = res
+    out = res.output
+    assert list(steps.columns) == list(timing.COLUMNS)
+    assert out.steps == 5 and steps["step"].tolist() == [1, 2, 3, 4, 5]
+    assert (steps["wall_us"] > 0).all() and (steps["host_us"] > 0).all()
+    assert (steps["host_us"] <= steps["wall_us"]).all()
+    assert steps["wall_us"].sum() <= out.timings["decode_s"] * 1e6
+    for column in ("device_span_us", "device_busy_us", "gpu_idle_us"):
+        assert steps[column].isna().all()
+    assert any("NaN" in note and "cpu" in note for note in res.notes)
+    polled = [j % poll == 0 for j in steps["step"]]
+    if mode == "step-graph":  # uncaptured on a CPU: only the EOS polls wait
+        assert steps["syncs"].tolist() == [int(p) for p in polled]
+    else:
+        assert (steps["syncs"] >= 1).all()
+    assert steps["syncs"].sum() <= out.host_syncs
+    assert list(summary.index) == list(timing.METRICS)
+    assert list(summary.columns) == ["median", "p20", "p80", "mean", "total", "per_token"]
+    assert summary.loc["wall_us", "total"] == pytest.approx(steps["wall_us"].sum())
+    assert summary.loc["host_us", "per_token"] == pytest.approx(steps["host_us"].sum() / (5 * out.batch))
+    assert summary.loc["wall_us", "p20"] <= summary.loc["wall_us", "median"] <= summary.loc["wall_us", "p80"]
+    assert summary.attrs["mode"] == mode and summary.attrs["steps"] == 5
+    assert ranges._listeners == []
+
+
+def test_host_time_excludes_sleeping(tiny):
+    """The host clock counts the thread's work, not time it spends asleep inside a step."""
+    model, prompt = tiny
+
+    class Sleeper:
+        def push(self, name, payload):
+            if name == ranges.REPLAY:
+                time.sleep(0.02)
+
+        def pop(self, name):
+            pass
+
+    sleeper = Sleeper()
+    ranges.add_listener(sleeper)
+    try:
+        steps, _ = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode="step-graph",
+                                  max_new_tokens=4, eos_token_id=None, warmup=0, seed=0)
+    finally:
+        ranges.remove_listener(sleeper)
+    assert (steps["wall_us"] >= 20_000).all()
+    assert (steps["wall_us"] - steps["host_us"] >= 19_000).all()
+
+
+def test_profile_errors_leave_no_listener(tiny):
+    model, prompt = tiny
+    with pytest.raises(ValueError, match="warmup"):
+        timing.profile(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=4, warmup=-1)
+    with pytest.raises(ValueError, match="kernels=True needs a CUDA device"):
+        timing.profile(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=4, kernels=True)
+    with pytest.raises(ValueError, match="top_p"):
+        timing.profile(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=4, do_sample=True, top_p=1.5,
+                       warmup=0)
+    assert ranges._listeners == []
+
+
+def _event(name, start, end, id=0, gpu=False):
+    device = torch.autograd.DeviceType.CUDA if gpu else torch.autograd.DeviceType.CPU
+    return SimpleNamespace(name=name, id=id, time_range=SimpleNamespace(start=start, end=end), device_type=device)
+
+
+def test_busy_per_step_joins_kernels_to_launches_by_correlation():
+    events = [
+        _event("cudaLaunchKernel", 1, 2, id=5),                      # launched before any step
+        _event(timing._MARK + "1", 10, 20, id=900),
+        _event("aten::mm", 11, 14, id=7),                            # an op: its id is not a CUPTI id
+        _event("cudaLaunchKernel", 12, 13, id=7),
+        _event("cudaGraphLaunch", 15, 16, id=8),
+        _event(timing._MARK + "2", 30, 40, id=901),
+        _event("cuLaunchKernelEx", 31, 32, id=9),
+        _event("cudaMemcpyAsync", 33, 34, id=10),
+        _event("cudaLaunchKernel", 45, 46, id=11),                   # between steps
+        # kernels run later than their launch, on the device clock
+        _event("gemm", 100, 103, id=7, gpu=True),
+        _event("graph_kernel_a", 103, 110, id=8, gpu=True),          # every kernel of a replay shares its id
+        _event("graph_kernel_b", 110, 111.5, id=8, gpu=True),
+        _event("gemv", 120, 122.5, id=9, gpu=True),
+        _event("Memcpy DtoH (Device -> Pinned)", 123, 173, id=10, gpu=True),   # not a kernel
+        _event("add", 180, 220, id=11, gpu=True),
+        _event("early", 3, 4, id=5, gpu=True),
+        _event("orphan", 230, 231, id=99, gpu=True),                 # no launch record
+    ]
+    busy, outside = timing.busy_per_step(events)
+    assert busy == {1: 11.5, 2: 2.5}
+    assert outside == 40 + 1 + 1
+
+
+def test_kernel_pass_marks_every_step(tiny):
+    """The profiler pass starts at step 1 (after capture) and marks each step; on a CPU no kernels."""
+    model, prompt = tiny
+
+    def run():
+        return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=5,
+                             eos_token_id=None, seed=0)
+
+    busy, outside, steps = timing._kernel_pass(run, torch.device("cpu"))
+    assert steps == 4 and busy == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0} and outside == 0.0
+    assert ranges._listeners == []
+
+
+def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
+    import json
+
+    import pandas as pd
+    rc = timing.main(["--model", "tiny-llama", "--batch", "1,2", "--modes", "eager,step-graph", "--max-new-tokens", "4",
+                      "--prompt-length", "3", "--no-eos", "--set", "eos_poll_interval=2", "--out", str(tmp_path)])
+    assert rc == 0
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [(r["batch"], r["mode"]) for r in last["per_token"]] == [(1, "eager"), (1, "step-graph"), (2, "eager"),
+                                                                   (2, "step-graph")]
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert len(steps) == 4 * 3 and set(timing.COLUMNS) <= set(steps.columns)
+    summary = pd.read_csv(tmp_path / "summary.csv")
+    assert len(summary) == 4 * len(timing.METRICS)
+    assert "torch" in json.loads((tmp_path / "env.json").read_text())
+
+
+def test_summary_per_token_divides_by_steps_times_batch():
+    import pandas as pd
+    steps = pd.DataFrame({"step": [1, 2], "wall_us": [10.0, 30.0], "host_us": [5.0, 7.0],
+                          "device_span_us": [math.nan] * 2, "device_busy_us": [math.nan] * 2,
+                          "gpu_idle_us": [math.nan] * 2, "syncs": [1, 0]})
+    summary = timing.summarize(steps, batch=4)
+    assert summary.loc["wall_us", "per_token"] == 40.0 / 8
+    assert summary.loc["wall_us", "median"] == 20.0
+    assert math.isnan(summary.loc["device_busy_us", "total"])
+
+
+# -- GPU --------------------------------------------------------------------------------------------
+
+cuda = pytest.mark.cuda
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda(load):
+    model = load("tiny-llama", device="cuda")
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(3, 9), seed=0)
+    return model, prompt
+
+
+@cuda
+@pytest.mark.parametrize("mode", gdtool.MODES)
+def test_profile_on_gpu(tiny_cuda, mode):
+    model, prompt = tiny_cuda
+    res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=12,
+                         eos_token_id=None, seed=0)
+    steps, out = res.steps, res.output
+    assert steps["step"].tolist() == list(range(1, out.steps + 1)) and out.steps == 11
+    assert not steps[list(timing.METRICS)].isna().any().any(), res.notes
+    assert (steps["host_us"] <= steps["wall_us"]).all()
+    assert steps["wall_us"].sum() <= out.timings["decode_s"] * 1e6
+    assert (steps["device_span_us"] > 0).all() and (steps["device_busy_us"] > 0).all()
+    # span and busy come from two identical decodes: allow run-to-run jitter per step, none in total
+    assert (steps["device_busy_us"] <= steps["device_span_us"] * 1.05 + 2).all(), steps
+    assert steps["device_busy_us"].sum() <= steps["device_span_us"].sum()
+    assert any("blocking-sync" in note for note in res.notes), res.notes
+    assert ranges._listeners == []
+
+
+@cuda
+def test_graph_step_costs_the_host_less_than_eager(tiny_cuda):
+    model, prompt = tiny_cuda
+    host = {mode: timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=12,
+                                 eos_token_id=None, seed=0, kernels=False).summary.loc["host_us", "median"]
+            for mode in ("eager", "step-graph")}
+    assert host["step-graph"] < host["eager"] / 3, host
+
+
+def _cpu_share_of_wait(wait) -> float:
+    torch.cuda._sleep(10)  # make sure the stream is idle and the context current
+    torch.cuda.synchronize()
+    wall0, cpu0 = time.perf_counter_ns(), time.thread_time_ns()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock cycles
+    wait()
+    cpu, wall = time.thread_time_ns() - cpu0, time.perf_counter_ns() - wall0
+    assert wall > 20e6, "the sleep kernel was too short to measure a wait"
+    return cpu / wall
+
+
+def _item():
+    torch.ones((), device="cuda").item()
+
+
+def _event_sync():
+    event = torch.cuda.Event()
+    event.record()
+    event.synchronize()
+
+
+@cuda
+@pytest.mark.parametrize("wait", [torch.cuda.synchronize, _item, _event_sync],
+                         ids=["device-sync", "item", "event-sync"])
+def test_blocking_sync_makes_waits_sleep(wait):
+    """The premise of host_us: under the switch, a wait costs the thread no CPU time; by default it spins."""
+    device = torch.device("cuda")
+    notes = []
+    with timing._sched_blocking_sync(device, True, notes):
+        sleeping = _cpu_share_of_wait(wait)
+    spinning = _cpu_share_of_wait(wait)
+    assert "blocking-sync" in notes[0], notes
+    assert sleeping < 0.2, (sleeping, spinning)
+    assert spinning > 0.5, (sleeping, spinning)
