@@ -212,7 +212,9 @@ def _item():
 
 
 def _event_sync():
-    event = torch.cuda.Event()
+    # gdtool's deferred EOS poll waits on events made with blocking=True: those sleep under the switch.
+    # A default event spins in cudaEventSynchronize whatever the context's scheduling (seen on the H200).
+    event = torch.cuda.Event(blocking=True)
     event.record()
     event.synchronize()
 

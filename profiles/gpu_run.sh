@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Everything gdtool checks or measures on a CUDA GPU, in parts, into one results folder.
+#
+#   bash profiles/gpu_run.sh OUT_DIR PART [PART ...]
+#
+# PART: tests (every `pytest -m cuda` test), probe (device-loop smoke test), run (python -m gdtool run on
+# llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph, nsys-fixtures,
+# profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks.
+# Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
+# so a part cut short by a time limit leaves the others' results. Needs gdtool importable, plus the
+# notebook / nvtx wheels and nsys where those parts run (see profiles/README.md).
+set -uo pipefail
+out=${1:?usage: bash profiles/gpu_run.sh OUT_DIR PART...}
+shift
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+export PYTHONUNBUFFERED=1
+py=${PYTHON:-python3}
+log="$out/log"
+
+keep() {  # keep PART: append $work/PART to the results tar
+  [ -e "$work/$1" ] && tar -C "$work" -rf "$out/results.tar" "$1"
+}
+
+part() {  # part NAME SECONDS COMMAND...
+  local name=$1 seconds=$2
+  shift 2
+  mkdir -p "$work/$name"
+  echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
+  timeout "$seconds" "$@" 2>&1 | tee "$work/$name/log" | tail -n 40 >> "$log"
+  echo "=== $name exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))" | tee -a "$log"
+  keep "$name"
+}
+
+"$py" - > "$work/env.json" <<'PYEOF'
+import json, subprocess, torch, transformers
+gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+try:
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+except OSError:
+    driver = None
+print(json.dumps({"gpu": gpu, "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "transformers": transformers.__version__}))
+PYEOF
+cat "$work/env.json" | tee -a "$log"
+keep env.json
+
+for p in "$@"; do
+  case $p in
+    tests) part tests 420 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
+    probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
+    run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
+           --max-new-tokens 256 --no-eos; done" ;;
+    profile) part profile 300 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
+           --out "$work/profile" ;;
+    nsys) part nsys 560 bash profiles/nsys_session.sh "$work/nsys" graph node fixtures figures ;;
+    nsys-graph) part nsys-graph 300 bash profiles/nsys_session.sh "$work/nsys-graph" graph ;;
+    nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
+    bench-1b) part bench-1b 420 "$py" -m gdtool bench --model llama-1b --batch 1,64 --repeats 3 \
+           --out "$work/bench-1b" ;;
+    bench-8b) part bench-8b 560 "$py" -m gdtool bench --model llama-8b --batch 1,64 --repeats 2 \
+           --out "$work/bench-8b" ;;
+    sweep) part sweep 560 bash profiles/regenerate.sh "$work/sweep" sweep ;;
+    notebooks) part notebooks 400 bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
+    *) echo "unknown part $p" | tee -a "$log" ;;
+  esac
+done
+rm -rf "$work"
