@@ -3,6 +3,8 @@
     eager          per step the host runs forward, select, update, and reads the "all finished" flag
     forward-graph  the model forward is one CUDA-graph replay; select, update and the check stay eager
     step-graph     the whole step is one replay; the host reads the flag every `eos_poll_interval` steps
+    device-loop    the step graph is the body of a CUDA-graph WHILE node: one launch runs the rollout and
+                   stops on the device right after the last row finishes (`steps_per_launch` chunks it)
 
 Tokens never depend on the mode or on the polling interval: every mode computes, bit for bit,
 `torch.manual_seed(seed); model.generate(..., cache_implementation="static", disable_compile=True)`.
@@ -22,8 +24,8 @@ from .settings import UNSET, Settings, resolve
 from .step import State, Step, new_state, seed_seen
 from .syncs import Counter, hidden_waits
 
-MODES = ("eager", "forward-graph", "step-graph")
-DEFAULT_POLL = {"eager": 1, "forward-graph": 1, "step-graph": 16}
+MODES = ("eager", "forward-graph", "step-graph", "device-loop")
+DEFAULT_POLL = {"eager": 1, "forward-graph": 1, "step-graph": 16, "device-loop": 0}
 WARMUP_STEPS = 2
 
 
@@ -53,7 +55,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
            max_new_tokens: int | None = None, do_sample=UNSET, temperature=UNSET, top_k=UNSET, top_p=UNSET,
            repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET, seed: int | None = None,
            eos_poll_interval: int | str | None = None, return_scores: bool = False, target_lengths=None,
-           capture: bool | None = None, **unsupported) -> DecodeOutput:
+           capture: bool | None = None, steps_per_launch: int | None = None, on_chunk=None,
+           **unsupported) -> DecodeOutput:
     """Decode `max_new_tokens` (required) from left-padded prompts; see the module docstring.
 
     Settings resolve as generate() resolves them (explicit, then `model.generation_config`, then
@@ -62,7 +65,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
     generate() would have left it. `target_lengths` ([B] ints) forces row b to emit its first EOS id
     as its target_lengths[b]-th token (a harness for controlled lengths with random weights).
     `capture`: None captures the graph modes where CUDA is available; False runs them uncaptured;
-    True requires capture.
+    True requires capture. device-loop only: `steps_per_launch=N` runs at most N steps per launch
+    and calls `on_chunk(tokens)` (CPU [B, produced]) between launches, for streaming.
     """
     explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                     repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
@@ -71,7 +75,8 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
                     with_targets=target_lengths is not None, capture=capture)
     try:
         return engine.run(input_ids, attention_mask, target_lengths=target_lengths, seed=seed,
-                          eos_poll_interval=eos_poll_interval)
+                          eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
+                          on_chunk=on_chunk)
     finally:
         engine.close()
 
@@ -83,6 +88,10 @@ def check_mode(mode: str) -> None:
 
 def check_poll(eos_poll_interval, mode: str):
     poll = DEFAULT_POLL[mode] if eos_poll_interval is None else eos_poll_interval
+    if mode == "device-loop" and poll != 0:
+        raise ValueError(f"eos_poll_interval={eos_poll_interval!r}: the device loop checks the flag on the device after "
+                         "every step and stops exactly; leave eos_poll_interval unset (or 0), and use "
+                         "steps_per_launch=N to read tokens every N steps")
     if poll == "async":
         return poll
     if isinstance(poll, bool) or not isinstance(poll, int) or poll < 0:
@@ -215,13 +224,22 @@ class Engine:
         cache_kw, logits_to_keep = compat.forward_kwargs(model)
         self.step = Step(model, self.cache, self.state, settings, self.width, cache_kw, logits_to_keep)
         self.graph = None
+        self.loop = None  # device-loop: the WHILE-node graph around the step graph
+        self.rng_increment = None
         self.captures = 0
 
     # -- one call ---------------------------------------------------------------------------------
-    def run(self, input_ids, attention_mask=None, target_lengths=None, seed=None, eos_poll_interval=None):
+    def run(self, input_ids, attention_mask=None, target_lengths=None, seed=None, eos_poll_interval=None,
+            steps_per_launch=None, on_chunk=None):
         t_start = time.perf_counter()
         settings, state, device = self.settings, self.state, self.device
         poll = check_poll(eos_poll_interval, self.mode)
+        if (steps_per_launch is not None or on_chunk is not None) and self.mode != "device-loop":
+            raise ValueError("steps_per_launch and on_chunk belong to mode='device-loop'; the other modes return to "
+                             "the host every step")
+        if steps_per_launch is not None and (isinstance(steps_per_launch, bool) or not isinstance(steps_per_launch, int)
+                                             or steps_per_launch < 1):
+            raise ValueError(f"steps_per_launch={steps_per_launch!r} must be an int >= 1, or None for one launch")
         if tuple(input_ids.shape) != (self.batch, self.width):
             raise ValueError(f"this engine was built for prompts of shape {(self.batch, self.width)}; got "
                              f"{tuple(input_ids.shape)}")
@@ -238,6 +256,7 @@ class Engine:
         timings = {"warmup_s": 0.0, "capture_s": 0.0}
         n = settings.max_new_tokens
         captures_before = self.captures
+        launches_before = self.loop.launches if self.loop is not None else 0
 
         with torch.inference_mode(), ranges.span(ranges.DECODE, self.batch):
             t0 = time.perf_counter()
@@ -250,7 +269,10 @@ class Engine:
             if self.mode != "eager" and n > 1 and self.graph is None:
                 explicit_waits += self._capture(generator, timings, waits)
             t0 = time.perf_counter()
-            steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
+            if self.mode == "device-loop":
+                steps, polls, loop_waits = self._device_loop(steps_per_launch, on_chunk, generator)
+            else:
+                steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
             explicit_waits += loop_waits
             done_at, lengths, tokens = int(state.done_at), state.lengths.cpu(), state.out.cpu()
             explicit_waits += 1
@@ -262,6 +284,8 @@ class Engine:
         scores = tuple(state.scores[i].clone() for i in range(used)) if state.scores is not None else None
         timings["total_s"] = time.perf_counter() - t_start
         replays = steps if self.graph is not None else 0
+        if self.mode == "device-loop":
+            replays = self.loop.launches - launches_before if self.loop is not None else 0
         return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
                             batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
@@ -294,21 +318,60 @@ class Engine:
         t0 = time.perf_counter()
         with ranges.span(ranges.WARMUP):
             if self.captures_enabled:
+                offset = generator.get_offset()
                 with hidden_waits(self.device, waits):
-                    graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width))
+                    graphs.warm_up(fn, 1)
+                    self.rng_increment = generator.get_offset() - offset  # what one step draws (device loop)
+                    graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)
                 _sync(self.device)
                 syncs += 1
         timings["warmup_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         with ranges.span(ranges.CAPTURE):
-            self.graph = graphs.capture(fn, self.device) if self.captures_enabled else graphs.Uncaptured(fn)
+            keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
+            self.graph = graphs.capture(fn, self.device, keep_graph=keep) if self.captures_enabled \
+                else graphs.Uncaptured(fn)
             self.captures += self.captures_enabled
             syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
         timings["capture_s"] = time.perf_counter() - t0
         self.state.restore(snapshot)
         compat.rewind(self.cache, self.width)
         generator.set_state(rng)
+        if self.mode == "device-loop":
+            from .devloop import DeviceLoop
+            body = self.graph.graph if self.captures_enabled else self.graph
+            sampling = self.settings.do_sample and self.captures_enabled
+            self.loop = DeviceLoop(body, self.state.done, self.state.index, self.settings.max_new_tokens,
+                                   advance_rng=sampling, rng_increment=self.rng_increment if sampling else None,
+                                   generator=generator if sampling else None)
         return syncs
+
+    def _device_loop(self, steps_per_launch, on_chunk, generator):
+        """Launch the WHILE loop until every row finished (one launch unless chunked). Returns (steps, polls, waits)."""
+        state, device = self.state, self.device
+        if self.loop is None:  # max_new_tokens == 1: the prefill made the only token
+            return 0, 0, 0
+        polls = syncs = 0
+        self.loop.start_rollout()
+        while True:
+            with ranges.span(ranges.REPLAY):
+                self.loop.launch(max_steps=steps_per_launch)
+            if steps_per_launch is None:
+                break
+            with ranges.span(ranges.EOS_POLL):
+                # one read of flag, index and tokens between launches: the streaming point
+                finished, produced = bool(state.done), int(state.index)
+                polls += 1
+                syncs += 1
+                ranges.count_syncs()
+            if on_chunk is not None:
+                on_chunk(state.out[:, :produced].cpu())
+            if finished:
+                break
+        steps = int(state.index) - 1  # the prefill made token 0; part of the final read-back's wait
+        if self.loop.captured:
+            self.loop.finish_rollout(steps=steps)
+        return steps, polls, syncs
 
     def _loop(self, poll, trail, generator, waits):
         """Run decode steps 1..N-1 until a poll finds every row finished. Returns (steps, polls, waits)."""
@@ -367,6 +430,9 @@ class Engine:
         return steps, polls, syncs
 
     def close(self) -> None:
+        if self.loop is not None:
+            self.loop.close()
+            self.loop = None
         if self.graph is not None:
             self.graph.close()
             self.graph = None

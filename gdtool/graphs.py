@@ -31,8 +31,9 @@ class Captured:
     """A CUDA graph of `fn`; `output` holds what `fn` returned during capture (static buffers)."""
     captured = True
 
-    def __init__(self, fn, pool=None):
-        self.graph = torch.cuda.CUDAGraph()
+    def __init__(self, fn, pool=None, keep_graph: bool = False):
+        # keep_graph: keep the cudaGraph_t after instantiation, for a device loop to embed it
+        self.graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
             self.output = fn()
 
@@ -58,5 +59,5 @@ def warm_up(fn, steps: int) -> None:
     torch.cuda.current_stream().wait_stream(side)
 
 
-def capture(fn, device: torch.device, pool=None):
-    return Captured(fn, pool) if can_capture(device) else Uncaptured(fn)
+def capture(fn, device: torch.device, pool=None, keep_graph: bool = False):
+    return Captured(fn, pool, keep_graph) if can_capture(device) else Uncaptured(fn)

@@ -7,7 +7,7 @@ from reference import assert_same, decode, generate
 
 MODELS = ["tiny-llama", "tiny-qwen2"]
 DTYPES = [torch.float32, torch.bfloat16]
-POLLS = {"eager": [1, 3], "forward-graph": [1, 0], "step-graph": [16, 1, 4, 0, "async"]}
+POLLS = {"eager": [1, 3], "forward-graph": [1, 0], "step-graph": [16, 1, 4, 0, "async"], "device-loop": [None]}
 MODE_POLLS = [(mode, poll) for mode, polls in POLLS.items() for poll in polls]
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
@@ -32,7 +32,7 @@ def _eos_ids(model, prompt, n):
     return [early, late] if early != late else [early]
 
 
-@pytest.mark.parametrize("mode,poll", [("eager", 1), ("forward-graph", 1), ("step-graph", 16)])
+@pytest.mark.parametrize("mode,poll", [("eager", 1), ("forward-graph", 1), ("step-graph", 16), ("device-loop", None)])
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", MODELS)
@@ -62,7 +62,9 @@ def test_parity_eos_at_different_steps(load, name, case, mode, poll):
                      **settings)
         assert_same(out, ref_tokens, ref_scores)
         used = ref_tokens.shape[1]
-        if poll == "async":
+        if mode == "device-loop":
+            assert out.wasted_steps == 0 and out.polls == 0
+        elif poll == "async":
             assert out.wasted_steps <= 1
         elif poll >= 1:
             assert out.wasted_steps < poll
@@ -144,7 +146,7 @@ def test_prefill_eos_for_every_row_gives_one_token(load, mode):
     eos = sorted(set(first.tokens[:, 0].tolist()))
     ref = generate(model, prompt.input_ids, prompt.attention_mask, 8, eos_token_id=eos, pad_token_id=0)
     out = decode(model, prompt.input_ids, prompt.attention_mask, 8, mode=mode, eos_token_id=eos, pad_token_id=0,
-                 eos_poll_interval=1)
+                 eos_poll_interval=None if mode == "device-loop" else 1)
     assert_same(out, *ref)
     assert out.tokens.shape[1] == 1 and out.steps == 0
 
