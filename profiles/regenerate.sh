@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Regenerate the GPU results behind the notebooks, on any CUDA GPU, in this checkout:
+#
+#   bash profiles/regenerate.sh [COPY_TO] [sweep] [notebooks]      (parts: both by default)
+#
+# 1. sweep   llama-1b, geometric lengths (mean 128, cap 512, prompt 128):
+#            step-graph at batch {1,4,16,64} x polling {1,4,16,64,never,async}, 3 repetitions;
+#            eager and forward-graph once per batch size (poll 1);
+#            the three modes with EOS off (128 tokens per row, nothing to poll) for the mode comparison.
+#            -> profiles/sweeps/llama-1b_geom128.csv (+ .json: GPU, driver, torch, transformers, commit, date)
+# 2. notebooks executed in place with their GPU defaults (papermill): 00_quickstart (llama-1b),
+#            01_host_vs_device (llama-1b and llama-8b), 02_eos_polling_and_batch (reads the sweep).
+# With COPY_TO the results are also copied there (profiles/sweeps/, notebooks/*.ipynb, regenerate.log).
+#
+# The sweep is resumable: a rerun skips configs already in the CSV, so SWEEP_SECONDS (default 300)
+# can cut it into chunks. Knobs: MODEL, BATCHES, POLLS, LENGTHS, REPEATS, SWEEP_SECONDS, NOTEBOOKS
+# (which to execute, default "00 01 02"; "" for none), NOTEBOOK_TIMEOUT (s per notebook, default 240),
+# CSV (default profiles/sweeps/<MODEL>_geom128.csv), PYTHON.
+# Needs gdtool importable, and papermill + ipykernel (+ ipywidgets, nvtx) for the notebooks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+copy_to=${1:-}
+shift || true
+parts=" ${*:-sweep notebooks} "
+python=${PYTHON:-python3}
+model=${MODEL:-llama-1b}
+batches=${BATCHES:-1 4 16 64}
+polls=${POLLS:-1 4 16 64 never async}
+lengths=${LENGTHS:-geom:128:512}
+repeats=${REPEATS:-3}
+sweep_seconds=${SWEEP_SECONDS:-300}
+notebooks=${NOTEBOOKS:-00 01 02}
+nb_timeout=${NOTEBOOK_TIMEOUT:-240}
+csv=${CSV:-profiles/sweeps/${model}_geom128.csv}
+log=profiles/sweeps/regenerate.log
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the notebooks' kernels run in notebooks/
+mkdir -p profiles/sweeps
+exec > >(tee -a "$log") 2>&1
+start=$SECONDS
+stamp() { echo "## [$((SECONDS - start)) s] $*"; }
+
+if [[ $parts == *" sweep "* ]]; then
+# shellcheck disable=SC2086
+stamp "sweep: step-graph x polling"
+"$python" -m gdtool sweep --models "$model" --modes step-graph --batches $batches --polls $polls \
+    --lengths "$lengths" --repeats "$repeats" --warmup 1 --out "$csv" --max-seconds "$sweep_seconds" --no-progress
+stamp "sweep: eager and forward-graph, poll 1"
+# shellcheck disable=SC2086
+"$python" -m gdtool sweep --models "$model" --modes eager forward-graph --batches $batches --polls 1 \
+    --lengths "$lengths" --repeats 1 --warmup 1 --out "$csv" --no-progress
+stamp "sweep: EOS off, three modes"
+# shellcheck disable=SC2086
+"$python" -m gdtool sweep --models "$model" --modes eager forward-graph step-graph --batches $batches \
+    --polls never --lengths eos-off --max-new-tokens 128 --repeats 2 --warmup 1 --out "$csv" --no-progress
+fi
+
+[[ $parts == *" notebooks "* ]] || notebooks=""
+for nb in $notebooks; do
+  path=$(ls notebooks/${nb}_*.ipynb)
+  params=()
+  [[ $nb == 02 ]] && params=(-p results "sweeps/$(basename "$csv")" -p lengths "$lengths")
+  stamp "notebook $path"
+  timeout "$nb_timeout" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
+      --execution-timeout "$nb_timeout" --no-progress-bar "${params[@]}" 2>&1 | tail -n 5 || stamp "FAILED: $path (see its error cell)"
+done
+stamp "done"
+
+if [[ -n "$copy_to" ]]; then
+  mkdir -p "$copy_to/profiles/sweeps"
+  cp profiles/sweeps/* "$copy_to/profiles/sweeps/"
+  if [[ -n "$notebooks" ]]; then
+    mkdir -p "$copy_to/notebooks"
+    cp notebooks/*.ipynb "$copy_to/notebooks/"
+  fi
+fi

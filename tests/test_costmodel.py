@@ -1,0 +1,126 @@
+"""The EOS-polling cost model: its step/poll accounting against real decodes, its fit, its predictions."""
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from gdtool import costmodel, workloads
+from gdtool.costmodel import CostParams, steps_and_polls
+from gdtool.sweep import RunConfig, run_config
+
+POLLS = ["1", "2", "4", "never", "async"]
+
+
+@pytest.mark.parametrize("mode", ["eager", "step-graph"])
+def test_step_and_poll_accounting_matches_real_decodes(load, mode):
+    """The model's S and P are what gdtool.decode actually runs and counts, for every policy."""
+    model = load("tiny-llama")
+    for lengths, max_new in [("list:2,5,9", 12), ("list:1,1,1", 6), ("list:3,12,7", 12), ("list:4,4,4", 4)]:
+        for poll in POLLS:
+            cfg = RunConfig("tiny-llama", mode, 3, poll, lengths, max_new, prompt_len=4)
+            (row,) = run_config(model, cfg, repeats=1, warmup=0)
+            steps, polls = steps_and_polls([row["target_max"]], poll, max_new)
+            assert (row["steps"], row["polls"]) == (int(steps[0]), int(polls[0])), (lengths, poll, row)
+            assert row["wasted_steps"] == int(steps[0]) - max(row["target_max"] - 1, 0), (lengths, poll)
+
+
+def _synthetic(params: dict, dist, batches, polls, max_new, repeats=5, seed=0, noise=0.0):
+    """Sweep-shaped rows whose decode times follow the model exactly (plus optional noise)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for batch in batches:
+        p = params[batch]
+        for poll in polls:
+            for repeat in range(repeats):
+                targets = dist.draw(batch, seed=repeat).clamp(max=max_new)
+                s, n = steps_and_polls([int(targets.max())], poll, max_new)
+                t = float(costmodel._time(s, n, poll, p)[0]) * (1 + noise * rng.standard_normal())
+                rows.append(dict(model="m", mode="step-graph", batch=batch, poll=poll, lengths=dist.name,
+                                 max_new_tokens=max_new, prompt_len=8, repeat=repeat, steps=int(s[0]), polls=int(n[0]),
+                                 decode_s=t, tokens=int(targets.sum()), tokens_per_s=int(targets.sum()) / t,
+                                 target_max=int(targets.max()), target_sum=int(targets.sum()), error=""))
+    return pd.DataFrame(rows)
+
+
+def test_fit_recovers_the_costs_and_predicts_out_of_sample():
+    dist = workloads.geometric(16, 64)
+    truth = {1: CostParams(t_step=2.0e-3, t_sync=60e-6), 8: CostParams(t_step=3.0e-3, t_sync=40e-6)}
+    df = _synthetic(truth, dist, [1, 8], ["1", "4", "16", "never", "async"], 64)
+    params = costmodel.fit(df)
+    for batch, p in truth.items():
+        row = params[params["batch"] == batch].iloc[0]
+        assert row["t_step_us"] == pytest.approx(p.t_step * 1e6, rel=1e-9)
+        assert row["t_sync_us"] == pytest.approx(p.t_sync * 1e6, rel=1e-9)
+        assert row["source"] == "never+poll1"
+    runs = costmodel.predict_runs(df, params)
+    assert len(runs) == len(df)
+    assert np.allclose(runs["ratio"], 1.0)
+    assert set(runs.loc[~runs["calibration"], "poll"]) == {"4", "16", "async"}
+
+
+def test_fit_without_never_runs_uses_least_squares():
+    dist = workloads.uniform(5, 40)
+    truth = {4: CostParams(t_step=1.0e-3, t_sync=100e-6)}
+    df = _synthetic(truth, dist, [4], ["1", "2", "8"], 40)
+    row = costmodel.fit(df).iloc[0]
+    assert row["source"] == "lstsq"
+    assert row["t_step_us"] == pytest.approx(1000, rel=1e-6) and row["t_sync_us"] == pytest.approx(100, rel=1e-6)
+
+
+def test_fit_is_robust_to_noise():
+    dist = workloads.geometric(32, 128)
+    truth = {16: CostParams(t_step=4e-3, t_sync=200e-6)}
+    df = _synthetic(truth, dist, [16], ["1", "8", "never"], 128, repeats=40, noise=0.01)
+    row = costmodel.fit(df).iloc[0]
+    assert row["t_step_us"] == pytest.approx(4000, rel=0.02)
+    assert row["t_sync_us"] == pytest.approx(200, rel=0.5)
+
+
+def test_predict_matches_simulation_over_the_distribution():
+    """E[tokens]/E[time] from the exact max distribution equals a long simulation of batches."""
+    dist, batch, max_new = workloads.geometric(20, 80), 4, 80
+    p = CostParams(t_step=1e-3, t_sync=0.3e-3, t_async=0.05e-3)
+    table = costmodel.predict(p, dist, polls=["1", "8", "never", "async"], batches=[batch], max_new_tokens=max_new)
+    for _, row in table.iterrows():
+        tokens = time = 0.0
+        for seed in range(3000):
+            targets = dist.draw(batch, seed=seed)
+            s, n = steps_and_polls([int(targets.max())], row["poll"], max_new)
+            tokens += int(targets.sum())
+            time += float(costmodel._time(s, n, row["poll"], p)[0])
+        assert row["tokens_per_s"] == pytest.approx(tokens / time, rel=0.03), row["poll"]
+
+
+def test_best_interval_follows_the_costs():
+    dist = workloads.geometric(64, 256)
+    free_sync = costmodel.best_interval(CostParams(t_step=1e-3, t_sync=0.0), dist, batch=4)
+    assert free_sync["best_poll"].iloc[0] == "1"  # syncs cost nothing: never run a wasted step
+    costly = costmodel.best_interval(CostParams(t_step=1e-3, t_sync=0.2e-3), dist, batch=4,
+                                     polls=["1", "2", "4", "8", "16", "32", "64", "never"])
+    k = int(costly["best_poll"].iloc[0])
+    assert 2 <= k <= 32 and costly["k_star"].iloc[0] == pytest.approx(
+        np.sqrt(2 * costly["expected_max"].iloc[0] * 0.2), rel=1e-9)
+    hidden = costmodel.best_interval(CostParams(t_step=1e-3, t_sync=0.2e-3, t_async=0.0), dist, batch=4)
+    assert hidden["best_poll"].iloc[0] == "async"  # a free read one step late beats every blocking poll
+
+
+def test_fixed_lengths_predict_exact_steps():
+    p = CostParams(t_step=1e-3, t_sync=1e-4)
+    table = costmodel.predict(p, workloads.fixed(10), polls=["1", "4", "never", "async"], batches=[2],
+                              max_new_tokens=32).set_index("poll")
+    assert table.loc["1", "steps"] == 9 and table.loc["4", "steps"] == 12 and table.loc["never", "steps"] == 31
+    assert table.loc["async", "steps"] == 10
+    assert table.loc["4", "wasted_steps"] == 3 and table.loc["1", "polls"] == 10
+    assert table.loc["4", "decode_s"] == pytest.approx(12 * 1e-3 + 3 * 1e-4)
+
+
+def test_interval_factor():
+    assert costmodel.interval_factor("4", 16) == 4
+    assert costmodel.interval_factor("async", "1") == 1
+    assert costmodel.interval_factor("never", "64") == float("inf")
+
+
+def test_fit_refuses_empty_input():
+    with pytest.raises(ValueError, match="sweep"):
+        costmodel.fit(pd.DataFrame())
