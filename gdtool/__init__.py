@@ -9,6 +9,9 @@
 from .decode import MODES, DecodeOutput, decode
 from .models import PRESETS, load_model, random_prompts
 from .timing import ProfileResult, profile
+from .sweep import sweep
+from . import costmodel, workloads
 
-__all__ = ["MODES", "PRESETS", "DecodeOutput", "ProfileResult", "decode", "load_model", "profile", "random_prompts"]
+__all__ = ["MODES", "PRESETS", "DecodeOutput", "ProfileResult", "costmodel", "decode", "load_model", "profile",
+           "random_prompts", "sweep", "workloads"]
 __version__ = "0.1.0"

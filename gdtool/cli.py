@@ -82,11 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = MODES if args.mode == "all" else (args.mode,)
     results = {}
     for mode in modes:
+        mode_poll = None if mode == "device-loop" else poll  # the device loop stops exactly: nothing to poll
         for _ in range(args.warmup):
             decode(model, ids, mask, mode=mode, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                   eos_poll_interval=poll, **settings)
+                   eos_poll_interval=mode_poll, **settings)
         results[mode] = decode(model, ids, mask, mode=mode, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                               eos_poll_interval=poll, **settings)
+                               eos_poll_interval=mode_poll, **settings)
     figures = {mode: _figures(out) for mode, out in results.items()}
     _print_summary(name, ids, figures)
     first = next(iter(results.values()))

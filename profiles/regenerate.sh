@@ -5,6 +5,7 @@
 #
 # 1. sweep   llama-1b, geometric lengths (mean 128, cap 512, prompt 128):
 #            step-graph at batch {1,4,16,64} x polling {1,4,16,64,never,async}, 3 repetitions;
+#            device-loop (one launch per rollout, stops exactly) at the same batch sizes, 3 repetitions;
 #            eager and forward-graph once per batch size (poll 1);
 #            the three modes with EOS off (128 tokens per row, nothing to poll) for the mode comparison.
 #            -> profiles/sweeps/llama-1b_geom128.csv (+ .json: GPU, driver, torch, transformers, commit, date)
@@ -45,13 +46,17 @@ if [[ $parts == *" sweep "* ]]; then
 stamp "sweep: step-graph x polling"
 "$python" -m gdtool sweep --models "$model" --modes step-graph --batches $batches --polls $polls \
     --lengths "$lengths" --repeats "$repeats" --warmup 1 --out "$csv" --max-seconds "$sweep_seconds" --no-progress
+stamp "sweep: device-loop (the 'poll never, stop exactly' end of the polling axis)"
+# shellcheck disable=SC2086
+"$python" -m gdtool sweep --models "$model" --modes device-loop --batches $batches --polls never \
+    --lengths "$lengths" --repeats "$repeats" --warmup 1 --out "$csv" --no-progress
 stamp "sweep: eager and forward-graph, poll 1"
 # shellcheck disable=SC2086
 "$python" -m gdtool sweep --models "$model" --modes eager forward-graph --batches $batches --polls 1 \
     --lengths "$lengths" --repeats 1 --warmup 1 --out "$csv" --no-progress
 stamp "sweep: EOS off, three modes"
 # shellcheck disable=SC2086
-"$python" -m gdtool sweep --models "$model" --modes eager forward-graph step-graph --batches $batches \
+"$python" -m gdtool sweep --models "$model" --modes eager forward-graph step-graph device-loop --batches $batches \
     --polls never --lengths eos-off --max-new-tokens 128 --repeats 2 --warmup 1 --out "$csv" --no-progress
 fi
 
