@@ -3,7 +3,8 @@
 #
 #   bash profiles/gpu_run.sh OUT_DIR PART [PART ...]
 #
-# PART: tests (every `pytest -m cuda` test), probe (device-loop smoke test), run (python -m gdtool run on
+# PART: tests (every `pytest -m cuda` test), determinism (long greedy decodes, run to run and mode to
+# mode), probe (device-loop smoke test), run (python -m gdtool run on
 # llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph, nsys-fixtures,
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks.
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -50,6 +51,7 @@ keep env.json
 for p in "$@"; do
   case $p in
     tests) part tests 420 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
+    determinism) part determinism 240 "$py" profiles/determinism.py --model llama-1b --batch 1,16 --max-new-tokens 256 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
            --max-new-tokens 256 --no-eos; done" ;;

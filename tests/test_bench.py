@@ -35,8 +35,8 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     assert "gdtool step-graph" in out and "n/a (cpu)" in out
 
     rows = {r["runner"]: r for r in doc["results"]}
-    assert set(rows) == {"eager", "forward-graph", "step-graph", "generate", "generate-static", "gpt-fast"}
-    for runner in ("eager", "forward-graph", "step-graph", "generate"):
+    assert set(rows) == {*gdtool.MODES, "generate", "generate-static", "gpt-fast"}
+    for runner in (*gdtool.MODES, "generate"):
         assert rows[runner]["status"] == "ok"
         assert rows[runner]["tok_s"] > 0 and 0 < rows[runner]["floor_pct"]
         assert rows[runner]["dynamo_graphs"] == 0  # nothing compiled with HF's kernels
@@ -51,7 +51,7 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     assert doc["files"] == [str(tmp_path / f"{name}.csv"), str(tmp_path / f"{name}.json")]
     df = pd.read_csv(tmp_path / f"{name}.csv")
     timed = df[df.status == "ok"]
-    assert len(timed) == 4 * 2  # 4 runners x 2 repeats, one row each
+    assert len(timed) == (len(gdtool.MODES) + 1) * 2  # gdtool's modes and generate eager x 2 repeats
     assert (timed.steps == 7).all() and (timed.batch == 2).all() and (timed.max_new_tokens == 8).all()
     # gdtool keeps generate()'s tokens bit for bit with HF's kernels
     assert (timed.token_agreement == 1.0).all()

@@ -169,6 +169,9 @@ def test_nvtx_disable_silences_the_tool_but_not_listeners(hook, tmp_path):
 
 def expected_tree(mode: str, batch: int, steps: int, poll) -> tuple:
     """The range tree of one decode, as docs/ranges.md draws it."""
+    if mode == "device-loop":  # one launch, no per-step ranges (poll 0: unchunked)
+        return (ranges.DECODE, batch, [(ranges.PREFILL, None, []), (ranges.WARMUP, None, []),
+                                       (ranges.CAPTURE, None, []), (ranges.REPLAY, None, [])])
     check = ranges.EOS_POLL if mode == "step-graph" else ranges.EOS_CHECK
     eager = [ranges.FORWARD, ranges.SELECT, ranges.UPDATE]
     phases = {"eager": eager, "forward-graph": [ranges.REPLAY, ranges.SELECT], "step-graph": [ranges.REPLAY]}[mode]
@@ -184,6 +187,7 @@ def expected_tree(mode: str, batch: int, steps: int, poll) -> tuple:
 
 
 CASES = [("eager", 1), ("forward-graph", 1), ("step-graph", 16), ("step-graph", 2), ("step-graph", 0),
+         ("device-loop", 0),
          ("step-graph", "async"), ("eager", "async")]
 
 DECODES = r"""
