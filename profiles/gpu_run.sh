@@ -5,7 +5,8 @@
 #
 # PART: tests (every `pytest -m cuda` test), determinism (long greedy decodes, run to run and mode to
 # mode), probe (device-loop smoke test), run (python -m gdtool run on
-# llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph, nsys-fixtures,
+# llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph (llama-1b, batch 1
+# and 16, graph trace), nsys-node1 (batch 1, node trace, graph modes), nsys-fixtures,
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks.
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
 # so a part cut short by a time limit leaves the others' results. Needs gdtool importable, plus the
@@ -50,15 +51,18 @@ keep env.json
 
 for p in "$@"; do
   case $p in
-    tests) part tests 420 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
-    determinism) part determinism 240 "$py" profiles/determinism.py --model llama-1b --batch 1,16 --max-new-tokens 256 ;;
+    tests) part tests ${TESTS_SECONDS:-420} "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
+    determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
            --max-new-tokens 256 --no-eos; done" ;;
-    profile) part profile 300 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
+    profile) part profile 110 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
            --out "$work/profile" ;;
     nsys) part nsys 560 bash profiles/nsys_session.sh "$work/nsys" graph node fixtures figures ;;
-    nsys-graph) part nsys-graph 300 bash profiles/nsys_session.sh "$work/nsys-graph" graph ;;
+    nsys-graph) part nsys-graph 230 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
+           --modes eager,forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-graph" ;;
+    nsys-node1) part nsys-node1 90 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1 --trace node \
+           --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node1" ;;
     nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
     bench-1b) part bench-1b 420 "$py" -m gdtool bench --model llama-1b --batch 1,64 --repeats 3 \
            --out "$work/bench-1b" ;;

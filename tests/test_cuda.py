@@ -83,6 +83,15 @@ def test_sampling_draw_captures_and_matches_eager(draw):
     assert torch.equal(eager_race, torch.argmax(probs / torch.empty_like(probs).exponential_(1), -1))
 
 
+_TINY = {}
+
+
+def _tiny(name, dtype):
+    if (name, dtype) not in _TINY:
+        _TINY[name, dtype] = gdtool.load_model(name, seed=0, dtype=dtype, device="cuda")
+    return _TINY[name, dtype]
+
+
 CASES = {
     "greedy": dict(do_sample=False),
     "sampling": SAMPLING,
@@ -91,13 +100,16 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("poll", [1, 4, 0, "async"])
-@pytest.mark.parametrize("mode", gdtool.MODES)
+MODE_POLLS = [("eager", 1), ("forward-graph", 1), ("forward-graph", 0), ("step-graph", 4), ("step-graph", 0),
+              ("step-graph", "async"), ("device-loop", None)]
+
+
+@pytest.mark.parametrize("mode,poll", MODE_POLLS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name,dtype", [("tiny-llama", torch.float32), ("tiny-llama", torch.bfloat16),
                                         ("tiny-qwen2", torch.bfloat16)])
 def test_captured_parity_tiny(name, dtype, case, mode, poll):
-    model = gdtool.load_model(name, seed=0, dtype=dtype, device="cuda")
+    model = _tiny(name, dtype)
     prompt = gdtool.random_prompts(model, batch=4, lengths=(3, 9), seed=1)
     greedy = decode(model, prompt.input_ids, prompt.attention_mask, 16, eos_token_id=None)
     eos = sorted({int(greedy.tokens[0, 3]), int(greedy.tokens[1, 8])})
@@ -107,7 +119,9 @@ def test_captured_parity_tiny(name, dtype, case, mode, poll):
         out = decode(model, prompt.input_ids, prompt.attention_mask, 16, seed=seed, mode=mode,
                      eos_poll_interval=poll, **settings)
         assert_same(out, *ref)
-        if mode != "eager":
+        if mode == "device-loop":
+            assert out.captures == 1 and out.replays == 1 and out.wasted_steps == 0
+        elif mode != "eager":
             assert out.captures == 1 and out.replays == out.steps
 
 
