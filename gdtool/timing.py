@@ -116,7 +116,10 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
     for _ in range(warmup):
         run()
 
-    clock = _StepClock(cuda, capacity=int(decode_kwargs.get("max_new_tokens") or 0))
+    # device-loop runs its steps on the device: the unit timed is a graph launch (one per rollout, or per
+    # chunk with steps_per_launch), and per-token figures divide by the steps it ran.
+    unit = ranges.REPLAY if mode == "device-loop" else ranges.STEP
+    clock = _StepClock(cuda, capacity=int(decode_kwargs.get("max_new_tokens") or 0), unit=unit)
     with _sched_blocking_sync(device, blocking_sync, notes):
         ranges.add_listener(clock)
         try:
@@ -126,8 +129,9 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         if cuda:
             torch.cuda.synchronize(device)
     steps = clock.frame()
-    if len(steps) != out.steps:
-        raise RuntimeError(f"saw {len(steps)} step ranges but the decode ran {out.steps} steps; a step range is "
+    expected = out.replays if unit == ranges.REPLAY else out.steps
+    if len(steps) != expected:
+        raise RuntimeError(f"saw {len(steps)} {unit} ranges but the decode ran {expected}; a range is "
                            "missing or nested (is another listener popping ranges?)")
 
     steps = _fill_syncs(steps, clock, out, notes)
@@ -137,13 +141,13 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
     else:
         notes.append(f"device columns are NaN: the model is on {device}, there is no CUDA device to time")
     if kernels:
-        busy, outside, kernel_steps = _kernel_pass(run, device)
+        busy, outside, kernel_steps = _kernel_pass(run, device, unit)
         steps["device_busy_us"] = steps["step"].map(busy).astype(float)
         inside = sum(busy.values())
         if outside > 0.05 * (inside + outside):
             notes.append(f"{outside:.0f} µs of kernels ran while profiling but were launched outside any step range "
                          f"(vs {inside:.0f} µs inside): check that the step ranges enclose the launches")
-        if kernel_steps != out.steps:
+        if kernel_steps != expected:
             notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {out.steps}: device_busy_us is "
                          "NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
         notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
@@ -151,17 +155,24 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         notes.append("device_busy_us is NaN: kernels=False")
     steps["gpu_idle_us"] = steps["device_span_us"] - steps["device_busy_us"]
     steps = steps[list(COLUMNS)]
-    return ProfileResult(steps=steps, summary=summarize(steps, out.batch, mode=mode, notes=notes),
+    if unit == ranges.REPLAY:
+        notes.append("device-loop: one row per graph launch (its `step` is the launch index); per_token divides by "
+                     "the decode steps the launches ran")
+    return ProfileResult(steps=steps, summary=summarize(steps, out.batch, mode=mode, notes=notes,
+                                                        decode_steps=out.steps if unit == ranges.REPLAY else None),
                          output=out, notes=notes)
 
 
-def summarize(steps: pd.DataFrame, batch: int, **attrs) -> pd.DataFrame:
-    """Per metric: median, p20, p80, mean and total over steps, and per_token = total / (steps x batch)."""
+def summarize(steps: pd.DataFrame, batch: int, decode_steps: int | None = None, **attrs) -> pd.DataFrame:
+    """Per metric: median, p20, p80, mean and total over rows, and per_token = total / (steps x batch).
+
+    `decode_steps`: the decode steps the rows ran, when a row is not one step (device-loop launches)."""
     values = steps[list(METRICS)].astype(float)
     total = values.sum(min_count=1)
+    count = len(values) if decode_steps is None else decode_steps
     summary = pd.DataFrame({"median": values.median(), "p20": values.quantile(0.2), "p80": values.quantile(0.8),
                             "mean": values.mean(), "total": total,
-                            "per_token": total / (len(values) * batch) if len(values) else math.nan})
+                            "per_token": total / (count * batch) if count else math.nan})
     summary.index.name = "metric"
     summary.attrs.update(attrs, steps=len(values), batch=batch)
     return summary
@@ -170,8 +181,9 @@ def summarize(steps: pd.DataFrame, batch: int, **attrs) -> pd.DataFrame:
 class _StepClock:
     """Range listener: wall and thread-CPU clocks and CUDA events around each ``step`` range."""
 
-    def __init__(self, cuda: bool, capacity: int):
+    def __init__(self, cuda: bool, capacity: int, unit: str = ranges.STEP):
         self.cuda = cuda
+        self.unit = unit
         # Created up front: making an event inside a step would land in that step's time.
         self.events = [self._pair() for _ in range(capacity)] if cuda else []
         self.rows: list[list] = []
@@ -184,7 +196,9 @@ class _StepClock:
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def push(self, name, payload):
-        if name == ranges.STEP:
+        if name == self.unit and self.open is None:
+            if payload is None:
+                payload = len(self.rows) + 1
             if self.cuda:
                 k = len(self.rows)
                 if k == len(self.events):
@@ -198,7 +212,7 @@ class _StepClock:
             self.open[6] += 1
 
     def pop(self, name):
-        if name == ranges.STEP and self.open is not None:
+        if name == self.unit and self.open is not None:
             row = self.open
             row[4] = time.thread_time_ns()
             row[2] = time.perf_counter_ns()
@@ -245,15 +259,18 @@ class _KernelMarks:
     """Range listener for the kernel pass: starts torch.profiler at the first step (after capture) and
     marks each step with a user annotation, so that kernels can be assigned to steps."""
 
-    def __init__(self, cuda: bool = True):
+    def __init__(self, cuda: bool = True, unit: str = ranges.STEP):
         from torch.profiler import ProfilerActivity
+        self.unit = unit
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         self.profiler = None
         self.open = None
         self.steps = 0
 
     def push(self, name, payload):
-        if name == ranges.STEP:
+        if name == self.unit and self.open is None:
+            if payload is None:
+                payload = self.steps + 1
             if self.profiler is None:
                 self.profiler = torch.profiler.profile(activities=self.activities)
                 self.profiler.start()
@@ -262,14 +279,14 @@ class _KernelMarks:
             self.steps += 1
 
     def pop(self, name):
-        if name == ranges.STEP and self.open is not None:
+        if name == self.unit and self.open is not None:
             self.open.__exit__(None, None, None)
             self.open = None
 
 
-def _kernel_pass(run, device) -> tuple[dict, float, int]:
+def _kernel_pass(run, device, unit: str = ranges.STEP) -> tuple[dict, float, int]:
     cuda = device.type == "cuda"
-    marks = _KernelMarks(cuda)
+    marks = _KernelMarks(cuda, unit)
     ranges.add_listener(marks)
     try:
         run()

@@ -57,7 +57,7 @@ def test_bad_settings(model, prompt, kwargs, message):
 REFUSED = [
     ("min_new_tokens", 3), ("min_length", 5), ("no_repeat_ngram_size", 2), ("bad_words_ids", [[5]]),
     ("suppress_tokens", [5]), ("min_p", 0.1), ("typical_p", 0.9), ("epsilon_cutoff", 0.01), ("eta_cutoff", 0.01),
-    ("num_beams", 2), ("stop_strings", ["x"]), ("max_time", 1.0), ("num_return_sequences", 2),
+    ("num_beams", 2), ("stop_strings", ["x"]), ("max_time", 1.0),
     ("sequence_bias", {(5,): 1.0}), ("forced_eos_token_id", 2), ("renormalize_logits", True),
 ]
 
@@ -77,6 +77,11 @@ def test_unimplemented_setting_from_generation_config_is_refused_and_can_be_over
         assert out.tokens.shape[0] == 2
     finally:
         model.generation_config.no_repeat_ngram_size = None
+
+
+def test_num_return_sequences_points_to_num_samples(model, prompt):
+    with pytest.raises(ValueError, match="num_return_sequences=2: gdtool calls it num_samples"):
+        run(model, prompt.input_ids, prompt.attention_mask, num_return_sequences=2)
 
 
 def test_unknown_keyword(model, prompt):
