@@ -56,7 +56,8 @@ for p in "$@"; do
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
            --max-new-tokens 256 --no-eos; done" ;;
-    profile) part profile 110 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
+    profile) part profile 120 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
+           --modes eager,forward-graph,step-graph,device-loop \
            --out "$work/profile" ;;
     nsys) part nsys 560 bash profiles/nsys_session.sh "$work/nsys" graph node fixtures figures ;;
     nsys-graph) part nsys-graph 230 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
