@@ -134,18 +134,19 @@ def _figures(out) -> dict:
             "ms_per_step": 1000 * decode_s / max(out.steps, 1), "new_tokens": out.new_tokens,
             "steps": out.steps, "replays": out.replays, "host_syncs": out.host_syncs, "polls": out.polls,
             "wasted_steps": out.wasted_steps, "captures": out.captures,
-            **{k: round(v, 6) for k, v in out.timings.items()}}
+            **{k: round(v, 6) for k, v in out.timings.items()}, **getattr(out, "memory", {})}
 
 
 def _print_summary(name, ids, figures) -> None:
     print(f"model {name}, batch {ids.shape[0]}, prompt width {ids.shape[1]}")
     header = f"{'mode':<14}{'tokens/s':>10}{'ms/step':>9}{'tokens':>8}{'steps':>7}{'replays':>9}{'syncs':>7}" \
-             f"{'polls':>7}{'wasted':>8}{'prefill ms':>12}{'capture ms':>12}"
+             f"{'polls':>7}{'wasted':>8}{'prefill ms':>12}{'capture ms':>12}{'KV MiB':>9}{'pool MiB':>10}"
     print(header)
     for mode, f in figures.items():
         print(f"{mode:<14}{f['tokens_per_s']:>10.1f}{f['ms_per_step']:>9.3f}{f['new_tokens']:>8}{f['steps']:>7}"
               f"{f['replays']:>9}{f['host_syncs']:>7}{f['polls']:>7}{f['wasted_steps']:>8}"
-              f"{1000 * f['prefill_s']:>12.2f}{1000 * (f['warmup_s'] + f['capture_s']):>12.2f}")
+              f"{1000 * f['prefill_s']:>12.2f}{1000 * (f['warmup_s'] + f['capture_s']):>12.2f}"
+              f"{f.get('kv_cache_bytes', 0) / 2**20:>9.2f}{f.get('graph_pool_bytes', 0) / 2**20:>10.2f}")
 
 
 if __name__ == "__main__":

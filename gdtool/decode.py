@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat, graphs, ranges
+from . import compat, fast, graphs, ranges
 from .settings import UNSET, Settings, resolve
 from .step import State, Step, new_state, seed_seen
 from .syncs import Counter, hidden_waits
@@ -45,6 +45,8 @@ class DecodeOutput:
     timings: dict = field(default_factory=dict)
     scores: tuple | None = None       # T x [B, V] float32 processed scores, with return_scores=True
     captures: int = 0                 # graphs captured by this call
+    logprobs: torch.Tensor | None = None  # [B, T] float32 log-probability of each token, with return_logprobs=True
+    memory: dict = field(default_factory=dict)  # kv_cache_bytes, graph_pool_bytes, buffer_bytes of the engine
 
     @property
     def new_tokens(self) -> int:
@@ -56,7 +58,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
            repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET, seed: int | None = None,
            eos_poll_interval: int | str | None = None, return_scores: bool = False, target_lengths=None,
            capture: bool | None = None, steps_per_launch: int | None = None, on_chunk=None,
-           **unsupported) -> DecodeOutput:
+           return_logprobs: bool = False, num_samples: int = 1, kernels: str = "hf", **unsupported) -> DecodeOutput:
     """Decode `max_new_tokens` (required) from left-padded prompts; see the module docstring.
 
     Settings resolve as generate() resolves them (explicit, then `model.generation_config`, then
@@ -67,12 +69,23 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
     `capture`: None captures the graph modes where CUDA is available; False runs them uncaptured;
     True requires capture. device-loop only: `steps_per_launch=N` runs at most N steps per launch
     and calls `on_chunk(tokens)` (CPU [B, produced]) between launches, for streaming.
+    `return_logprobs` fills `out.logprobs` [B, T]: the log-softmax of the processed scores at each
+    written token (0 after a row's EOS). `num_samples=k` decodes every prompt k times, rows repeated
+    as generate()'s `num_return_sequences=k` repeats them.
+    `kernels="compiled"` runs the same step with fused kernels (torch.compile, no CUDA graphs of its own;
+    gdtool captures it): faster, no longer bitwise generate() (see gdtool/fast.py); "hf" keeps HF's kernels.
     """
+    check_samples(num_samples, unsupported)
     explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                     repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     settings = resolve(model, max_new_tokens, explicit, unsupported)
+    check_samples(num_samples, {}, settings)
+    if num_samples > 1:
+        input_ids, attention_mask, target_lengths = repeat_samples(input_ids, attention_mask, target_lengths,
+                                                                   num_samples, settings)
     engine = Engine(model, mode, settings, input_ids, return_scores=return_scores,
-                    with_targets=target_lengths is not None, capture=capture)
+                    with_targets=target_lengths is not None, capture=capture, return_logprobs=return_logprobs,
+                    kernels=kernels)
     try:
         return engine.run(input_ids, attention_mask, target_lengths=target_lengths, seed=seed,
                           eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
@@ -84,6 +97,32 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
 def check_mode(mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode={mode!r} is not one of {MODES}")
+
+
+def check_samples(num_samples, unsupported: dict, settings: Settings | None = None) -> None:
+    """num_samples is gdtool's name for generate()'s num_return_sequences (refused by that name)."""
+    sequences = unsupported.get("num_return_sequences")
+    if sequences not in (None, 1):
+        raise ValueError(f"num_return_sequences={sequences!r}: gdtool calls it num_samples; pass "
+                         f"num_samples={sequences!r} (rows repeated as generate() repeats them)")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples={num_samples!r} must be an int >= 1 (samples per prompt)")
+    if settings is not None and num_samples > 1 and not settings.do_sample:
+        raise ValueError(f"num_samples={num_samples} with greedy decoding would repeat one answer (generate() "
+                         "refuses it too); pass do_sample=True, or num_samples=1")
+
+
+def repeat_samples(input_ids, attention_mask, target_lengths, num_samples: int, settings: Settings):
+    """Each prompt row `num_samples` times in a row, as generate() expands for num_return_sequences."""
+    check_input_ids(input_ids)
+    if attention_mask is None:
+        attention_mask = _infer_mask(input_ids, settings)
+    if target_lengths is not None:
+        targets = torch.as_tensor(target_lengths, dtype=torch.long).flatten()
+        # one length per prompt is repeated like its prompt; one per output row is taken as it is
+        target_lengths = targets.repeat_interleave(num_samples) if targets.numel() == input_ids.shape[0] else targets
+    return (input_ids.repeat_interleave(num_samples, dim=0), attention_mask.repeat_interleave(num_samples, dim=0),
+            target_lengths)
 
 
 def check_poll(eos_poll_interval, mode: str):
@@ -202,11 +241,13 @@ class Engine:
     """
 
     def __init__(self, model, mode: str, settings: Settings, input_ids: torch.Tensor, return_scores: bool = False,
-                 with_targets: bool = False, capture: bool | None = None, cache_len: int | None = None):
+                 with_targets: bool = False, capture: bool | None = None, cache_len: int | None = None,
+                 return_logprobs: bool = False, kernels: str = "hf"):
         check_mode(mode)
         check_input_ids(input_ids)
         device = next(model.parameters()).device
         check_model(model, mode, device)
+        self.kernels = fast.check_kernels(kernels, device, model, mode)
         if capture and not graphs.can_capture(device):
             raise ValueError(f"capture=True needs a CUDA device, and the model is on {device}; use capture=None to run "
                              "the graph modes uncaptured (same step function) where there is no CUDA")
@@ -220,13 +261,16 @@ class Engine:
                              "sliding-window or other layers; use mode='eager'")
         vocab = model.config.get_text_config().vocab_size
         self.state: State = new_state(input_ids, torch.ones_like(input_ids), settings, self.cache_len, vocab,
-                                      return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None)
+                                      return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None,
+                                      return_logprobs)
         cache_kw, logits_to_keep = compat.forward_kwargs(model)
-        self.step = Step(model, self.cache, self.state, settings, self.width, cache_kw, logits_to_keep)
+        self.step = fast.new_step(self.kernels, mode, model, self.cache, self.state, settings, self.width, cache_kw,
+                                  logits_to_keep)
         self.graph = None
         self.loop = None  # device-loop: the WHILE-node graph around the step graph
         self.rng_increment = None
         self.captures = 0
+        self.graph_pool_bytes = 0  # device memory reserved by the capture (the graph's private pool)
 
     # -- one call ---------------------------------------------------------------------------------
     def run(self, input_ids, attention_mask=None, target_lengths=None, seed=None, eos_poll_interval=None,
@@ -274,7 +318,10 @@ class Engine:
             else:
                 steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
             explicit_waits += loop_waits
-            done_at, lengths, tokens = int(state.done_at), state.lengths.cpu(), state.out.cpu()
+            # copies even on a CPU, where .cpu() would alias the buffers the next call of this engine overwrites
+            lengths, tokens = state.lengths.to("cpu", copy=True), state.out.to("cpu", copy=True)
+            done_at = int(state.done_at)
+            logprobs = state.logprobs.to("cpu", copy=True) if state.logprobs is not None else None
             explicit_waits += 1
             timings["decode_s"] = time.perf_counter() - t0
         used = done_at + 1 if done_at >= 0 else n
@@ -289,7 +336,15 @@ class Engine:
         return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
                             batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
-                            captures=self.captures - captures_before)
+                            captures=self.captures - captures_before, memory=self.memory(),
+                            logprobs=logprobs[:used].T.contiguous() if logprobs is not None else None)
+
+    def memory(self) -> dict:
+        """Bytes this engine holds on its device: static KV cache, graph pool, step buffers."""
+        kv = sum(t.nbytes for layer in compat.cache_layers(self.cache) for t in
+                 (getattr(layer, "keys", None), getattr(layer, "values", None)) if isinstance(t, torch.Tensor))
+        buffers = sum(t.nbytes for t in vars(self.state).values() if isinstance(t, torch.Tensor))
+        return {"kv_cache_bytes": kv, "graph_pool_bytes": self.graph_pool_bytes, "buffer_bytes": buffers}
 
     def _reset(self, input_ids, mask, targets) -> None:
         s = self.state
@@ -307,6 +362,8 @@ class Engine:
                 seed_seen(s.seen, input_ids, mask)
             if s.scores is not None:
                 s.scores.zero_()
+            if s.logprobs is not None:
+                s.logprobs.zero_()
             if targets is not None:
                 s.targets.copy_(targets)
 
@@ -329,8 +386,11 @@ class Engine:
         t0 = time.perf_counter()
         with ranges.span(ranges.CAPTURE):
             keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
+            reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
             self.graph = graphs.capture(fn, self.device, keep_graph=keep) if self.captures_enabled \
                 else graphs.Uncaptured(fn)
+            if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
+                self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
             self.captures += self.captures_enabled
             syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
         timings["capture_s"] = time.perf_counter() - t0
@@ -438,6 +498,7 @@ class Engine:
             self.graph = None
         self.cache = None
         self.step = None
+        self.state = None
 
 
 class _FlagReader:

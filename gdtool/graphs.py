@@ -34,7 +34,8 @@ class Captured:
     def __init__(self, fn, pool=None, keep_graph: bool = False):
         # keep_graph: keep the cudaGraph_t after instantiation, for a device loop to embed it
         self.graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # captured on the warm-up stream: the cuBLAS workspace it made there is reused, not made during capture
+        with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()):
             self.output = fn()
 
     def replay(self) -> None:
@@ -49,9 +50,22 @@ def can_capture(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_available()
 
 
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def side_stream() -> torch.cuda.Stream:
+    """One warm-up and capture stream per device. cuBLAS keeps a workspace for every stream it has run on,
+    and a fresh `torch.cuda.Stream()` per capture cycles through torch's pool of streams: memory would then
+    depend on how many captures came before (a Decoder captures many times)."""
+    device = torch.cuda.current_device()
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream()
+    return _SIDE_STREAMS[device]
+
+
 def warm_up(fn, steps: int) -> None:
     """Run `fn` on a side stream, as torch asks before capturing."""
-    side = torch.cuda.Stream()
+    side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(steps):

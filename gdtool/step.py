@@ -39,6 +39,7 @@ class State:
     scores: torch.Tensor | None  # [N, B, V] processed scores, when asked for
     eos: torch.Tensor | None   # [E] EOS ids
     targets: torch.Tensor | None  # [B] forced lengths (length harness), else None
+    logprobs: torch.Tensor | None = None  # [N, B] float32 log-probability of each written token, when asked for
 
     def snapshot(self) -> dict:
         return {f.name: getattr(self, f.name).clone() for f in fields(self) if getattr(self, f.name) is not None}
@@ -49,7 +50,7 @@ class State:
 
 
 def new_state(input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: Settings, cache_len: int,
-              vocab: int, return_scores: bool, targets: torch.Tensor | None) -> State:
+              vocab: int, return_scores: bool, targets: torch.Tensor | None, return_logprobs: bool = False) -> State:
     batch, width = input_ids.shape
     n = settings.max_new_tokens
     device = input_ids.device
@@ -72,6 +73,7 @@ def new_state(input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: S
         scores=torch.zeros(n, batch, vocab, dtype=torch.float32, device=device) if return_scores else None,
         eos=torch.tensor(settings.eos_token_id, **long) if settings.has_eos else None,
         targets=None if targets is None else targets.to(device=device, dtype=torch.long),
+        logprobs=torch.zeros(n, batch, dtype=torch.float32, device=device) if return_logprobs else None,
     )
 
 
@@ -116,6 +118,9 @@ class Step:
         scores = sampling.process(logits, self.state.seen, self.settings)
         if self.state.scores is not None:
             self.state.scores.index_copy_(0, self._index(), scores[None])
+        if self.state.logprobs is not None:
+            # read by update() at the token it finally writes (forced EOS and finished-row pads included)
+            self.log_probs = torch.log_softmax(scores, dim=-1)
         return sampling.choose(scores, self.settings.do_sample)
 
     def update(self, next_tokens: torch.Tensor) -> None:
@@ -127,6 +132,10 @@ class Step:
         if s.eos is not None:
             next_tokens = next_tokens * s.unfinished + self.pad * (1 - s.unfinished)
         s.out.index_copy_(1, index, next_tokens[:, None])
+        if s.logprobs is not None:
+            # rows that had finished write a pad nobody chose: 0, so a row's sum is its sequence log-probability
+            chosen = self.log_probs.gather(1, next_tokens[:, None]).squeeze(1)
+            s.logprobs.index_copy_(0, index, torch.where(s.unfinished.bool(), chosen, 0.0)[None])
         s.lengths.add_(s.unfinished)
         if s.seen is not None:
             s.seen.scatter_(1, next_tokens[:, None], True)

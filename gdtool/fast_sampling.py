@@ -1,0 +1,114 @@
+"""Sort-free sampling for the fast step: top-k first, then top-p within the k candidates.
+
+generate()'s top-p sorts the whole vocabulary every step (128k entries for Llama 3), which costs a
+noticeable share of a fused decode step at large batch. HF applies top-k before top-p, so when
+top-k is on, every token that top-p could keep is among the k best, and the nucleus can be found
+among those k alone:
+
+    scores -> repetition penalty -> / temperature          (as generate(), same arithmetic)
+    values, ids = topk(scores, k + TIE_SLACK)               (one partial selection over the vocabulary)
+    order those few ascending, ties by id                   (as a stable sort of the vocabulary orders them)
+    drop values below the k-th (ties with it stay, as HF keeps them)
+    top-p over the ascending candidates (HF's rule: remove where cumsum <= 1 - top_p, keep the best)
+    token = ids[argmax(softmax(values) / noise[ids])]       (exponential race, Gumbel-max)
+
+The noise is drawn over the whole vocabulary, exactly as `sampling.choose` draws it, so both paths
+consume the random generator alike, and with the same noise tensor they pick the same token.
+
+Where it can differ from generate() (both are edge cases of rounding or ties, not of the rule):
+- more than `TIE_SLACK` tokens tied with the k-th score: HF keeps them all, this keeps the first
+  k + TIE_SLACK that topk returns. With bf16 logits small ties are common, large ones rare.
+- the softmax and cumulative sums run over the candidates rather than over the vocabulary (where
+  every other entry is 0), so a sum may round differently in its last bit; a token whose cumulative
+  probability lies within that rounding of `1 - top_p` can fall on the other side.
+- tied tokens at the top-p boundary: which of them HF drops depends on how its sort orders ties.
+  Here they are in id order, as a stable sort leaves them (CUDA's radix sort of a long row is
+  stable; torch.sort on a CPU is not, so on a CPU HF may drop a different one of the tied tokens).
+
+Without top-k (`top_k=None` or 0) there is no candidate bound, and `applies()` is False: the step
+uses the exact, sorting path of `sampling.py`.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import sampling
+from .settings import Settings
+
+# Extra candidates beyond k, so that tokens tied with the k-th score stay candidates (HF keeps ties).
+TIE_SLACK = 16
+
+
+def applies(settings: Settings) -> bool:
+    """Whether the sort-free sampler is used for these settings (sampling with top-k on)."""
+    return settings.do_sample and settings.uses_top_k
+
+
+def warp(scores: torch.Tensor, seen: torch.Tensor | None, settings: Settings) -> torch.Tensor:
+    """Repetition penalty, then temperature: generate()'s first two steps, same arithmetic."""
+    if settings.uses_penalty:
+        scores = sampling.penalize(scores, seen, settings.repetition_penalty)
+    if settings.uses_temperature:
+        scores = scores / settings.temperature
+    return scores
+
+
+def candidates(scores: torch.Tensor, top_k: int, top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [B, K], ascending as HF's stable sort orders them (ties by token id); the
+    candidates top-k and top-p drop hold -inf."""
+    vocab = scores.size(-1)
+    k = min(max(top_k, 1), vocab)
+    width = min(k + TIE_SLACK, vocab)
+    values, ids = torch.topk(scores, width, dim=-1)
+    # topk leaves ties in no particular order; HF's ascending sort of the vocabulary puts tied tokens
+    # in id order (a stable sort), which decides which of them top-p drops. Order the few candidates so.
+    ids, by_id = torch.sort(ids, dim=-1)
+    values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, stable=True)
+    ids = ids.gather(-1, by_value)
+    kth = values[..., width - k:width - k + 1]
+    values = values.masked_fill(values < kth, -float("inf"))
+    if top_p is not None and top_p < 1.0:
+        # The tokens top-k removed have probability 0 and sort first in HF's ascending order, so the
+        # cumulative sums over the ascending candidates are HF's sums.
+        cumulative = values.softmax(dim=-1).cumsum(dim=-1)
+        remove = cumulative <= (1 - top_p)
+        remove[..., -1:] = False
+        values = values.masked_fill(remove, -float("inf"))
+    return values, ids
+
+
+def choose(scores: torch.Tensor, seen: torch.Tensor | None, settings: Settings,
+           noise: torch.Tensor | None = None) -> torch.Tensor:
+    """Next token per row, [B] int64, from raw float32 logits [B, V] (settings must satisfy `applies`).
+
+    `noise` ([B, V], Exp(1) draws) replaces the draw, for tests; by default it is drawn like
+    `sampling.choose` draws it.
+    """
+    scores = warp(scores, seen, settings)
+    top_p = settings.top_p if settings.uses_top_p else None
+    values, ids = candidates(scores, settings.top_k, top_p)
+    probs = torch.nn.functional.softmax(values, dim=-1)
+    if noise is None:
+        noise = torch.empty_like(scores).exponential_(1)
+    race = noise.gather(-1, ids)
+    return ids.gather(-1, torch.argmax(probs / race, dim=-1, keepdim=True)).squeeze(-1)
+
+
+def reference_choose(scores: torch.Tensor, seen: torch.Tensor | None, settings: Settings, noise: torch.Tensor,
+                     stable_sort: bool = True) -> torch.Tensor:
+    """generate()'s order over the whole vocabulary (`sampling.process`, sorting top-p) with a given
+    noise tensor, for comparison. `stable_sort` orders tied scores by id, as CUDA's radix sort does."""
+    if not stable_sort:
+        probs = torch.nn.functional.softmax(sampling.process(scores, seen, settings), dim=-1)
+        return torch.argmax(probs / noise, dim=-1)
+    scores = warp(scores, seen, settings)
+    if settings.uses_top_k:
+        scores = sampling.top_k_filter(scores, settings.top_k)
+    if settings.uses_top_p:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False, stable=True)
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        remove_sorted = cumulative <= (1 - settings.top_p)
+        remove_sorted[..., -1:] = 0
+        scores = scores.masked_fill(remove_sorted.scatter(1, sorted_indices, remove_sorted), -float("inf"))
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    return torch.argmax(probs / noise, dim=-1)

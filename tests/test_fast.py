@@ -1,0 +1,217 @@
+"""kernels="compiled" on a CPU: the sort-free sampler against generate()'s order, and the compiled step.
+
+Compiling takes tens of seconds on a small CPU: one compile runs by default (greedy step-graph), the
+others are marked slow.
+"""
+import warnings
+
+import pytest
+import torch
+
+import gdtool
+import gdtool.fast_fuse
+from gdtool import fast, fast_sampling, sampling
+from gdtool.settings import Settings
+
+NEG = -float("inf")
+
+
+def _settings(**kw):
+    base = dict(max_new_tokens=4, do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1,
+                eos_token_id=(), pad_token_id=0)
+    base.update(kw)
+    return Settings(**base)
+
+
+def _kept(values, ids, vocab):
+    return torch.zeros(ids.shape[0], vocab, dtype=torch.bool).scatter_(1, ids, values > NEG)
+
+
+def _reference_kept(scores, seen, settings):
+    """The tokens generate()'s order keeps, top-p through a stable sort (ties in id order)."""
+    scores = fast_sampling.warp(scores, seen, settings)
+    scores = sampling.top_k_filter(scores, settings.top_k)
+    if settings.uses_top_p:
+        ordered, order = torch.sort(scores, stable=True)
+        remove = ordered.softmax(-1).cumsum(-1) <= 1 - settings.top_p
+        remove[..., -1:] = False
+        scores = scores.masked_fill(remove.scatter(1, order, remove), NEG)
+    return scores > NEG
+
+
+@pytest.mark.parametrize("rounding", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-ties"])
+def test_sampler_keeps_the_same_candidates_and_picks_the_same_token(rounding):
+    gen = torch.Generator().manual_seed(0)
+    batch, vocab = 6, 4096
+    for trial in range(40):
+        # bf16-rounded logits tie often, at the k-th score and at the top-p boundary
+        logits = (torch.randn(batch, vocab, generator=gen) * 3).to(rounding).float()
+        seen = torch.rand(batch, vocab, generator=gen) < 0.02
+        settings = _settings(top_k=int(torch.randint(1, 300, (1,), generator=gen)),
+                             top_p=float(torch.rand(1, generator=gen)) * 0.98 + 0.02,
+                             temperature=float(torch.rand(1, generator=gen)) + 0.3)
+        noise = torch.empty(batch, vocab).exponential_(1, generator=gen)
+        values, ids = fast_sampling.candidates(fast_sampling.warp(logits, seen, settings), settings.top_k,
+                                               settings.top_p)
+        assert torch.equal(_kept(values, ids, vocab), _reference_kept(logits, seen, settings)), trial
+        fast_token = fast_sampling.choose(logits, seen, settings, noise)
+        assert torch.equal(fast_token, fast_sampling.reference_choose(logits, seen, settings, noise)), trial
+        if rounding == torch.float32:  # no ties: HF's own (unstable-sort) path agrees too
+            assert torch.equal(fast_token, fast_sampling.reference_choose(logits, seen, settings, noise,
+                                                                          stable_sort=False)), trial
+
+
+def test_sampler_keeps_every_token_tied_with_the_kth():
+    vocab, k = 1000, 10
+    logits = torch.linspace(-5, 0, vocab)[None].clone()
+    tied = torch.arange(100, 100 + k + 5)  # 15 tokens share the k-th best score, within TIE_SLACK
+    logits[0, :k - 1] = torch.arange(k - 1, dtype=torch.float32) + 10
+    logits[0, tied] = 5.0
+    settings = _settings(top_k=k, top_p=None, repetition_penalty=None, temperature=None)
+    values, ids = fast_sampling.candidates(logits, k, None)
+    kept = _kept(values, ids, vocab)
+    assert torch.equal(kept, sampling.top_k_filter(logits, k) > NEG)
+    assert int(kept.sum()) == k - 1 + len(tied)
+    assert fast_sampling.applies(settings)
+
+
+def test_sampler_draws_like_the_hf_path():
+    """Same generator consumption and, for the same logits, the same token as sampling.choose."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 512, generator=gen) * 2
+    settings = _settings(repetition_penalty=None)
+    torch.manual_seed(11)
+    hf = sampling.choose(sampling.process(logits, None, settings), True)
+    after_hf = torch.random.get_rng_state()
+    torch.manual_seed(11)
+    mine = fast_sampling.choose(logits, None, settings)
+    assert torch.equal(torch.random.get_rng_state(), after_hf)
+    assert torch.equal(mine, hf)
+
+
+def test_sampler_applies_only_with_top_k():
+    assert fast_sampling.applies(_settings())
+    assert not fast_sampling.applies(_settings(top_k=None))
+    assert not fast_sampling.applies(_settings(top_k=0))
+    assert not fast_sampling.applies(_settings(do_sample=False, top_k=None, top_p=None, temperature=None))
+
+
+def test_unknown_kernels_are_refused(load):
+    model = load("tiny-llama")
+    prompt = gdtool.random_prompts(model, batch=1, lengths=4)
+    with pytest.raises(ValueError, match="kernels='fused' is not one of"):
+        gdtool.decode(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=2, kernels="fused")
+
+
+@pytest.fixture
+def model():
+    # a model of its own: compiled steps are kept on the model
+    return gdtool.load_model("tiny-llama", seed=0)
+
+
+def _decode(model, prompt, **kw):
+    kw = dict(dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, seed=5), **kw)
+    return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+
+
+def test_compiled_step_graph_matches_hf_and_compiles_once(model):
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
+    hf = _decode(model, prompt, mode="step-graph", do_sample=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
+        again = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
+        direct = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled", capture=False)
+    assert not [w for w in caught if str(w.message).startswith("gdtool:")]  # no graph break, no recompile
+    # fp32 on a CPU: inductor's fused arithmetic lands on the same greedy tokens here
+    assert torch.equal(first.tokens, hf.tokens)
+    assert torch.equal(again.tokens, first.tokens) and torch.equal(direct.tokens, first.tokens)
+    table = fast.compiles(model)
+    assert len(table) == 1 and table.compiles.iloc[0] == 1 and bool(table.fullgraph.iloc[0])
+    assert table.calls.iloc[0] == 3 * first.steps
+
+
+@pytest.mark.slow
+def test_compiled_sampling_matches_hf(model):
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=1)
+    cases = [dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1),  # sort-free
+             dict(do_sample=True, top_k=None, top_p=0.5, temperature=1.3)]                        # sorting top-p
+    for settings in cases:
+        hf = _decode(model, prompt, mode="step-graph", **settings)
+        compiled = _decode(model, prompt, mode="step-graph", kernels="compiled", **settings)
+        assert torch.equal(compiled.tokens, hf.tokens), settings
+
+
+@pytest.mark.slow
+def test_compiled_forward_in_eager_and_forward_graph(model):
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(4, 6), seed=2)
+    hf = _decode(model, prompt, mode="eager", do_sample=False)
+    for mode in ("eager", "forward-graph"):
+        out = _decode(model, prompt, mode=mode, do_sample=False, kernels="compiled")
+        assert torch.equal(out.tokens, hf.tokens), mode
+    table = fast.compiles(model)
+    assert list(table.step) == ["forward_b2_w6_c13"] and table.compiles.iloc[0] == 1  # both modes share it
+
+
+@pytest.mark.slow
+def test_compare_kernels_reports_agreement(model):
+    df = fast.compare_kernels(model, batch=2, prompt_len=5, steps=6)
+    assert list(df.position) == [1, 2, 3, 4, 5]
+    assert (df.top1_agreement == 1.0).all()
+    assert (df.max_abs_logit_diff < 1e-4 * df.max_abs_logit.clip(lower=1)).all()  # fp32 rounding only
+    assert df.compiled_step_ms.iloc[0] > 0 and df.hf_step_ms.iloc[0] > 0
+
+
+def _storages(model):
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+
+
+def test_fused_projections_keep_hf_bits_and_memory():
+    model = gdtool.load_model("tiny-qwen2", seed=0)  # q/k/v with biases
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
+    kw = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0, mode="step-graph", return_scores=True,
+              do_sample=True, top_k=20, seed=4)
+    before = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+    names = {name: p.clone() for name, p in model.named_parameters()}
+    bytes_before = sum(_storages(model).values())
+    assert gdtool.fast_fuse.fuse_projections(model) == 4  # 2 layers x (q/k/v, gate/up)
+    assert gdtool.fast_fuse.fuse_projections(model) == 0
+    assert sum(_storages(model).values()) == bytes_before  # one buffer per group, the Linears view it
+    attn = model.model.layers[0].self_attn
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
+    assert attn.k_proj.bias.untyped_storage().data_ptr() == attn.q_proj.bias.untyped_storage().data_ptr()
+    assert all(torch.equal(p, names[name]) for name, p in model.named_parameters())
+    after = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+    assert torch.equal(after.tokens, before.tokens)
+    assert all(torch.equal(a, b) for a, b in zip(after.scores, before.scores))  # HF's kernels, same bits
+
+
+def test_fused_projections_trace_one_matmul_per_group():
+    model = gdtool.load_model("tiny-llama", seed=0)
+    ids = gdtool.random_prompts(model, batch=2, lengths=4).input_ids
+    linears = []
+
+    def count_linears(gm, example_inputs):
+        linears.append(sum(1 for n in gm.graph.nodes if n.op == "call_function" and "linear" in str(n.target)))
+        return gm.forward
+
+    with torch.inference_mode():
+        reference = model(input_ids=ids).logits
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)(), reference)
+        gdtool.fast_fuse.fuse_projections(model)
+        torch._dynamo.reset()
+        fused = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
+    assert linears == [2 * 7 + 1, 2 * 4 + 1]  # per layer q,k,v,o,gate,up,down -> qkv,o,gate_up,down; + lm_head
+    torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
+    assert model.model.layers[0].self_attn.k_proj._gdtool_pending is None  # nothing left behind
+
+
+@pytest.mark.slow
+def test_compiled_step_with_fused_projections(model):
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
+    hf = _decode(model, prompt, mode="step-graph", do_sample=False)
+    gdtool.fast_fuse.fuse_projections(model)
+    compiled = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
+    assert torch.equal(compiled.tokens, hf.tokens)
+    assert fast.compiles(model).compiles.sum() == 1

@@ -1,0 +1,77 @@
+"""kernels="compiled" on a CUDA GPU: captured equals uncaptured, one compile, and the sort-free
+sampler against HF's sampler on this GPU's sort. Small models only: compiling takes tens of seconds."""
+import warnings
+
+import pytest
+import torch
+
+import gdtool
+import gdtool.devloop
+from gdtool import fast, fast_sampling, sampling
+from gdtool.settings import Settings
+
+pytestmark = pytest.mark.cuda
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gdtool.load_model("tiny-llama", seed=0, device="cuda")  # bf16
+
+
+def _decode(model, prompt, **kw):
+    kw = dict(dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, seed=5, mode="step-graph",
+                   kernels="compiled"), **kw)
+    return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+
+
+def test_compiled_step_captured_equals_uncaptured(model):
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(5, 12), seed=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        captured = _decode(model, prompt, **SAMPLING)
+        again = _decode(model, prompt, **SAMPLING)
+        direct = _decode(model, prompt, capture=False, **SAMPLING)
+    assert not [w for w in caught if str(w.message).startswith("gdtool:")]  # no graph break, no recompile
+    assert captured.replays == captured.steps > 0 and direct.replays == direct.steps
+    assert torch.equal(captured.tokens, direct.tokens)   # same compiled function, same noise
+    assert torch.equal(captured.tokens, again.tokens)
+    table = fast.compiles(model)
+    mine = table[table.step.str.startswith("step_b4_w12_") & table.step.str.endswith("_sample")]
+    assert len(mine) == 1 and mine.compiles.iloc[0] == 1 and bool(mine.fullgraph.iloc[0])  # reused 3 times
+    if gdtool.devloop.device_loop_support() is None:
+        loop = _decode(model, prompt, mode="device-loop", **SAMPLING)  # the same compiled step in a WHILE node
+        assert torch.equal(loop.tokens, captured.tokens)
+        assert fast.compiles(model).compiles.sum() == table.compiles.sum()
+
+
+def test_compiled_step_graph_with_eos_and_polling(model):
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(5, 12), seed=1)
+    targets = [3, 5, 7, 16]  # the length harness forces EOS inside the step
+    runs = [_decode(model, prompt, do_sample=False, max_new_tokens=16, eos_token_id=[2], target_lengths=targets,
+                    eos_poll_interval=poll) for poll in (1, 4, "async")]
+    for out in runs[1:]:
+        assert torch.equal(out.tokens, runs[0].tokens) and torch.equal(out.lengths, runs[0].lengths)
+    assert (runs[0].lengths <= torch.tensor(targets)).all() and runs[0].tokens.shape[1] <= 16
+    assert runs[0].polls > runs[1].polls
+
+
+def test_sort_free_sampler_matches_hf_sampler_on_this_gpu():
+    """HF's top-p sorts on the GPU; where that sort keeps ties in id order, the sort-free sampler is
+    exact, bf16 ties included."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    vocab = 128256
+    logits = (torch.randn(64, vocab, device="cuda", generator=gen) * 3).bfloat16().float()
+    settings = Settings(max_new_tokens=2, eos_token_id=(), pad_token_id=0, **SAMPLING)
+    seen = torch.rand(64, vocab, device="cuda", generator=gen) < 0.001
+    noise = torch.empty_like(logits).exponential_(1, generator=gen)
+    warped = fast_sampling.warp(logits, seen, settings)
+    stable = torch.equal(torch.sort(warped, -1)[1], torch.sort(warped, -1, stable=True)[1])
+    fast_tokens = fast_sampling.choose(logits, seen, settings, noise)
+    assert torch.equal(fast_tokens, fast_sampling.reference_choose(logits, seen, settings, noise))
+    hf_tokens = torch.argmax(torch.softmax(sampling.process(logits, seen, settings), -1) / noise, -1)
+    if stable:
+        assert torch.equal(fast_tokens, hf_tokens)
+    else:  # only tied tokens at the top-p boundary can differ
+        assert (fast_tokens == hf_tokens).float().mean() > 0.95
