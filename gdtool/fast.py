@@ -61,9 +61,10 @@ def check_kernels(kernels, device: torch.device | None = None, model=None, mode:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}: 'hf' runs HF's kernels (bitwise generate()), "
                          "'compiled' fuses the step with torch.compile")
     if kernels == "compiled" and device is not None:
-        if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in ("g++", "clang++", "c++"))):
-            raise ValueError("kernels='compiled' on a CPU needs a C++ compiler for inductor (g++ or clang++, or set CXX); "
-                             "install one, or use kernels='hf'")
+        compilers = ("g++", "clang++", "c++")
+        if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in compilers)):
+            raise ValueError("kernels='compiled' on a CPU needs a C++ compiler for inductor (g++ or clang++, or set "
+                             "CXX); install one, or use kernels='hf'")
         if device.type == "cuda":
             from torch.utils._triton import has_triton
             if not has_triton():
@@ -105,6 +106,7 @@ class _Compiled:
     compile_s: float = 0.0
     fullgraph: bool = True
     calls: int = 0
+    note: str = ""                # why it was split, or why it was compiled again
 
 
 class CompiledStep(Step):
@@ -152,10 +154,10 @@ class CompiledStep(Step):
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
                 raise
             # Not expected (the step reads nothing on the host); keep running, split, and say so.
-            warnings.warn(f"gdtool: the {entry.name} step could not be compiled as one graph "
-                          f"({type(error).__name__}: {str(error).strip().splitlines()[0][:200]}); compiling it with "
-                          "graph breaks (slower, and a break that reads a tensor on the host cannot be captured)",
-                          stacklevel=3)
+            entry.note = f"graph break: {type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+            warnings.warn(f"gdtool: the {entry.name} step could not be compiled as one graph ({entry.note}); compiling "
+                          "it with graph breaks (slower, and a break that reads a tensor on the host cannot be "
+                          "captured)", stacklevel=3)
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
@@ -165,6 +167,7 @@ class CompiledStep(Step):
         if compiled:
             entry.compile_s += time.perf_counter() - t0
             if entry.compiles and entry.fullgraph:
+                entry.note = "recompiled: a guard failed for the same shapes and settings (TORCH_LOGS=recompiles)"
                 warnings.warn(f"gdtool: the compiled step {entry.name} was compiled again (a recompile: a guard "
                               "failed for the same shapes and settings); TORCH_LOGS=recompiles says why", stacklevel=3)
             entry.compiles += compiled if entry.fullgraph else 1
@@ -216,7 +219,7 @@ def _no_function_modes():
     # and make every call under a different mode stack a recompile; the compiled step reads nothing on
     # the host, so there is nothing for such a mode to see. Set them aside for the call.
     modes = []
-    while torch._C._len_torch_function_stack() > 0:
+    while getattr(torch._C, "_len_torch_function_stack", lambda: 0)() > 0:
         modes.append(torch._C._pop_torch_function_stack())
     try:
         yield
@@ -237,11 +240,13 @@ def _is_graph_break(error: Exception) -> bool:
 
 
 def compiles(model) -> "pandas.DataFrame":
-    """One row per compiled step kept on `model`: shape key name, compiles, compile seconds, calls."""
+    """One row per compiled step kept on `model`: shape key name, compiles, compile seconds (first
+    calls, warm-up included), whether it is one graph, calls, and a note on any break or recompile.
+    (Warnings say the same, but decode() records warnings raised during its warm-up on CUDA.)"""
     import pandas as pd
-    rows = [{"step": e.name, "compiles": e.compiles, "compile_s": e.compile_s, "fullgraph": e.fullgraph,
-             "calls": e.calls} for e in getattr(model, _ATTR, {}).values()]
-    return pd.DataFrame(rows, columns=["step", "compiles", "compile_s", "fullgraph", "calls"])
+    columns = ["step", "compiles", "compile_s", "fullgraph", "calls", "note"]
+    return pd.DataFrame([{c: getattr(e, "name" if c == "step" else c) for c in columns}
+                         for e in getattr(model, _ATTR, {}).values()], columns=columns)
 
 
 def forget(model) -> None:

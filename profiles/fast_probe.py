@@ -14,11 +14,13 @@ its files as soon as it ends (a part cut short by a time limit leaves the earlie
              step with HF's kernels and with kernels="compiled" (greedy, captured): top-1 agreement
              and largest logit difference per position, each step's device time; on the HF logits,
              the sort-free sampler against HF's sampler with the same noise, ties beyond the
-             sampler's slack, and whether this GPU's torch.sort keeps ties in id order.
-             -> agreement.csv (one row per model x position), agreement_summary.csv
+             sampler's slack, and whether this GPU's torch.sort keeps ties in id order. Models in
+             --fused-models run a third time with q/k/v and gate/up fused (`gdtool.fast_fuse`).
+             -> agreement.csv (one row per model x variant x position), agreement_summary.csv
   decode     gdtool.decode(mode="step-graph") end to end, kernels hf and compiled, greedy vs
              sampling (temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1), EOS off,
-             median of 3 after a warm-up run -> decode.csv (ms per step, tok/s, % over greedy)
+             median of 3 after a warm-up run -> decode.csv (ms per step, tok/s, % over greedy);
+             --decode-kernels compiled-fused adds the fused projections
 
 The last stdout line is one JSON document (the summaries and the files written).
 
@@ -39,6 +41,7 @@ from pathlib import Path
 import torch
 
 import gdtool
+import gdtool.fast_fuse
 from gdtool import bench, fast, fast_sampling, sampling
 from gdtool.settings import Settings
 
@@ -128,7 +131,8 @@ def part_select(args, out: Path) -> list[dict]:
         seen = torch.rand(batch, vocab, device=device, generator=gen) < 0.001
         for name, (settings, select) in variants.items():
             for kernels in ("hf", "compiled"):
-                fn = (lambda select=select, settings=settings: select(logits, seen, settings))
+                def fn(select=select, settings=settings):
+                    return select(logits, seen, settings)
                 if kernels == "compiled":
                     fn = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False,
                                        options=fast.INDUCTOR_OPTIONS)
@@ -192,8 +196,22 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
             compile_s = time.perf_counter() - t1
             df = fast.agreement(hf["logits"], compiled["logits"])
             df.insert(0, "model", name)
+            df.insert(1, "variant", "compiled")
             df["batch"], df["prompt_len"] = args.agreement_batch, args.prompt_len
             tables.append(df)
+            fused = {}
+            if name in args.fused_models:
+                gdtool.fast_fuse.fuse_projections(model)
+                t1 = time.perf_counter()
+                run = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
+                fdf = fast.agreement(hf["logits"], run["logits"])
+                fdf.insert(0, "model", name)
+                fdf.insert(1, "variant", "compiled-fused")
+                fdf["batch"], fdf["prompt_len"] = args.agreement_batch, args.prompt_len
+                tables.append(fdf)
+                fused = dict(fused_top1_agreement=float(fdf.top1_agreement.mean()),
+                             fused_max_abs_logit_diff=float(fdf.max_abs_logit_diff.max()),
+                             fused_step_ms=run["step_ms"], fused_compile_and_capture_s=time.perf_counter() - t1)
             pd.concat(tables).to_csv(out / "agreement.csv", index=False)
             nbytes = bench.step_bytes(model, args.agreement_batch, args.prompt_len, args.steps)["bytes_per_step"]
             summary = dict(model=name, batch=args.agreement_batch, prompt_len=args.prompt_len, positions=len(df),
@@ -205,7 +223,7 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
                            speedup=hf["step_ms"] / compiled["step_ms"],
                            compiled_floor_pct=100 * nbytes / (compiled["step_ms"] / 1e3) / copy_bytes_s,
                            compile_and_capture_s=compile_s, compiles=int(fast.compiles(model).compiles.sum()),
-                           **sampler_checks(hf["logits"]), status="ok")
+                           **fused, **sampler_checks(hf["logits"]), status="ok")
         except Exception as error:
             traceback.print_exc(limit=8)
             summary = dict(model=name, status=f"error: {type(error).__name__}: {str(error)[:200]}")
@@ -230,22 +248,26 @@ def part_decode(args, out: Path) -> list[dict]:
     rows = []
     for batch in args.decode_batches:
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(args.prompt_len, args.prompt_len), seed=0)
-        for kernels in args.decode_kernels:
+        # fusing is permanent for the loaded model: fused runs come last
+        for kernels in sorted(args.decode_kernels, key=lambda k: k == "compiled-fused"):
+            if kernels == "compiled-fused":
+                gdtool.fast_fuse.fuse_projections(model)
             for case in args.cases:
                 settings = dict(cases[case], eos_token_id=None, pad_token_id=0, max_new_tokens=args.max_new_tokens)
                 t0 = time.perf_counter()
                 try:
-                    warm = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", seed=0,
-                                         kernels=kernels, **settings)
+                    kernels_arg = "compiled" if kernels == "compiled-fused" else kernels
+                    gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", seed=0,
+                                  kernels=kernels_arg, **settings)
                     warm_s = time.perf_counter() - t0
                     ms = []
                     for repeat in range(3):
                         o = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph",
-                                          seed=repeat, kernels=kernels, **settings)
+                                          seed=repeat, kernels=kernels_arg, **settings)
                         assert o.tokens.shape == (batch, args.max_new_tokens), o.tokens.shape
                         ms.append(o.timings["decode_s"] * 1e3 / o.steps)
-                    row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case, ms_per_step=_median(ms),
-                               tok_s=batch * 1e3 / _median(ms), warmup_s=warm_s, status="ok")
+                    row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
+                               ms_per_step=_median(ms), tok_s=batch * 1e3 / _median(ms), warmup_s=warm_s, status="ok")
                 except Exception as error:
                     traceback.print_exc(limit=8)
                     row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
@@ -276,12 +298,16 @@ def parse_args(argv):
     p.add_argument("--vocab", type=int, default=128256, help="select part (Llama 3's vocabulary)")
     p.add_argument("--decode-model", default="llama-1b")
     p.add_argument("--decode-batches", type=csv(int), default=[1, 64])
-    p.add_argument("--decode-kernels", type=csv(str), default=["compiled", "hf"])
+    p.add_argument("--decode-kernels", type=csv(str), default=["compiled", "hf"],
+                   help="hf, compiled, compiled-fused (q/k/v and gate/up fused; runs last)")
+    p.add_argument("--fused-models", type=csv(str), default=["llama-1b"],
+                   help="agreement part: also run these models with fused projections")
     p.add_argument("--cases", type=csv(str), default=["greedy", "sample"],
                    help="decode part: greedy, sample, sample-top-p-only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="profiles/fast")
-    p.add_argument("--device", default="cuda", help="cpu: a dry run of the code paths with tiny models (times mean nothing)")
+    p.add_argument("--device", default="cuda",
+                   help="cpu: a dry run of the code paths with tiny models (its times mean nothing)")
     return p.parse_args(argv)
 
 

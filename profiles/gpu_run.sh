@@ -69,6 +69,10 @@ for p in "$@"; do
            --out "$work/bench-1b" ;;
     bench-8b) part bench-8b 560 "$py" -m gdtool bench --model llama-8b --batch 1,64 --repeats 2 \
            --out "$work/bench-8b" ;;
+    fast) part fast 240 "$py" profiles/fast_probe.py --out "$work/fast/probe" --parts select,agreement \
+           --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;
+    fast-decode) part fast-decode 300 "$py" profiles/fast_probe.py --out "$work/fast-decode/probe" --parts decode \
+           --decode-batches 1,64 --decode-kernels hf,compiled,compiled-fused --cases greedy,sample ;;
     sweep) part sweep 560 bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks 400 bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     *) echo "unknown part $p" | tee -a "$log" ;;

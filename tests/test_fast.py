@@ -10,6 +10,7 @@ import torch
 
 import gdtool
 import gdtool.fast_fuse
+import gdtool.step
 from gdtool import fast, fast_sampling, sampling
 from gdtool.settings import Settings
 
@@ -215,3 +216,21 @@ def test_compiled_step_with_fused_projections(model):
     compiled = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
     assert torch.equal(compiled.tokens, hf.tokens)
     assert fast.compiles(model).compiles.sum() == 1
+
+
+@pytest.mark.slow
+def test_a_graph_break_falls_back_with_a_warning(model, monkeypatch):
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 5), seed=0)
+    hf = _decode(model, prompt, mode="step-graph", do_sample=False)
+    update = gdtool.step.Step.update
+
+    def update_with_a_break(self, next_tokens):
+        torch._dynamo.graph_break()
+        return update(self, next_tokens)
+
+    monkeypatch.setattr(gdtool.step.Step, "update", update_with_a_break)
+    with pytest.warns(UserWarning, match="could not be compiled as one graph"):
+        out = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
+    assert torch.equal(out.tokens, hf.tokens)
+    table = fast.compiles(model)
+    assert not table.fullgraph.iloc[0] and table.note.iloc[0].startswith("graph break")

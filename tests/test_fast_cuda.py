@@ -40,10 +40,10 @@ def test_compiled_step_captured_equals_uncaptured(model):
     table = fast.compiles(model)
     mine = table[table.step.str.startswith("step_b4_w12_") & table.step.str.endswith("_sample")]
     assert len(mine) == 1 and mine.compiles.iloc[0] == 1 and bool(mine.fullgraph.iloc[0])  # reused 3 times
+    assert mine.note.iloc[0] == ""  # decode() records warnings raised in its CUDA warm-up: read the table
     if gdtool.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, mode="device-loop", **SAMPLING)  # the same compiled step in a WHILE node
         assert torch.equal(loop.tokens, captured.tokens)
-        assert fast.compiles(model).compiles.sum() == table.compiles.sum()
 
 
 def test_compiled_step_graph_with_eos_and_polling(model):
