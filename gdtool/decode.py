@@ -386,6 +386,9 @@ class Engine:
         t0 = time.perf_counter()
         with ranges.span(ranges.CAPTURE):
             keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
+            if self.captures_enabled:
+                # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
+                torch.cuda.empty_cache()
             reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
             self.graph = graphs.capture(fn, self.device, keep_graph=keep) if self.captures_enabled \
                 else graphs.Uncaptured(fn)

@@ -28,7 +28,13 @@ def main():
     p.add_argument("--model", default="llama-1b")
     p.add_argument("--batch", default="1,16")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True) with CUBLAS_WORKSPACE_CONFIG=:4096:8")
     args = p.parse_args()
+    if args.deterministic:
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     model = gdtool.load_model(args.model, seed=0)
     report = []
     for batch in [int(b) for b in args.batch.split(",")]:
@@ -36,6 +42,7 @@ def main():
             prompt = gdtool.random_prompts(model, batch=batch, lengths=lengths, seed=0)
             runs = {}
             for rep in range(2):
+                torch.manual_seed(rep)  # no draw depends on it (greedy); kernels must not either
                 if hasattr(model, "_previous_max_cache_length"):
                     del model._previous_max_cache_length
                 g = model.generate(prompt.input_ids, attention_mask=prompt.attention_mask,
@@ -52,7 +59,7 @@ def main():
                    "identical_pairs": sum(v is None for v in pairs.values()), "pairs": len(pairs)}
             print(json.dumps(row), flush=True)
             report.append(row)
-    print(json.dumps({"determinism": report, "torch": torch.__version__,
+    print(json.dumps({"determinism": report, "deterministic_algorithms": args.deterministic, "torch": torch.__version__,
                       "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}))
 
 

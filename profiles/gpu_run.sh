@@ -52,6 +52,10 @@ keep env.json
 for p in "$@"; do
   case $p in
     tests) part tests ${TESTS_SECONDS:-420} "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
+    determinism-strict) part determinism-strict 90 "$py" profiles/determinism.py --model llama-1b --batch 1 \
+           --max-new-tokens 192 --deterministic ;;
+    retest) part retest 90 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_decoder_cuda.py \
+           tests/test_fast_cuda.py tests/test_timing.py ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
@@ -73,8 +77,8 @@ for p in "$@"; do
            --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;
     fast-decode) part fast-decode 300 "$py" profiles/fast_probe.py --out "$work/fast-decode/probe" --parts decode \
            --decode-batches 1,64 --decode-kernels hf,compiled,compiled-fused --cases greedy,sample ;;
-    sweep) part sweep 560 bash profiles/regenerate.sh "$work/sweep" sweep ;;
-    notebooks) part notebooks 400 bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
+    sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
+    notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     *) echo "unknown part $p" | tee -a "$log" ;;
   esac
 done

@@ -16,7 +16,8 @@
 # The sweep is resumable: a rerun skips configs already in the CSV, so SWEEP_SECONDS (default 300)
 # can cut it into chunks. Knobs: MODEL, BATCHES, POLLS, LENGTHS, REPEATS, SWEEP_SECONDS, NOTEBOOKS
 # (which to execute, default "00 01 02"; "" for none), NOTEBOOK_TIMEOUT (s per notebook, default 240),
-# CSV (default profiles/sweeps/<MODEL>_geom128.csv), PYTHON.
+# CSV (default profiles/sweeps/<MODEL>_geom128.csv), NB01_YAML (parameters of notebook 01, e.g.
+# "{models: [llama-1b], batches: [1, 16, 64]}"), EOS_OFF_REPEATS, PYTHON.
 # Needs gdtool importable, and papermill + ipykernel (+ ipywidgets, nvtx) for the notebooks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +58,7 @@ stamp "sweep: eager and forward-graph, poll 1"
 stamp "sweep: EOS off, three modes"
 # shellcheck disable=SC2086
 "$python" -m gdtool sweep --models "$model" --modes eager forward-graph step-graph device-loop --batches $batches \
-    --polls never --lengths eos-off --max-new-tokens 128 --repeats 2 --warmup 1 --out "$csv" --no-progress
+    --polls never --lengths eos-off --max-new-tokens 128 --repeats "${EOS_OFF_REPEATS:-2}" --warmup 1 --out "$csv" --no-progress
 fi
 
 [[ $parts == *" notebooks "* ]] || notebooks=""
@@ -65,6 +66,7 @@ for nb in $notebooks; do
   path=$(ls notebooks/${nb}_*.ipynb)
   params=()
   [[ $nb == 02 ]] && params=(-p results "sweeps/$(basename "$csv")" -p lengths "$lengths")
+  [[ $nb == 01 && -n "${NB01_YAML:-}" ]] && params=(-y "$NB01_YAML")
   stamp "notebook $path"
   timeout "$nb_timeout" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
       --execution-timeout "$nb_timeout" --no-progress-bar "${params[@]}" 2>&1 | tail -n 5 || stamp "FAILED: $path (see its error cell)"

@@ -67,7 +67,7 @@ def test_sort_free_sampler_matches_hf_sampler_on_this_gpu():
     seen = torch.rand(64, vocab, device="cuda", generator=gen) < 0.001
     noise = torch.empty_like(logits).exponential_(1, generator=gen)
     warped = fast_sampling.warp(logits, seen, settings)
-    stable = torch.equal(torch.sort(warped, -1)[1], torch.sort(warped, -1, stable=True)[1])
+    stable = torch.equal(torch.sort(warped, -1)[1], torch.sort(warped, dim=-1, stable=True)[1])
     fast_tokens = fast_sampling.choose(logits, seen, settings, noise)
     assert torch.equal(fast_tokens, fast_sampling.reference_choose(logits, seen, settings, noise))
     hf_tokens = torch.argmax(torch.softmax(sampling.process(logits, seen, settings), -1) / noise, -1)

@@ -175,7 +175,11 @@ def test_profile_on_gpu(tiny_cuda, mode):
     res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=12,
                          eos_token_id=None, seed=0)
     steps, out = res.steps, res.output
-    assert steps["step"].tolist() == list(range(1, out.steps + 1)) and out.steps == 11
+    assert out.steps == 11
+    if mode == "device-loop":  # one row per graph launch: the whole rollout in one
+        assert steps["step"].tolist() == [1] and out.replays == 1
+    else:
+        assert steps["step"].tolist() == list(range(1, out.steps + 1))
     assert not steps[list(timing.METRICS)].isna().any().any(), res.notes
     assert (steps["host_us"] <= steps["wall_us"]).all()
     assert steps["wall_us"].sum() <= out.timings["decode_s"] * 1e6
@@ -231,4 +235,5 @@ def test_blocking_sync_makes_waits_sleep(wait):
     spinning = _cpu_share_of_wait(wait)
     assert "blocking-sync" in notes[0], notes
     assert sleeping < 0.2, (sleeping, spinning)
-    assert spinning > 0.5, (sleeping, spinning)
+    if wait is not _event_sync:  # an event made with blocking=True sleeps under any scheduling (seen on the H200)
+        assert spinning > 0.5, (sleeping, spinning)
