@@ -20,7 +20,9 @@ import pytest
 from gdtool import nsys
 
 DATA = Path(__file__).parent / "data"
-REAL_EXPORTS = sorted(DATA.glob("*.sqlite.gz"))
+# node-trace fixtures (tiny-llama) and the graph-trace sessions of profiles/h200 (llama-1b), all from the H200
+REAL_EXPORTS = sorted(DATA.glob("*.sqlite.gz")) + sorted((DATA.parent.parent / "profiles" / "h200" / "nsys-graph")
+                                                          .glob("*.sqlite.gz"))
 
 # Real column lists (nsys export --type sqlite); the reader must cope with any subset.
 SCHEMA = {

@@ -180,10 +180,15 @@ def test_profile_on_gpu(tiny_cuda, mode):
         assert steps["step"].tolist() == [1] and out.replays == 1
     else:
         assert steps["step"].tolist() == list(range(1, out.steps + 1))
-    assert not steps[list(timing.METRICS)].isna().any().any(), res.notes
+    metrics = [m for m in timing.METRICS if not (mode == "device-loop" and m in ("device_busy_us", "gpu_idle_us"))]
+    assert not steps[metrics].isna().any().any(), res.notes
     assert (steps["host_us"] <= steps["wall_us"]).all()
     assert steps["wall_us"].sum() <= out.timings["decode_s"] * 1e6
-    assert (steps["device_span_us"] > 0).all() and (steps["device_busy_us"] > 0).all()
+    assert (steps["device_span_us"] > 0).all()
+    if mode == "device-loop":  # torch.profiler sees no kernel inside the WHILE node (H200, torch 2.11)
+        assert steps["device_busy_us"].isna().all() and any("NaN for device-loop" in n for n in res.notes)
+        return
+    assert (steps["device_busy_us"] > 0).all()
     # span and busy come from two identical decodes: allow run-to-run jitter per step, none in total
     assert (steps["device_busy_us"] <= steps["device_span_us"] * 1.05 + 2).all(), steps
     assert steps["device_busy_us"].sum() <= steps["device_span_us"].sum()
