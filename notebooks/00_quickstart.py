@@ -14,17 +14,19 @@
 # ---
 
 # %% [markdown]
-# # gdtool in five minutes: one decode step, three ways to run it
+# # gdtool in five minutes: one decode step, four ways to run it
 #
-# gdtool decodes a Hugging Face model with the same step function in three modes:
+# gdtool decodes a Hugging Face model with the same step function in four modes:
 #
 # - **eager**: the host runs the forward, the token selection and the update op by op, and reads
 #   the "all rows finished" flag after every step (what `generate()` does);
 # - **forward-graph**: the model forward is one CUDA-graph replay, the rest stays eager;
 # - **step-graph**: the whole step (forward, sampling, EOS bookkeeping) is one replay, and the host
-#   reads the flag only every `eos_poll_interval` steps.
+#   reads the flag only every `eos_poll_interval` steps;
+# - **device-loop**: the step graph runs inside a CUDA-graph WHILE node: one launch per rollout,
+#   stopped on the device right after the last row finishes.
 #
-# All three produce the same tokens, bit for bit. What changes is who waits for whom: at small batch
+# All four produce the same tokens, bit for bit. What changes is who waits for whom: at small batch
 # an eager step is bound by the host launching hundreds of kernels; a captured step is one launch.
 # The models are presets with random weights in real shapes (no download); on a machine without a
 # GPU the graph modes run the same step uncaptured, so this notebook runs anywhere.
@@ -36,8 +38,11 @@ max_new_tokens = 128       # tokens per row (EOS is off here: every row runs to 
 prompt_len = 128
 repeats = 3
 warmup = 1
+deterministic = None       # None: on with a GPU, for the token check (see below)
 
 # %%
+import os
+
 import torch
 
 import gdtool
@@ -46,6 +51,11 @@ from gdtool.sweep import summarize, sweep
 
 if model_name is None:
     model_name = "llama-1b" if torch.cuda.is_available() else "tiny-llama"
+if deterministic is None:
+    deterministic = torch.cuda.is_available()
+if deterministic:  # before the first matmul: cuBLAS reads its workspace setting once
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
 model = gdtool.load_model(model_name, seed=0)
 device = next(model.parameters()).device
 print(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on {device}, "
@@ -57,6 +67,13 @@ print(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M p
 # launches), `host_syncs` (every time the host blocked on the device, the ones hidden inside library
 # code included) and `polls` (reads of the EOS flag). The token check below is the promise of the
 # whole tool: capturing the step changes the timing, never the output.
+#
+# One caveat on a GPU: some of PyTorch's kernels are not bitwise reproducible run to run. On an H200
+# two identical `generate()` calls on llama-1b drifted apart after about 44 greedy tokens, and so did
+# two runs of any one mode (`profiles/h200/determinism/`). With
+# `torch.use_deterministic_algorithms(True)` the five (generate and the four modes, twice each) gave
+# the same 192 tokens. So this check runs with deterministic algorithms on, and switches them off for
+# the timing below.
 
 # %%
 prompt = gdtool.random_prompts(model, batch=batches[-1], lengths=prompt_len, seed=0)
@@ -69,6 +86,7 @@ for mode, out in outs.items():
           f"{out.host_syncs} host syncs, {out.timings['decode_s'] * 1e3:.1f} ms decode, "
           f"tokens equal to eager: {same}")
 assert all(torch.equal(out.tokens, outs["eager"].tokens) for out in outs.values())
+torch.use_deterministic_algorithms(False)
 
 # %% [markdown]
 # ## Throughput, side by side
