@@ -60,11 +60,18 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default=None)
     p.add_argument("--warmup", type=int, default=1, help="untimed runs per mode before the reported one")
     p.add_argument("--show-tokens", action="store_true")
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch.use_deterministic_algorithms(True): on a GPU, PyTorch's default kernels are not "
+                        "bitwise reproducible run to run over long decodes, so modes can drift apart")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.deterministic:  # before the first matmul: cuBLAS reads its workspace setting once
+        import os
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = torch.device(args.device) if args.device else default_device()
     name = args.model or ("llama-1b" if device.type == "cuda" else "tiny-llama")
     model = load_model(name, seed=0, dtype=args.dtype, device=device)
@@ -94,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     same = all(torch.equal(out.tokens, first.tokens) for out in results.values())
     if len(results) > 1:
         print(f"tokens identical across modes: {'yes' if same else 'NO'}")
+        if not same and device.type == "cuda" and not args.deterministic:
+            print("  (on a GPU, default kernels are not run-to-run reproducible over long decodes: rerun with "
+                  "--deterministic to tell that apart from a parity bug)")
     record = {"config": {"model": name, "batch": ids.shape[0], "prompt_width": ids.shape[1],
                          "max_new_tokens": args.max_new_tokens, "seed": args.seed, "modes": list(modes),
                          "eos_poll_interval": poll, **settings},
