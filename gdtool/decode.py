@@ -21,7 +21,7 @@ import torch
 
 from . import compat, fast, graphs, ranges
 from .settings import UNSET, Settings, resolve
-from .step import State, Step, new_state, seed_seen
+from .step import State, new_state, seed_seen
 from .syncs import Counter, hidden_waits
 
 MODES = ("eager", "forward-graph", "step-graph", "device-loop")
@@ -411,7 +411,7 @@ class Engine:
 
     def _device_loop(self, steps_per_launch, on_chunk, generator):
         """Launch the WHILE loop until every row finished (one launch unless chunked). Returns (steps, polls, waits)."""
-        state, device = self.state, self.device
+        state = self.state
         if self.loop is None:  # max_new_tokens == 1: the prefill made the only token
             return 0, 0, 0
         polls = syncs = 0

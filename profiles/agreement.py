@@ -41,7 +41,7 @@ def main():
         busy_trace = "graph" if mode == "eager" else "node"
         row = {"batch": batch, "mode": mode,
                "busy/token in-process": r.get("device_busy_us_per_token"),
-               f"busy/token nsys": pick(busy_trace, "device_busy_us_per_token"), "busy trace": busy_trace,
+               "busy/token nsys": pick(busy_trace, "device_busy_us_per_token"), "busy trace": busy_trace,
                "span/token in-process": r.get("device_span_us_per_token"),
                "span/token nsys (graph)": pick("graph", "device_span_us_per_token"),
                "host/step in-process": r.get("host_us_median"), "host/step nsys (graph)": pick("graph", "host_us")}
