@@ -321,9 +321,11 @@ def busy_per_step(events) -> tuple[dict, float]:
     starts = [m[0] for m in marks]
     busy = {m[2]: 0.0 for m in marks}
     cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
-    # runtime and driver API calls (cudaLaunchKernel, cuLaunchKernelEx, ...): their id is the CUPTI correlation id
+    # launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...): their id is the CUPTI correlation
+    # id. Only launches: a device-side record correlated with a synchronizing call (CUPTI's synchronization
+    # activity lasts as long as the host waited) is not work the step gave the GPU.
     launches = {e.id: e.time_range.start for e in events
-                if e.device_type == cpu and e.name.startswith("cu") and "::" not in e.name}
+                if e.device_type == cpu and e.name.startswith("cu") and "Launch" in e.name and "::" not in e.name}
     outside = 0.0
     for e in events:
         if e.device_type != gpu or e.name.startswith(("Memcpy", "Memset")):

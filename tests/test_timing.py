@@ -115,6 +115,20 @@ def test_busy_per_step_joins_kernels_to_launches_by_correlation():
     assert outside == 40 + 1 + 1
 
 
+def test_busy_per_step_counts_launched_work_only():
+    """A device-side record correlated with a synchronizing call is waiting, not work of the step."""
+    events = [
+        _event(timing._MARK + "1", 10, 20, id=900),
+        _event("cudaLaunchKernel", 11, 12, id=7),
+        _event("cudaStreamSynchronize", 13, 19, id=8),
+        _event("gemv", 100, 102, id=7, gpu=True),
+        _event("Stream Sync", 103, 140, id=8, gpu=True),
+    ]
+    busy, outside = timing.busy_per_step(events)
+    assert busy == {1: 2}
+    assert outside == 37
+
+
 def test_kernel_pass_marks_every_step(tiny):
     """The profiler pass starts at step 1 (after capture) and marks each step; on a CPU no kernels."""
     model, prompt = tiny
