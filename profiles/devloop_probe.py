@@ -24,19 +24,14 @@ import traceback
 
 import torch
 
-from gdtool import devloop
+from gdtool import devloop, graphs
 from gdtool.devloop import DeviceLoop
 
 
 def capture(fn):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        fn()
+    """Warm `fn` up and capture it keeping the cudaGraph_t, as the device-loop mode does."""
+    graphs.warm_up(fn, 1)
+    graph = graphs.Captured(fn, keep_graph=True).graph
     torch.cuda.synchronize()
     return graph
 

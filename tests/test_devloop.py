@@ -11,7 +11,7 @@ import struct
 import pytest
 import torch
 
-from gdtool import devloop
+from gdtool import devloop, graphs
 from gdtool.devloop import DeviceLoop, run_uncaptured
 
 
@@ -228,15 +228,9 @@ def test_nvrtc_falls_back_to_ptx_for_an_unknown_architecture():
 # -- GPU: the WHILE node ----------------------------------------------------------------------------
 
 def capture(fn):
-    """Warm `fn` up on a side stream, then capture it keeping the cudaGraph_t."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph(keep_graph=True)
-    with torch.cuda.graph(graph):
-        fn()
+    """Warm `fn` up and capture it keeping the cudaGraph_t, as the device-loop mode does."""
+    graphs.warm_up(fn, 1)
+    graph = graphs.Captured(fn, keep_graph=True).graph
     torch.cuda.synchronize()
     return graph
 
