@@ -90,8 +90,9 @@ class BenchConfig:
     def name(self) -> str:
         model = Path(self.model).name if os.sep in self.model else self.model
         name = f"{model}_b{self.batch}_p{self.prompt_len}_n{self.max_new_tokens}"
-        if self.kernels != (DEFAULT_KERNELS,):
-            name += "_k" + "+".join(self.kernels)
+        kernels = list(dict.fromkeys(k for _, k in runners(self.modes, self.kernels)))
+        if kernels and kernels != [DEFAULT_KERNELS]:
+            name += "_k" + "+".join(kernels)
         return name
 
     @property
@@ -353,19 +354,27 @@ class _Planned:
     expects_graphs: bool = False    # torch.compile must have produced graphs, else "eager-fallback"
 
 
+def runners(modes: tuple[str, ...], kernels: tuple[str, ...]) -> list[tuple[str, str]]:
+    """(mode, kernels) pairs in run order: each plain mode once per kernels option, kernels-major; an
+    entry written ``mode+kernels`` (``step-graph+compiled``) runs once, with those kernels only."""
+    pinned = [tuple(m.split("+", 1)) for m in modes if "+" in m]
+    plain = [m for m in modes if "+" not in m]
+    pairs = [(m, k) for k in kernels for m in plain]
+    return pairs + [p for p in pinned if p not in pairs]
+
+
 def _plan(model, prompt, cfg: BenchConfig, device: torch.device) -> list[_Planned]:
     """The runners of one config, in run order: gdtool's modes (per kernels), then the peers."""
     plan = []
-    for kernels in cfg.kernels:
-        for mode in cfg.modes:
-            runner = mode if kernels == DEFAULT_KERNELS else f"{mode}+{kernels}"
-            plan.append(_Planned(
-                RunnerResult(runner, "gdtool", f"gdtool {runner}", kernels=kernels),
-                lambda mode=mode, kernels=kernels: _gdtool_runner(model, prompt, mode, kernels),
-                # compiled kernels key on the cache length: warm them with the timed length
-                min(cfg.max_new_tokens, SHORT_WARMUP_TOKENS) if mode == "eager" and kernels == DEFAULT_KERNELS
-                else cfg.max_new_tokens,
-                expects_graphs=kernels != DEFAULT_KERNELS and device.type == "cuda"))
+    for mode, kernels in runners(cfg.modes, cfg.kernels):
+        runner = mode if kernels == DEFAULT_KERNELS else f"{mode}+{kernels}"
+        plan.append(_Planned(
+            RunnerResult(runner, "gdtool", f"gdtool {runner}", kernels=kernels),
+            lambda mode=mode, kernels=kernels: _gdtool_runner(model, prompt, mode, kernels),
+            # compiled kernels key on the cache length: warm them with the timed length
+            min(cfg.max_new_tokens, SHORT_WARMUP_TOKENS) if mode == "eager" and kernels == DEFAULT_KERNELS
+            else cfg.max_new_tokens,
+            expects_graphs=kernels != DEFAULT_KERNELS and device.type == "cuda"))
     for peer in cfg.peers:
         result = RunnerResult(peer, "peer", PEER_LABELS[peer])
         if peer in COMPILED_PEERS and device.type != "cuda":
@@ -600,7 +609,9 @@ def parse_args(argv):
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per runner after one warm-up run")
-    parser.add_argument("--modes", default=None, help="gdtool modes, comma list (default: all) or 'none'")
+    parser.add_argument("--modes", default=None,
+                        help="gdtool modes, comma list (default: all) or 'none'; an entry mode+kernels "
+                             "(step-graph+compiled) runs with those kernels only")
     parser.add_argument("--peers", default=",".join(PEERS), help=f"subset of {','.join(PEERS)}, or 'none'")
     parser.add_argument("--kernels", default=None,
                         help="decode(kernels=...) for gdtool's modes, comma list (default: hf, HF's own kernels)")
@@ -616,9 +627,13 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the table
-    modes = _csv_list(args.modes, tuple(gdtool.MODES), "mode") if args.modes else tuple(gdtool.MODES)
+    modes = _csv_list(args.modes, None, "mode") if args.modes else tuple(gdtool.MODES)
     peers = _csv_list(args.peers, PEERS, "peer")
     kernels = _csv_list(args.kernels, None, "kernels") if args.kernels else (DEFAULT_KERNELS,)
+    unknown = [m for m in modes if m.split("+", 1)[0] not in gdtool.MODES]
+    if unknown:
+        raise ValueError(f"unknown mode {unknown}; choose from {', '.join(gdtool.MODES)}, each optionally "
+                         f"as mode+kernels (step-graph+compiled), comma-separated, or 'none'")
     if not modes and not peers:
         raise ValueError("--modes none with --peers none leaves nothing to measure; name a mode or a peer")
     batches = [int(b) for b in _csv_list(args.batch, None, "batch")]

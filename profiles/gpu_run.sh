@@ -20,6 +20,8 @@ work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 log="$out/log"
+# bench: every mode with HF's kernels, and the graph modes with the compiled option too
+bench_modes=${BENCH_MODES:-eager,forward-graph,step-graph,device-loop,step-graph+compiled,device-loop+compiled}
 
 keep() {  # keep PART: append $work/PART to the results tar
   [ -e "$work/$1" ] && tar -C "$work" -rf "$out/results.tar" "$1"
@@ -56,6 +58,8 @@ for p in "$@"; do
            --max-new-tokens 192 --deterministic ;;
     retest) part retest 90 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_decoder_cuda.py \
            tests/test_fast_cuda.py tests/test_timing.py ;;
+    retest-devloop) part retest-devloop 120 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_devloop.py \
+           tests/test_device_loop_mode.py tests/test_timing.py ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
@@ -69,9 +73,9 @@ for p in "$@"; do
     nsys-node1) part nsys-node1 90 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1 --trace node \
            --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node1" ;;
     nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
-    bench-1b) part bench-1b 420 "$py" -m gdtool bench --model llama-1b --batch 1,64 --repeats 3 \
+    bench-1b) part bench-1b ${BENCH_SECONDS:-480} "$py" -m gdtool bench --model llama-1b --batch ${BENCH_BATCHES:-1,64} --repeats 3 --modes "$bench_modes" \
            --out "$work/bench-1b" ;;
-    bench-8b) part bench-8b 560 "$py" -m gdtool bench --model llama-8b --batch 1,64 --repeats 2 \
+    bench-8b) part bench-8b ${BENCH_SECONDS:-560} "$py" -m gdtool bench --model llama-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes "$bench_modes" \
            --out "$work/bench-8b" ;;
     fast) part fast 240 "$py" profiles/fast_probe.py --out "$work/fast/probe" --parts select,agreement \
            --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;

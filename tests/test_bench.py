@@ -102,6 +102,23 @@ def test_config_name():
     assert cfg.config_hash != bench.BenchConfig(model="/ckpt/Qwen2.5-0.5B", batch=32).config_hash
 
 
+def test_modes_pinned_to_kernels_run_once_with_those_kernels():
+    pairs = bench.runners(("eager", "step-graph", "step-graph+compiled", "device-loop+compiled"), ("hf",))
+    assert pairs == [("eager", "hf"), ("step-graph", "hf"), ("step-graph", "compiled"), ("device-loop", "compiled")]
+    # a pinned entry that a plain mode already yields runs once
+    assert bench.runners(("step-graph", "step-graph+compiled"), ("hf", "compiled")) == [
+        ("step-graph", "hf"), ("step-graph", "compiled")]
+    cfg = bench.BenchConfig(model="llama-1b", batch=1, modes=("eager", "step-graph+compiled"))
+    assert cfg.name == "llama-1b_b1_p128_n256_khf+compiled"
+    assert bench.BenchConfig(model="llama-1b", batch=1, modes=("step-graph",), kernels=("compiled",)).name == \
+        "llama-1b_b1_p128_n256_kcompiled"
+
+
+def test_unknown_mode_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="unknown mode.*step-grph.*mode\\+kernels"):
+        bench.main(["--modes", "step-grph+compiled", "--peers", "none"])
+
+
 def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):
     model = load("tiny-llama")  # tied embeddings: the head reads the table, counted once
     cfg = model.config
