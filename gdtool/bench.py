@@ -85,6 +85,7 @@ class BenchConfig:
     peers: tuple[str, ...] = PEERS
     kernels: tuple[str, ...] = (DEFAULT_KERNELS,)
     seed: int = 0
+    fused_projections: bool = False   # gdtool.fast_fuse.fuse_projections(model) before anything runs
 
     @property
     def name(self) -> str:
@@ -93,6 +94,8 @@ class BenchConfig:
         kernels = list(dict.fromkeys(k for _, k in runners(self.modes, self.kernels)))
         if kernels and kernels != [DEFAULT_KERNELS]:
             name += "_k" + "+".join(kernels)
+        if self.fused_projections:
+            name += "_fused"
         return name
 
     @property
@@ -615,6 +618,9 @@ def parse_args(argv):
     parser.add_argument("--peers", default=",".join(PEERS), help=f"subset of {','.join(PEERS)}, or 'none'")
     parser.add_argument("--kernels", default=None,
                         help="decode(kernels=...) for gdtool's modes, comma list (default: hf, HF's own kernels)")
+    parser.add_argument("--fuse-projections", action="store_true",
+                        help="fuse each layer's q/k/v and gate/up weights first (gdtool.fast_fuse): the compiled "
+                             "step then runs one matmul per group; HF's kernels and the peers are unchanged")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="profiles/bench", help="folder for <config>.csv and <config>.json")
@@ -652,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = gdtool.load_model(model_name, seed=args.seed, device=device)
     log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
+    if args.fuse_projections:
+        from .fast_fuse import fuse_projections
+        log(f"[bench] fused {fuse_projections(model)} projection groups (q/k/v, gate/up)")
     copy_bytes_s = copy_bandwidth(device)
     env = environment(device)
     env["copy_gb_s"] = copy_bytes_s / 1e9
@@ -661,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         cfg = BenchConfig(model=model_name, batch=batch, prompt_len=args.prompt_len,
                           max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=modes,
-                          peers=peers, kernels=kernels, seed=args.seed)
+                          peers=peers, kernels=kernels, seed=args.seed, fused_projections=args.fuse_projections)
         results = run_config(model, cfg, log=log)
         failed |= any(r.status.startswith("error") for r in results)
         bytes_info = step_bytes(model, batch, cfg.prompt_len, cfg.max_new_tokens)

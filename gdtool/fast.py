@@ -41,7 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, fast_fuse, fast_sampling, graphs
+from . import compat, fast_attention, fast_fuse, fast_sampling, graphs
 from .step import Step, new_state
 
 KERNELS = ("hf", "compiled")
@@ -122,6 +122,7 @@ class CompiledStep(Step):
                              "sliding-window or other layers; use kernels='hf'")
         self.part = part
         self._compiled = None
+        fast_attention.install()
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.state
@@ -148,7 +149,7 @@ class CompiledStep(Step):
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes():
+            with _no_function_modes(), fast_attention.scope():
                 result = entry.fn(self)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
@@ -161,7 +162,7 @@ class CompiledStep(Step):
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
-            with _no_function_modes():
+            with _no_function_modes(), fast_attention.scope():
                 result = entry.fn(self)
         compiled = _graphs_compiled() - before
         if compiled:

@@ -10,8 +10,8 @@ Each group's weights are copied once into one buffer and each `nn.Linear` keeps 
 so the model holds no extra memory, its state_dict is unchanged in names and values, and the
 weights have new addresses (capture after fusing, not before). While torch.compile traces (the
 `kernels="compiled"` step), the first projection of a group computes the whole group's product and
-hands the others their slices; everywhere else each Linear computes its own product as before,
-so `kernels="hf"` and generate() keep their exact kernels and bits.
+hands the others their slices; everywhere else (HF's kernels, generate(), any other torch.compile
+of the model) each Linear computes its own product as before, with its exact kernels and bits.
 
 Groups are found by name, in the order HF's Llama-family forwards call them: (q_proj, k_proj,
 v_proj) in attention, (gate_proj, up_proj) in the MLP, when they are `nn.Linear`s over the same
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from . import fast_attention
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -86,7 +88,7 @@ def _fuse(linears: list[nn.Linear]) -> None:
 
 
 def _first_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() and fast_attention.active():
         group = self._gdtool_group
         parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
         for linear, part in zip(group.linears[1:], parts[1:]):
@@ -97,7 +99,7 @@ def _first_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _rest_forward(self, x: torch.Tensor) -> torch.Tensor:
     pending = self._gdtool_pending
-    if torch.compiler.is_compiling() and pending is not None and pending[0] is x:
+    if torch.compiler.is_compiling() and fast_attention.active() and pending is not None and pending[0] is x:
         self._gdtool_pending = None
         return pending[1]
     return F.linear(x, self.weight, self.bias)

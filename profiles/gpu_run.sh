@@ -60,6 +60,8 @@ for p in "$@"; do
            tests/test_fast_cuda.py tests/test_timing.py ;;
     retest-devloop) part retest-devloop 120 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_devloop.py \
            tests/test_device_loop_mode.py tests/test_timing.py ;;
+    fast-tests) part fast-tests 150 bash -c "$py -m pytest -q -ra -p no:cacheprovider tests/test_fast_attention.py && \
+           $py -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_fast_cuda.py" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
@@ -73,9 +75,9 @@ for p in "$@"; do
     nsys-node1) part nsys-node1 90 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1 --trace node \
            --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node1" ;;
     nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
-    bench-1b) part bench-1b ${BENCH_SECONDS:-480} "$py" -m gdtool bench --model llama-1b --batch ${BENCH_BATCHES:-1,64} --repeats 3 --modes "$bench_modes" \
+    bench-1b) part bench-1b ${BENCH_SECONDS:-480} "$py" -m gdtool bench --model llama-1b --batch ${BENCH_BATCHES:-1,64} --repeats 3 --modes "$bench_modes" ${BENCH_FLAGS:-} \
            --out "$work/bench-1b" ;;
-    bench-8b) part bench-8b ${BENCH_SECONDS:-560} "$py" -m gdtool bench --model llama-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes "$bench_modes" \
+    bench-8b) part bench-8b ${BENCH_SECONDS:-560} "$py" -m gdtool bench --model llama-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes "$bench_modes" ${BENCH_FLAGS:-} \
            --out "$work/bench-8b" ;;
     fast) part fast 240 "$py" profiles/fast_probe.py --out "$work/fast/probe" --parts select,agreement \
            --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;

@@ -115,9 +115,14 @@ def _decode(model, prompt, **kw):
     return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
 
 
-def test_compiled_step_graph_matches_hf_and_compiles_once(model):
+def test_compiled_step_graph_matches_hf_and_compiles_once(model, monkeypatch):
+    packed = torch.zeros((), dtype=torch.int64)  # layer calls through the packed grouped-query attention,
+    original = gdtool.fast_attention.decode_attention  # counted by the compiled code itself (an in-place add)
+    monkeypatch.setattr(gdtool.fast_attention, "decode_attention", lambda *a: (packed.add_(1), original(*a))[1])
+    fast.forget(model)
     prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
     hf = _decode(model, prompt, mode="step-graph", do_sample=False)
+    assert packed.item() == 0  # HF's kernels keep HF's attention
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
@@ -130,6 +135,7 @@ def test_compiled_step_graph_matches_hf_and_compiles_once(model):
     table = fast.compiles(model)
     assert len(table) == 1 and table.compiles.iloc[0] == 1 and bool(table.fullgraph.iloc[0])
     assert table.calls.iloc[0] == 3 * first.steps
+    assert packed.item() == model.config.num_hidden_layers * table.calls.iloc[0]  # every layer, every step
 
 
 @pytest.mark.slow
@@ -202,8 +208,13 @@ def test_fused_projections_trace_one_matmul_per_group():
         assert torch.equal(torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)(), reference)
         gdtool.fast_fuse.fuse_projections(model)
         torch._dynamo.reset()
-        fused = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
-    assert linears == [2 * 7 + 1, 2 * 4 + 1]  # per layer q,k,v,o,gate,up,down -> qkv,o,gate_up,down; + lm_head
+        elsewhere = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
+        torch._dynamo.reset()
+        with gdtool.fast_attention.scope():  # as inside gdtool's compiled step
+            fused = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
+    # per layer q,k,v,o,gate,up,down -> qkv,o,gate_up,down; + lm_head; another compile of the model is untouched
+    assert linears == [2 * 7 + 1, 2 * 7 + 1, 2 * 4 + 1]
+    assert torch.equal(elsewhere, reference)
     torch.testing.assert_close(fused, reference, rtol=1e-5, atol=1e-5)
     assert model.model.layers[0].self_attn.k_proj._gdtool_pending is None  # nothing left behind
 

@@ -1,0 +1,79 @@
+"""The packed grouped-query attention of the compiled step, against HF's sdpa attention."""
+import pytest
+import torch
+
+import gdtool
+from gdtool import compat, fast_attention
+
+
+@pytest.fixture(scope="module")
+def model():
+    return gdtool.load_model("tiny-llama", seed=0)
+
+
+def _inputs(batch=3, hq=8, hkv=2, length=1, slots=11, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, hq, length, dim, generator=g)
+    k = torch.randn(batch, hkv, slots, dim, generator=g)
+    v = torch.randn(batch, hkv, slots, dim, generator=g)
+    mask = torch.rand(batch, 1, length, slots, generator=g) > 0.3
+    mask[..., 0] = True  # every row attends somewhere
+    return q, k, v, mask
+
+
+class _Attn(torch.nn.Module):
+    num_key_value_groups = 4
+    is_causal = True
+
+
+def test_packed_attention_computes_what_hf_sdpa_computes():
+    fast_attention.install()
+    q, k, v, mask = _inputs()
+    hf, _ = fast_attention._original(_Attn(), q, k, v, mask, scaling=0.25)
+    packed = fast_attention.decode_attention(q, k, v, mask, 0.25)
+    assert packed.shape == hf.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-6)
+    # and a mask that does change the answer is honoured
+    assert not torch.allclose(packed, fast_attention.decode_attention(q, k, v, None, 0.25))
+
+
+def test_dispatch_keeps_hf_outside_the_scope_and_for_what_it_does_not_cover():
+    fast_attention.install()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    sdpa = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert sdpa is fast_attention._dispatch
+    q, k, v, mask = _inputs()
+    hf, _ = fast_attention._original(_Attn(), q, k, v, mask, scaling=0.25)
+    assert torch.equal(sdpa(_Attn(), q, k, v, mask, scaling=0.25)[0], hf)  # outside: HF's own call, same bits
+    with fast_attention.scope():
+        assert fast_attention.active()
+        assert torch.equal(sdpa(_Attn(), q, k, v, mask, scaling=0.25)[0],
+                           fast_attention.decode_attention(q, k, v, mask, 0.25))
+        q2, k2, v2, mask2 = _inputs(length=3)  # a prompt, not a decode step: HF's attention
+        assert torch.equal(sdpa(_Attn(), q2, k2, v2, mask2, scaling=0.25)[0],
+                           fast_attention._original(_Attn(), q2, k2, v2, mask2, scaling=0.25)[0])
+        assert not fast_attention.applies(q, k, mask, 0.0, {"softcap": 30.0})
+        assert not fast_attention.applies(q, k, mask, 0.1, {})
+        assert not fast_attention.applies(q, k, mask, 0.0, {"sliding_window": 4})
+    assert not fast_attention.active()
+
+
+def test_model_logits_with_packed_attention_match_hf(model, monkeypatch):
+    """The whole model, one decode token after a left-padded prompt: same logits (fp32)."""
+    fast_attention.install()
+    calls = []
+    original = fast_attention.decode_attention
+    monkeypatch.setattr(fast_attention, "decode_attention", lambda *a: calls.append(a[3]) or original(*a))
+    cache_kw, _ = compat.forward_kwargs(model)
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
+    with torch.inference_mode():
+        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([prompt.attention_mask, torch.ones_like(nxt)], 1)
+        hf = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
+        with fast_attention.scope():
+            packed = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+    assert len(calls) == model.config.num_hidden_layers
+    assert calls[0] is not None and not calls[0].all()  # the pads were masked by the packed path
+    torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-5)
