@@ -1,0 +1,31 @@
+"""Markdown table of `python -m gdtool bench` results, from the JSON files it writes.
+
+    python profiles/bench_table.py profiles/h200/bench/llama-1b/*.json profiles/h200/bench/llama-8b/*.json
+"""
+import json
+import sys
+
+
+def rows(path):
+    doc = json.load(open(path))
+    for r in doc["summary"]:
+        yield doc["config"]["model"], r
+
+
+def fmt(value, spec):
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def main(paths):
+    print("| model | batch | runner | tok/s | ms/step | % of floor | x gpt-fast | x generate static | status |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|---|")
+    everything = [row for path in paths for row in rows(path)]
+    models = list(dict.fromkeys(model for model, _ in everything))
+    for model, r in sorted(everything, key=lambda mr: (models.index(mr[0]), mr[1]["batch"])):  # stable: run order
+        print(f"| {model} | {r['batch']} | {r['label']} | {fmt(r['tok_s'], '.1f')} | {fmt(r['ms_per_step'], '.3f')} "
+              f"| {fmt(r['floor_pct'], '.1f')} | {fmt(r.get('x_gpt-fast'), '.2f')} "
+              f"| {fmt(r.get('x_generate-static'), '.2f')} | {r['status']} |")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
