@@ -5,7 +5,8 @@ bit what `generate()` computes. `kernels="compiled"` runs the *same* step functi
 torch.compile (dynamo, one graph, no breaks) and lowered by inductor into fused kernels, with no
 CUDA graphs of its own; gdtool then warms it up and captures it in its own graph exactly as it
 captures the HF step. So the graph modes keep their buffers, their EOS polling and their ranges,
-and only the kernels inside the replay change:
+and only the kernels inside the replay change (plus, inside this step only, a grouped-query decode
+attention that reads the cache without copying it: `fast_attention.py`):
 
     step-graph     forward + select + update compiled as one function, captured whole
     forward-graph  the forward compiled, captured; select and update stay eager
