@@ -7,7 +7,9 @@
 # mode), probe (device-loop smoke test), run (python -m gdtool run on
 # llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph (llama-1b, batch 1
 # and 16, graph trace), nsys-node1 (batch 1, node trace, graph modes), nsys-fixtures,
-# profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks.
+# profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
+# devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
+# kernels=compiled), retest-devloop, fast, fast-decode.
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
 # so a part cut short by a time limit leaves the others' results. Needs gdtool importable, plus the
 # notebook / nvtx wheels and nsys where those parts run (see profiles/README.md).
@@ -62,6 +64,12 @@ for p in "$@"; do
            tests/test_device_loop_mode.py tests/test_timing.py ;;
     fast-tests) part fast-tests 150 bash -c "$py -m pytest -q -ra -p no:cacheprovider tests/test_fast_attention.py && \
            $py -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_fast_cuda.py" ;;
+    devloop-host) part devloop-host 240 "$py" -m gdtool sweep --models llama-1b --modes device-loop \
+           --batches 1 4 16 64 --polls never --lengths geom:128:512 --profile --repeats 3 --no-progress \
+           --out "$work/devloop-host/llama-1b_geom128_devloop_host.csv" ;;
+    nsys-compiled) part nsys-compiled 300 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
+           --modes forward-graph,step-graph --set kernels=compiled --max-new-tokens 48 --no-eos \
+           --out "$work/nsys-compiled" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
