@@ -647,6 +647,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         raise ValueError(f"unknown mode {unknown}; choose from {', '.join(gdtool.MODES)}, each optionally "
                          f"as mode+kernels (step-graph+compiled), comma-separated, or 'none'")
+    from .fast import KERNELS
+    bad = sorted({k for _, k in runners(modes, kernels)} - set(KERNELS))
+    if bad:
+        raise ValueError(f"unknown kernels {bad} (in --kernels or a mode+kernels entry); choose from "
+                         f"{', '.join(KERNELS)}")
     if not modes and not peers:
         raise ValueError("--modes none with --peers none leaves nothing to measure; name a mode or a peer")
     batches = [int(b) for b in _csv_list(args.batch, None, "batch")]
@@ -667,7 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
     if args.fuse_projections:
         from .fast_fuse import fuse_projections
-        log(f"[bench] fused {fuse_projections(model)} projection groups (q/k/v, gate/up)")
+        fused = fuse_projections(model)
+        if not fused:
+            raise ValueError(f"--fuse-projections found no q/k/v or gate/up nn.Linear groups in {model_name}; "
+                             "drop the flag for this model")
+        log(f"[bench] fused {fused} projection groups (q/k/v, gate/up)")
     copy_bytes_s = copy_bandwidth(device)
     env = environment(device)
     env["copy_gb_s"] = copy_bytes_s / 1e9

@@ -119,6 +119,20 @@ def test_unknown_mode_is_refused_with_the_choices():
         bench.main(["--modes", "step-grph+compiled", "--peers", "none"])
 
 
+def test_unknown_kernels_are_refused_before_anything_runs():
+    with pytest.raises(ValueError, match="unknown kernels.*compild.*choose from hf, compiled"):
+        bench.main(["--modes", "step-graph+compild", "--peers", "none"])
+    with pytest.raises(ValueError, match="unknown kernels.*fused"):
+        bench.main(["--modes", "step-graph", "--kernels", "hf,fused", "--peers", "none"])
+
+
+def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch):
+    import gdtool.fast_fuse
+    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
+    with pytest.raises(ValueError, match="found no q/k/v or gate/up.*drop the flag"):
+        bench.main(["--model", "tiny-llama", "--device", "cpu", "--fuse-projections", "--peers", "none"])
+
+
 def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):
     model = load("tiny-llama")  # tied embeddings: the head reads the table, counted once
     cfg = model.config
