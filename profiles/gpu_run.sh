@@ -10,6 +10,8 @@
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), retest-devloop, fast, fast-decode.
+# Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
+# --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
 # so a part cut short by a time limit leaves the others' results. Needs gdtool importable, plus the
 # notebook / nvtx wheels and nsys where those parts run (see profiles/README.md).
