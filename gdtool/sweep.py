@@ -37,7 +37,8 @@ tokens over the decode wall time, prefill excluded), ``steps_per_s``, ``wasted_s
 ``host_syncs``, ``polls``, ``us_per_token``, the decode's timings (``prefill_s``, ``warmup_s``,
 ``capture_s``, ``decode_s``, ``total_s``) and, with ``profile=True`` and `gdtool.profile` present,
 ``host_us_per_token`` / ``device_us_per_token`` (kernel busy time) from one extra profiled run per
-config (`gdtool.timing.profile`; per step-token, wasted steps included).
+repetition, with that repetition's lengths (`gdtool.timing.profile`; totals over those runs per
+step-token, wasted steps included; ``profile_runs`` says how many).
 """
 from __future__ import annotations
 
@@ -336,19 +337,30 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
     return row
 
 
-def _profile_columns(model, cfg: RunConfig, prompt) -> dict:
-    """Host and device time per token from one extra run under `gdtool.timing.profile`, when it exists."""
+def _profile_columns(model, cfg: RunConfig, prompt, repeats) -> dict:
+    """Host and device time per token from one extra run under `gdtool.timing.profile` per repetition,
+    each with that repetition's lengths: totals over the runs / step-tokens over the runs. One run alone
+    would make the figure hang on one draw (at batch 1, a 20-token rollout pays the whole launch)."""
     try:
         from .timing import profile
     except ImportError:
         return {}
-    kwargs, targets = _decode_kwargs(model, cfg, 0)
-    if poll_value(cfg.poll) is not None:
-        kwargs["eos_poll_interval"] = poll_value(cfg.poll)
-    if targets is not None:
-        kwargs["target_lengths"] = targets
-    result = profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, **kwargs)
-    return profile_per_token(result)
+    totals: dict[str, float] = {}
+    step_tokens = 0
+    for repeat in repeats:
+        kwargs, targets = _decode_kwargs(model, cfg, repeat)
+        if poll_value(cfg.poll) is not None:
+            kwargs["eos_poll_interval"] = poll_value(cfg.poll)
+        if targets is not None:
+            kwargs["target_lengths"] = targets
+        result = profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, **kwargs)
+        for metric, column in PROFILE_COLUMNS.items():
+            if metric in result.summary.index:
+                totals[column] = totals.get(column, 0.0) + float(result.summary.loc[metric, "total"])
+        step_tokens += result.output.steps * result.output.batch
+    if not step_tokens:
+        return {}
+    return {**{column: total / step_tokens for column, total in totals.items()}, "profile_runs": len(repeats)}
 
 
 # gdtool.timing summary metric -> sweep column (per generated token: total over steps / (steps x batch))
@@ -390,7 +402,7 @@ def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, star
         if own:
             engines.close()
     if profile and rows:
-        extra = _profile_columns(model, cfg, prompt)
+        extra = _profile_columns(model, cfg, prompt, range(start_repeat, start_repeat + repeats))
         for row in rows:
             row.update(extra)
     return rows

@@ -9,7 +9,7 @@
 # and 16, graph trace), nsys-node1 (batch 1, node trace, graph modes), nsys-fixtures,
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
-# kernels=compiled), retest-devloop, fast, fast-decode.
+# kernels=compiled), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -72,6 +72,8 @@ for p in "$@"; do
     nsys-compiled) part nsys-compiled 300 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
            --modes forward-graph,step-graph --set kernels=compiled --max-new-tokens 48 --no-eos \
            --out "$work/nsys-compiled" ;;
+    launch-probe) part launch-probe 180 "$py" profiles/launch_probe.py --model llama-1b --batch 1 \
+           --out "$work/launch-probe/launch.json" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \

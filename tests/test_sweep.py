@@ -226,3 +226,28 @@ def test_sweep_on_cuda_replays_one_capture_per_engine(tmp_path):
     assert (never["steps"] == 31).all() and (never["polls"] == 0).all()
     env = json.loads(out.with_suffix(".json").read_text())["environment"]
     assert env["gpu"] and env["gpu_count"] >= 1 and env["cuda"]
+
+
+def test_profile_columns_pool_one_profiled_run_per_repetition(load, tmp_path, monkeypatch):
+    """host_us_per_token is the host time of every repetition's profiled run over their step-tokens,
+    each run with its repetition's lengths, not one draw's figure copied to every row."""
+    from gdtool import timing
+    model = load("tiny-llama")
+    seen, real = [], timing.profile
+
+    def recording(*args, **kwargs):
+        result = real(*args, **kwargs)
+        seen.append((kwargs["target_lengths"].tolist(), float(result.summary.loc["host_us", "total"]),
+                     result.output.steps * result.output.batch))
+        return result
+
+    monkeypatch.setattr(timing, "profile", recording)
+    df = sweep([model], modes=["device-loop"], batches=[2], polls=["never"], lengths=["geom:4:12"],
+               max_new_tokens=12, prompt_len=4, repeats=3, warmup=0, progress=False, profile=True,
+               out=tmp_path / "p.csv")
+    cfg = RunConfig("tiny-llama", "device-loop", 2, "never", "geom:4:12", 12, prompt_len=4)
+    assert [lengths for lengths, _, _ in seen] == [cfg.lengths_for(r).tolist() for r in range(3)]
+    assert len({tuple(lengths) for lengths, _, _ in seen}) > 1  # the draws differ, so pooling matters
+    pooled = sum(host for _, host, _ in seen) / sum(tokens for _, _, tokens in seen)
+    assert (df["profile_runs"] == 3).all()
+    assert df["host_us_per_token"].to_numpy() == pytest.approx([pooled] * 3)
