@@ -795,6 +795,9 @@ def target(argv: list[str]) -> int:
     if a.no_eos:
         settings["eos_token_id"] = None
     model = gdtool.load_model(a.model, seed=0)
+    if settings.pop("fuse_projections", False) and not gdtool.fast_fuse.fuse_projections(model):
+        # not a decode argument: the bench's --fuse-projections
+        raise SystemExit(f"fuse_projections=true: {a.model} has no q/k/v or gate/up projections to fuse; drop it")
     prompt = gdtool.random_prompts(model, batch=a.batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
     results = []
     for r in range(a.repeat):
@@ -970,7 +973,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps "
                    "(the host still polls on schedule)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16")
+                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16; also "
+                   "fuse_projections=true (fuse the model's projections first, as bench --fuse-projections; "
+                   "used with kernels=compiled)")
     p.add_argument("--out", default="nsys-profiles")
     p.add_argument("--keep-report", action="store_true", help="also keep the .nsys-rep files (to open in the GUI)")
     p.add_argument("--fixture", action="store_true", help="write slimmed exports (test fixtures)")

@@ -9,7 +9,8 @@
 # and 16, graph trace), nsys-node1 (batch 1, node trace, graph modes), nsys-fixtures,
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
-# kernels=compiled), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch).
+# kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
+# breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -72,6 +73,10 @@ for p in "$@"; do
     nsys-compiled) part nsys-compiled 300 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
            --modes forward-graph,step-graph --set kernels=compiled --max-new-tokens 48 --no-eos \
            --out "$work/nsys-compiled" ;;
+    nsys-compiled-node) part nsys-compiled-node 200 bash -c "$py -m gdtool.nsys --nsys --model llama-1b --batch 1 \
+           --trace node --modes step-graph --set kernels=compiled --set fuse_projections=true --max-new-tokens 48 \
+           --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
+           $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
     launch-probe) part launch-probe 180 "$py" profiles/launch_probe.py --model llama-1b --batch 1 \
            --out "$work/launch-probe/launch.json" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;

@@ -562,3 +562,20 @@ def test_session_on_gpu(tmp_path, mode):
     df, ran = nsys.record(cfg, tmp_path, fixture=True)  # record() checks steps and totals itself
     assert len(df) == ran["decodes"][0]["steps"] == 5
     assert (df["mode"] == mode).all() and (df["device_busy_us"] > 0).all()
+
+
+def test_target_fuses_projections_when_asked(monkeypatch, capsys):
+    """--set fuse_projections=true fuses the model before decoding (not passed to decode), and is refused
+    where there is nothing to fuse."""
+    import gdtool
+    fused = []
+    real = gdtool.fast_fuse.fuse_projections
+    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: fused.append(real(model)) or fused[-1])
+    args = ["--model", "tiny-llama", "--mode", "step-graph", "--batch", "1", "--max-new-tokens", "3", "--repeat", "1",
+            "--no-eos"]
+    assert nsys.target(args + ["--set", "fuse_projections=true"]) == 0
+    assert fused == [4]  # q/k/v and gate/up in each of tiny-llama's two layers
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decodes"][0]["steps"] == 2
+    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
+    with pytest.raises(SystemExit, match="nothing to fuse|no q/k/v"):
+        nsys.target(args + ["--set", "fuse_projections=true"])

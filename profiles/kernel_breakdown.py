@@ -1,0 +1,118 @@
+"""Where a captured step's GPU time goes, kernel by kernel, from an nsys node-trace export.
+
+    python profiles/kernel_breakdown.py EXPORT.sqlite.gz --model llama-1b [--out breakdown.md]
+
+Reads the last `decode` range of the export, the kernels of every graph launch made inside it (joined
+to the launch by correlation id, so it needs `--cuda-graph-trace=node`), and prints per decode step:
+time and count per kernel class (matmul: cuBLAS/CUTLASS GEMM and GEMV; attention; Triton (inductor's
+fused kernels); other) and the kernels that take the most time. With `--model` (a preset), the matmul
+class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul time per step.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gdtool import nsys, ranges  # noqa: E402
+
+CLASSES = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
+           ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
+           ("triton", ("triton",)))
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    for cls, keys in CLASSES:
+        if any(k in low for k in keys):
+            return cls
+    return "other"
+
+
+def launch_kernels(path) -> tuple[pd.DataFrame, int]:
+    """Kernels of the graph launches inside the last `decode` range, and how many launches that was."""
+    with nsys._connect(path) as con:
+        spans = nsys._ranges(con, ranges.DOMAIN)
+        decode = spans[spans["name"] == ranges.DECODE]
+        if decode.empty:
+            raise ValueError(f"{path} has no '{ranges.DECODE}' range: record with gdtool's NVTX ranges on")
+        last = decode.sort_values("start").iloc[-1]
+        runtime = nsys._runtime(con)
+        launches = runtime[runtime["name"].str.startswith("cudaGraphLaunch") & (runtime["start"] >= last["start"])
+                           & (runtime["end"] <= last["end"]) & (runtime["tid"] == last["tid"])]
+        cols = nsys._columns(con, "CUPTI_ACTIVITY_KIND_KERNEL")
+        name_col = "shortName" if "shortName" in cols else "demangledName"
+        kernels = pd.read_sql_query(
+            f"select k.start as start, k.\"end\" as end, k.correlationId as corr, s.value as name "
+            f"from CUPTI_ACTIVITY_KIND_KERNEL k left join StringIds s on s.id = k.{name_col}", con)
+    kernels = kernels[kernels["corr"].isin(set(launches["corr"]))].copy()
+    if kernels.empty:
+        raise ValueError(f"{path}: no kernel records of the last decode's graph launches; record with "
+                         "--cuda-graph-trace=node (a graph-level trace has one record per launch)")
+    kernels["us"] = (kernels["end"] - kernels["start"]) / 1e3
+    kernels["class"] = kernels["name"].fillna("?").map(kernel_class)
+    return kernels, len(launches)
+
+
+def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gdtool.models import preset_config
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(preset_config(model))
+    seen = set()
+    total = 0
+    for module in m.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in seen:
+            seen.add(id(module.weight))
+            total += module.weight.numel() * itemsize
+    return total
+
+
+def breakdown(path, model: str | None = None, top: int = 12) -> str:
+    kernels, launches = launch_kernels(path)
+    per_step = kernels.groupby("class")["us"].agg(["sum", "count"]) / launches
+    total = per_step["sum"].sum()
+    per_step["share"] = per_step["sum"] / total
+    lines = [f"## {Path(path).name}", "",
+             f"{launches} graph launches in the last decode; GPU busy {total:.1f} µs per launch, "
+             f"{kernels.groupby('corr').size().median():.0f} kernels per launch.", "",
+             "| class | µs per launch | kernels per launch | share |", "|---|---:|---:|---:|"]
+    for cls, row in per_step.sort_values("sum", ascending=False).iterrows():
+        lines.append(f"| {cls} | {row['sum']:.1f} | {row['count']:.0f} | {row['share']:.1%} |")
+    if model:
+        nbytes = linear_weight_bytes(model)
+        mm = per_step["sum"].get("matmul", float("nan"))
+        lines += ["", f"{model}: linear weights {nbytes / 1e9:.3f} GB (bfloat16) read by the matmul class in "
+                      f"{mm:.1f} µs per launch: {nbytes / (mm * 1e-6) / 1e12:.2f} TB/s."]
+    by_name = kernels.groupby(["class", "name"])["us"].agg(["sum", "count", "mean"]).reset_index()
+    by_name["sum"] /= launches
+    by_name["count"] /= launches
+    lines += ["", f"Top {top} kernels by time per launch:", "",
+              "| class | kernel | µs per launch | per launch | mean µs |", "|---|---|---:|---:|---:|"]
+    for row in by_name.sort_values("sum", ascending=False).head(top).itertuples():
+        lines.append(f"| {row[1]} | `{str(row.name)[:70]}` | {row.sum:.1f} | {row.count:.0f} | {row.mean:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("exports", nargs="+")
+    p.add_argument("--model", help="preset whose linear weights the matmuls read (for the bandwidth line)")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--out", help="also write the markdown here")
+    args = p.parse_args(argv)
+    text = "\n".join(breakdown(path, args.model, args.top) for path in args.exports)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
