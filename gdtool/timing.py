@@ -140,7 +140,15 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         notes.append("device_span_us: CUDA events on the current stream at each step's start and end")
     else:
         notes.append(f"device columns are NaN: the model is on {device}, there is no CUDA device to time")
-    if kernels:
+    if kernels and unit == ranges.REPLAY:
+        # No kernel pass for device-loop. torch.profiler records no kernel of a WHILE-node launch made through
+        # cuda.bindings (H200, torch 2.11), so busy time is unknown, not zero; and on the H200 a device-loop
+        # decode at batch 4 under that pass stopped with an illegal memory access (2026-11-30), which the same
+        # decode without it never did. nsys node traces do see those kernels.
+        steps["device_busy_us"] = math.nan
+        notes.append("device_busy_us is NaN for device-loop: torch.profiler sees no kernel inside the WHILE node's "
+                     "launch (the kernel pass is skipped); use an nsys node trace for that mode's kernels")
+    elif kernels:
         busy, outside, kernel_steps = _kernel_pass(run, device, unit)
         steps["device_busy_us"] = steps["step"].map(busy).astype(float)
         inside = sum(busy.values())
@@ -151,12 +159,6 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
             notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {out.steps}: device_busy_us is "
                          "NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
         notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
-        if unit == ranges.REPLAY and inside == 0:
-            # Seen on the H200 (torch 2.11): torch.profiler records no kernel of a WHILE-node launch made
-            # through cuda.bindings. Busy time is unknown there, not zero; nsys node traces do see those kernels.
-            steps["device_busy_us"] = math.nan
-            notes.append("device_busy_us is NaN for device-loop: torch.profiler saw no kernel inside the WHILE "
-                         "node's launch; use an nsys node trace for that mode's kernels")
     elif cuda:
         notes.append("device_busy_us is NaN: kernels=False")
     steps["gpu_idle_us"] = steps["device_span_us"] - steps["device_busy_us"]

@@ -10,7 +10,8 @@
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
-# breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch).
+# breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch),
+# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -77,8 +78,11 @@ for p in "$@"; do
            --trace node --modes step-graph --set kernels=compiled --set fuse_projections=true --max-new-tokens 48 \
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
-    launch-probe) part launch-probe 180 "$py" profiles/launch_probe.py --model llama-1b --batch 1 \
+    launch-probe) part launch-probe 180 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --flags \
            --out "$work/launch-probe/launch.json" ;;
+    launch-timing) part launch-timing 150 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --sizes "" \
+           --kernels hf --variants plain,events,blocking,events+blocking --profile \
+           --out "$work/launch-timing/launch.json" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \

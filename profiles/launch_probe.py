@@ -12,8 +12,10 @@ around the call, medians over many launches) in two situations:
 for the real step of `--model` (HF's kernels and `kernels="compiled"`), with the node types of the
 captured step, and for synthetic straight-line graphs of N one-element kernels (N = 1 ... 3000),
 replayed by torch and wrapped in gdtool's WHILE node, to see how the cost grows with node count.
-It also launches the real step's graph instantiated with other flags (torch instantiates with
-auto-free-on-launch). Needs a CUDA GPU; writes one JSON file and prints each row.
+With --flags it also launches the real step's graph instantiated with other flags (torch instantiates
+with auto-free-on-launch); --variants repeats the model's rows with timing events around each launch
+and / or the context in blocking-sync scheduling, the two things `gdtool.timing` adds around a step.
+Needs a CUDA GPU; writes one JSON file and prints each row.
 """
 from __future__ import annotations
 
@@ -29,36 +31,51 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gdtool  # noqa: E402
-from gdtool import compat, devloop  # noqa: E402
+from gdtool import compat, devloop, timing  # noqa: E402
 from gdtool.decode import Engine  # noqa: E402
 from gdtool.settings import resolve  # noqa: E402
 
 QUEUE = 16
+FLAGS = {"on": False}
 
 
-def timed(call) -> tuple[float, float]:
-    """(CPU µs, wall µs) of one call."""
+def timed(call, events: bool = False) -> tuple[float, float]:
+    """(CPU µs, wall µs) of one call; `events`: record a timing event on the stream just before and
+    after it, outside the timed interval, as gdtool.timing does around each step."""
+    if events:
+        torch.cuda.Event(enable_timing=True).record()
     w0 = time.perf_counter_ns()
     c0 = time.thread_time_ns()
     call()
     c1 = time.thread_time_ns()
     w1 = time.perf_counter_ns()
+    if events:
+        torch.cuda.Event(enable_timing=True).record()
     return (c1 - c0) / 1e3, (w1 - w0) / 1e3
+
+
+# set by main() per variant: timing events around each launch (as gdtool.timing records them)
+VARIANT = {"events": False}
 
 
 def measure(launch, reset=lambda: None, idle: int = 30, rounds: int = 4) -> dict:
     """Medians of `launch()` alone: idle (sync before each) and queued (QUEUE back to back per round)."""
+    events = VARIANT["events"]
+
+    def timed_(call):
+        return timed(call, events)
+
     reset()
     idle_times = []
     for _ in range(idle):
         torch.cuda.synchronize()
-        idle_times.append(timed(launch))
+        idle_times.append(timed_(launch))
     torch.cuda.synchronize()
     queued = []
     for _ in range(rounds):
         reset()
         torch.cuda.synchronize()
-        queued.append([timed(launch) for _ in range(QUEUE)])
+        queued.append([timed_(launch) for _ in range(QUEUE)])
         torch.cuda.synchronize()
     flat = [t for r in queued for t in r]
     per_position = [statistics.median(r[k][1] for r in queued) for k in range(QUEUE)]
@@ -113,7 +130,8 @@ def _engine_rows(model, name: str, batch: int, kernels: str, prompt_len: int) ->
             row["nodes"] = sum(row["node_types"].values())
             rows.append(row)
             print(json.dumps(row), flush=True)
-            rows.extend(flag_rows(raw, base, reset))
+            if FLAGS["on"]:
+                rows.extend(flag_rows(raw, base, reset))
             engine.close()
             continue
         rows.append(row)
@@ -176,6 +194,22 @@ def synthetic_rows(sizes) -> list[dict]:
     return rows
 
 
+def profile_rows(model, name: str, batch: int, prompt_len: int) -> list[dict]:
+    prompt = gdtool.random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=0)
+    rows = []
+    for mode in ("step-graph", "device-loop"):
+        for blocking in (True, False):
+            res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=48,
+                                 eos_token_id=None, seed=0, kernels=False, blocking_sync=blocking)
+            host = res.steps["host_us"]
+            row = dict(model=name, batch=batch, what=f"gdtool.profile {mode}", blocking_sync=blocking,
+                       host_us_median=float(host.median()), host_us=[round(x, 1) for x in host.tolist()[:20]],
+                       wall_us_median=float(res.steps["wall_us"].median()))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-1b")
@@ -183,18 +217,32 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--kernels", default="hf,compiled")
     p.add_argument("--sizes", default="1,100,300,1000,3000")
+    p.add_argument("--variants", default="plain",
+                   help="comma list of plain, events (timing events around each launch, as gdtool.timing records "
+                        "them), blocking (the context in blocking-sync scheduling, as gdtool.timing sets it), "
+                        "events+blocking; applied to the model's rows")
+    p.add_argument("--flags", action="store_true", help="also launch the step instantiated with other flags")
+    p.add_argument("--profile", action="store_true", help="also gdtool.profile's host_us per step (48 tokens, "
+                   "step-graph and device-loop, HF's kernels), with and without blocking-sync scheduling")
     p.add_argument("--out", default="launch.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("launch_probe needs a CUDA GPU: it times graph launches")
-    rows = synthetic_rows([int(s) for s in args.sizes.split(",")])
+    rows = synthetic_rows([int(s) for s in args.sizes.split(",") if s])
     model = gdtool.load_model(args.model, seed=0, device="cuda")
-    for kernels in args.kernels.split(","):
-        try:
-            rows.extend(engine_rows(model, args.model, args.batch, kernels, args.prompt_len))
-        except Exception as error:  # one failed variant is recorded, not fatal
-            rows.append(dict(model=args.model, kernels=kernels, error=f"{type(error).__name__}: {error}"[:400]))
-            print(json.dumps(rows[-1]), flush=True)
+    FLAGS["on"] = args.flags
+    for variant in args.variants.split(","):
+        VARIANT["events"] = "events" in variant
+        with timing._sched_blocking_sync(torch.device("cuda"), "blocking" in variant, []):
+            for kernels in args.kernels.split(","):
+                try:
+                    new = engine_rows(model, args.model, args.batch, kernels, args.prompt_len)
+                except Exception as error:  # one failed variant is recorded, not fatal
+                    new = [dict(model=args.model, kernels=kernels, error=f"{type(error).__name__}: {error}"[:400])]
+                    print(json.dumps(new[-1]), flush=True)
+                rows.extend(dict(row, variant=variant) for row in new)
+    if args.profile:
+        rows.extend(profile_rows(model, args.model, args.batch, args.prompt_len))
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(env=env, model=args.model, batch=args.batch, queue=QUEUE, rows=rows),
