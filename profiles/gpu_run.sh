@@ -11,7 +11,8 @@
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
 # breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch),
-# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling).
+# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling), fast-decode-64 (the
+# fast-decode part at batch 64, compiled kernels only: the whole part outlasts its time limit).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -104,6 +105,8 @@ for p in "$@"; do
            --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;
     fast-decode) part fast-decode 300 "$py" profiles/fast_probe.py --out "$work/fast-decode/probe" --parts decode \
            --decode-batches 1,64 --decode-kernels hf,compiled,compiled-fused --cases greedy,sample ;;
+    fast-decode-64) part fast-decode-64 200 "$py" profiles/fast_probe.py --out "$work/fast-decode-64/probe" --parts decode \
+           --decode-batches 64 --decode-kernels compiled,compiled-fused --cases greedy,sample ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     *) echo "unknown part $p" | tee -a "$log" ;;
