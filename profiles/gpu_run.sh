@@ -11,7 +11,8 @@
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
 # breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch),
-# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling), fast-decode-64 (the
+# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling), launch-profiler (the
+# same before and after a torch.profiler session in the process), fast-decode-64 (the
 # fast-decode part at batch 64, compiled kernels only: the whole part outlasts its time limit).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
@@ -84,6 +85,9 @@ for p in "$@"; do
     launch-timing) part launch-timing 150 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --sizes "" \
            --kernels hf --variants plain,events,blocking,events+blocking --profile \
            --out "$work/launch-timing/launch.json" ;;
+    launch-profiler) part launch-profiler 120 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --sizes "" \
+           --kernels hf --variants plain,after-profiler --profile --profile-after-profiler \
+           --out "$work/launch-profiler/launch.json" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \

@@ -220,10 +220,13 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default="plain",
                    help="comma list of plain, events (timing events around each launch, as gdtool.timing records "
                         "them), blocking (the context in blocking-sync scheduling, as gdtool.timing sets it), "
-                        "events+blocking; applied to the model's rows")
+                        "events+blocking, after-profiler (once a torch.profiler session has run in the process; last); "
+                        "applied to the model's rows")
     p.add_argument("--flags", action="store_true", help="also launch the step instantiated with other flags")
     p.add_argument("--profile", action="store_true", help="also gdtool.profile's host_us per step (48 tokens, "
                    "step-graph and device-loop, HF's kernels), with and without blocking-sync scheduling")
+    p.add_argument("--profile-after-profiler", action="store_true",
+                   help="then run a torch.profiler session and the gdtool.profile rows again (last)")
     p.add_argument("--out", default="launch.json")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -231,8 +234,14 @@ def main(argv=None) -> int:
     rows = synthetic_rows([int(s) for s in args.sizes.split(",") if s])
     model = gdtool.load_model(args.model, seed=0, device="cuda")
     FLAGS["on"] = args.flags
+    if args.profile:  # before any torch.profiler session in this process
+        rows.extend(profile_rows(model, args.model, args.batch, args.prompt_len))
     for variant in args.variants.split(","):
         VARIANT["events"] = "events" in variant
+        if variant == "after-profiler":  # irreversible for this process: put it last
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+                torch.ones(1, device="cuda").add_(1)
+                torch.cuda.synchronize()
         with timing._sched_blocking_sync(torch.device("cuda"), "blocking" in variant, []):
             for kernels in args.kernels.split(","):
                 try:
@@ -240,9 +249,15 @@ def main(argv=None) -> int:
                 except Exception as error:  # one failed variant is recorded, not fatal
                     new = [dict(model=args.model, kernels=kernels, error=f"{type(error).__name__}: {error}"[:400])]
                     print(json.dumps(new[-1]), flush=True)
-                rows.extend(dict(row, variant=variant) for row in new)
-    if args.profile:
-        rows.extend(profile_rows(model, args.model, args.batch, args.prompt_len))
+                new = [dict(row, variant=variant) for row in new]
+                rows.extend(new)
+                print(json.dumps({"variant": variant, "rows": len(new)}), flush=True)
+    if args.profile_after_profiler:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.ones(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+        rows.extend(dict(row, after_profiler=True)
+                    for row in profile_rows(model, args.model, args.batch, args.prompt_len))
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(env=env, model=args.model, batch=args.batch, queue=QUEUE, rows=rows),
