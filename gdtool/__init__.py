@@ -9,10 +9,10 @@
 from .decode import MODES, DecodeOutput, decode
 from .decoder import Decoder
 from .models import PRESETS, load_model, random_prompts
-from .timing import ProfileResult, profile
+from .timing import ProfileResult, add_device_busy, profile
 from .sweep import sweep
 from . import costmodel, workloads
 
-__all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "costmodel", "decode", "load_model",
-           "profile", "random_prompts", "sweep", "workloads"]
+__all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "add_device_busy", "costmodel", "decode",
+           "load_model", "profile", "random_prompts", "sweep", "workloads"]
 __version__ = "0.1.0"

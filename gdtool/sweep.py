@@ -337,30 +337,58 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
     return row
 
 
-def _profile_columns(model, cfg: RunConfig, prompt, repeats) -> dict:
-    """Host and device time per token from one extra run under `gdtool.timing.profile` per repetition,
-    each with that repetition's lengths: totals over the runs / step-tokens over the runs. One run alone
-    would make the figure hang on one draw (at batch 1, a 20-token rollout pays the whole launch)."""
-    try:
-        from .timing import profile
-    except ImportError:
-        return {}
-    totals: dict[str, float] = {}
-    step_tokens = 0
+def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool):
+    """One extra run under `gdtool.timing.profile` per repetition, each with that repetition's lengths."""
+    from .timing import profile
     for repeat in repeats:
         kwargs, targets = _decode_kwargs(model, cfg, repeat)
         if poll_value(cfg.poll) is not None:
             kwargs["eos_poll_interval"] = poll_value(cfg.poll)
         if targets is not None:
             kwargs["target_lengths"] = targets
-        result = profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, **kwargs)
-        for metric, column in PROFILE_COLUMNS.items():
+        yield profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, kernels=kernels, **kwargs)
+
+
+def _pooled(results, metrics) -> dict:
+    """Totals over the runs / step-tokens over the runs. One run alone would make the figure hang on
+    one draw (at batch 1, a 20-token rollout pays the whole launch)."""
+    totals: dict[str, float] = {}
+    step_tokens = 0
+    for result in results:
+        for metric, column in metrics.items():
             if metric in result.summary.index:
                 totals[column] = totals.get(column, 0.0) + float(result.summary.loc[metric, "total"])
         step_tokens += result.output.steps * result.output.batch
     if not step_tokens:
         return {}
-    return {**{column: total / step_tokens for column, total in totals.items()}, "profile_runs": len(repeats)}
+    return {column: total / step_tokens for column, total in totals.items()}
+
+
+def _profile_columns(model, cfg: RunConfig, prompt, repeats) -> dict:
+    """Host time, wall time and device span per token, pooled over one profiled run per repetition. No
+    kernel pass here: torch.profiler leaves CUPTI attached, which would tax every later run's launches;
+    `_busy_columns` adds device busy time once every config of the sweep has been timed."""
+    try:
+        from . import timing  # noqa: F401
+    except ImportError:
+        return {}
+    host = {m: c for m, c in PROFILE_COLUMNS.items() if m not in ("device_busy_us", "gpu_idle_us")}
+    runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=False))
+    pooled = _pooled(runs, host)
+    return {**pooled, "profile_runs": len(runs)} if pooled else {}
+
+
+def _busy_columns(model, cfg: RunConfig, repeats) -> dict:
+    """Device busy time and GPU idle per token from kernel passes (CUDA only), pooled as above."""
+    import warnings
+    if next(model.parameters()).device.type != "cuda":
+        return {}
+    prompt = _prompt(model, cfg)
+    with warnings.catch_warnings():  # only the kernel pass's figures are used: the timed pass may be tainted
+        warnings.simplefilter("ignore")
+        runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=True))
+    busy = {m: c for m, c in PROFILE_COLUMNS.items() if m in ("device_busy_us", "gpu_idle_us")}
+    return _pooled(runs, busy)
 
 
 # gdtool.timing summary metric -> sweep column (per generated token: total over steps / (steps x batch))
@@ -379,6 +407,11 @@ def profile_per_token(result) -> dict:
             if metric in summary.index}
 
 
+def _prompt(model, cfg: RunConfig):
+    import gdtool
+    return gdtool.random_prompts(model, batch=cfg.batch, lengths=cfg.prompt_len, seed=cfg.seed)
+
+
 def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, start_repeat: int = 0,
                profile: bool = False, engines: Engines | None = None) -> list[dict]:
     """Warm up, then run ``repeats`` timed repetitions of one config; one dict per repetition.
@@ -386,11 +419,10 @@ def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, star
     Raises on the first failure (the caller records it). Pass the same ``engines`` to consecutive
     calls to reuse a captured graph across polling policies; the ``warmup`` decodes then run once
     per captured graph, not again for each policy that replays it."""
-    import gdtool
     own = engines is None
     engines = engines or Engines()
     try:
-        prompt = gdtool.random_prompts(model, batch=cfg.batch, lengths=cfg.prompt_len, seed=cfg.seed)
+        prompt = _prompt(model, cfg)
         for _ in range(0 if engines.is_warm(model, cfg) else warmup):
             engines.decode(model, cfg, prompt, start_repeat)
         rows = []
@@ -527,8 +559,20 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     start = time.perf_counter()
     done = 0
     bar = tqdm(total=len(todo), desc="sweep", unit="config", disable=not progress)
-    current_name, model = None, None
+    current = {"name": None, "model": None}
     engines = Engines()
+    profiled = []  # (config, repetitions) timed with profile=True: their kernel passes come last
+
+    def model_for(cfg):
+        if cfg.model != current["name"]:
+            engines.close()
+            current["model"] = None
+            _free()
+            current["model"] = loaded.get(cfg.model) or gdtool.load_model(cfg.model, seed=0, device=device,
+                                                                            dtype=dtype)
+            current["name"] = cfg.model
+        return current["model"]
+
     try:
         for cfg, n_ok in todo:
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
@@ -538,14 +582,11 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
                 df = df[~((df["config_hash"] == cfg.hash) & (df["error"].fillna("") != ""))]
             rows = []
             try:
-                if cfg.model != current_name:
-                    engines.close()
-                    model = None
-                    _free()
-                    model = loaded.get(cfg.model) or gdtool.load_model(cfg.model, seed=0, device=device, dtype=dtype)
-                    current_name = cfg.model
+                model = model_for(cfg)
                 rows = run_config(model, cfg, repeats=repeats - n_ok, warmup=warmup, start_repeat=n_ok,
                                   profile=profile, engines=engines)
+                if profile:
+                    profiled.append((cfg, range(n_ok, repeats)))
             except Exception as err:  # one failed config must not end the sweep: record it
                 line = traceback.format_exception_only(type(err), err)[-1].strip()
                 row = asdict(cfg)
@@ -555,8 +596,8 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
                 engines.close()  # a failed run may leave the engine's buffers half-written
                 if isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in line:
                     _free()
-                if current_name == cfg.model and model is None:
-                    current_name = None
+                if current["name"] == cfg.model and current["model"] is None:
+                    current["name"] = None
             df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if not df.empty else pd.DataFrame(rows)
             if "error" in df.columns:
                 df["error"] = df["error"].fillna("")
@@ -567,6 +608,15 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             ok = [r for r in rows if not r.get("error")]
             if ok:
                 bar.set_postfix_str(f"{cfg.name}: {ok[-1]['tokens_per_s']:.0f} tok/s", refresh=True)
+        # Device busy time last, once every config has been timed (torch.profiler taxes later launches).
+        for cfg, runs in profiled:
+            engines.close()
+            busy = _busy_columns(model_for(cfg), cfg, runs)
+            mine = (df["config_hash"] == cfg.hash) & df["repeat"].isin(list(runs))
+            for column, value in busy.items():
+                df.loc[mine, column] = value
+            if busy and path is not None:
+                _save(df, path)
     finally:
         engines.close()
         bar.close()

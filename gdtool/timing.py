@@ -58,6 +58,7 @@ import json
 import math
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -138,9 +139,47 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
 
     if cuda:
         notes.append("device_span_us: CUDA events on the current stream at each step's start and end")
+        if _PROFILER_SESSIONS[0]:
+            notes.append(TAINTED)
+            warnings.warn(TAINTED, stacklevel=2)
     else:
         notes.append(f"device columns are NaN: the model is on {device}, there is no CUDA device to time")
-    if kernels and unit == ranges.REPLAY:
+    result = ProfileResult(steps=steps, summary=None, output=out, notes=notes)
+    result._pass = dict(run=run, device=device, unit=unit, expected=expected, mode=mode)
+    if cuda and not kernels:
+        notes.append("device_busy_us is NaN: kernels=False (add_device_busy(result) runs the kernel pass later)")
+    return add_device_busy(result) if kernels else _finish(result)
+
+
+# CUPTI stays attached after a torch.profiler session (Kineto does not finalize it unless TEARDOWN_CUPTI=1):
+# on the H200 every later CUDA launch in the process paid for it (launch_probe.py, 2026-11-30).
+TAINTED = ("host_us and wall_us were measured after a torch.profiler pass ran in this process: CUPTI stays "
+           "attached and taxes every CUDA launch (on an H200 a step-graph replay went from ~7-20 µs to ~185 µs of "
+           "host time). Time every config first with kernels=False, then call add_device_busy() on each result "
+           "(the profile CLI, sweep(profile=True) and notebook 01 do so)")
+_PROFILER_SESSIONS = [0]  # torch.profiler passes run by this module in this process
+
+
+def _has_kernels(model) -> bool:
+    return next(model.parameters()).device.type == "cuda"
+
+
+def add_device_busy(result: ProfileResult) -> ProfileResult:
+    """Run the kernel pass (a second, identical decode under torch.profiler) for a result timed with
+    ``kernels=False``, and fill ``device_busy_us`` / ``gpu_idle_us``. Returns the result, updated.
+
+    torch.profiler leaves CUPTI attached for the rest of the process, which slows every later CUDA
+    launch on the host: when profiling several configs, time them all first, then add busy time."""
+    info = getattr(result, "_pass", None)
+    if info is None:
+        raise ValueError("this result was not made by gdtool.profile; pass what profile(..., kernels=False) "
+                         "returned")
+    steps, notes, device, unit = result.steps, result.notes, info["device"], info["unit"]
+    if device.type != "cuda":
+        raise ValueError(f"add_device_busy needs a CUDA device and the model is on {device}: there are no kernel "
+                         "records to read")
+    notes[:] = [n for n in notes if not n.startswith("device_busy_us is NaN: kernels=False")]
+    if unit == ranges.REPLAY:
         # No kernel pass for device-loop. torch.profiler records no kernel of a WHILE-node launch made through
         # cuda.bindings (H200, torch 2.11), so busy time is unknown, not zero; and on the H200 a device-loop
         # decode at batch 4 under that pass stopped with an illegal memory access (2026-11-30), which the same
@@ -148,27 +187,34 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         steps["device_busy_us"] = math.nan
         notes.append("device_busy_us is NaN for device-loop: torch.profiler sees no kernel inside the WHILE node's "
                      "launch (the kernel pass is skipped); use an nsys node trace for that mode's kernels")
-    elif kernels:
-        busy, outside, kernel_steps = _kernel_pass(run, device, unit)
+    else:
+        busy, outside, kernel_steps = _kernel_pass(info["run"], device, unit)
         steps["device_busy_us"] = steps["step"].map(busy).astype(float)
         inside = sum(busy.values())
         if outside > 0.05 * (inside + outside):
             notes.append(f"{outside:.0f} µs of kernels ran while profiling but were launched outside any step range "
                          f"(vs {inside:.0f} µs inside): check that the step ranges enclose the launches")
-        if kernel_steps != expected:
-            notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {out.steps}: device_busy_us is "
-                         "NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
+        if kernel_steps != info["expected"]:
+            notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {result.output.steps}: "
+                         "device_busy_us is NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
         notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
-    elif cuda:
-        notes.append("device_busy_us is NaN: kernels=False")
+    return _finish(result)
+
+
+def _finish(result: ProfileResult) -> ProfileResult:
+    info, out = result._pass, result.output
+    steps = result.steps
     steps["gpu_idle_us"] = steps["device_span_us"] - steps["device_busy_us"]
-    steps = steps[list(COLUMNS)]
-    if unit == ranges.REPLAY:
-        notes.append("device-loop: one row per graph launch (its `step` is the launch index); per_token divides by "
-                     "the decode steps the launches ran")
-    return ProfileResult(steps=steps, summary=summarize(steps, out.batch, mode=mode, notes=notes,
-                                                        decode_steps=out.steps if unit == ranges.REPLAY else None),
-                         output=out, notes=notes)
+    result.steps = steps = steps[list(COLUMNS)]
+    notes = result.notes
+    if info["unit"] == ranges.REPLAY:
+        note = ("device-loop: one row per graph launch (its `step` is the launch index); per_token divides by "
+                "the decode steps the launches ran")
+        if note not in notes:
+            notes.append(note)
+    result.summary = summarize(steps, out.batch, mode=info["mode"], notes=notes,
+                               decode_steps=out.steps if info["unit"] == ranges.REPLAY else None)
+    return result
 
 
 def summarize(steps: pd.DataFrame, batch: int, decode_steps: int | None = None, **attrs) -> pd.DataFrame:
@@ -301,6 +347,7 @@ def _kernel_pass(run, device, unit: str = ranges.STEP) -> tuple[dict, float, int
     finally:
         ranges.remove_listener(marks)
         if marks.profiler is not None:
+            _PROFILER_SESSIONS[0] += 1
             if cuda:
                 torch.cuda.synchronize(device)
             marks.profiler.stop()
@@ -412,21 +459,27 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "env.json").write_text(json.dumps(environment(), indent=2) + "\n")
     model = load_model(a.model, seed=0)
-    all_steps, all_summaries = [], []
+    # Every config is timed before any kernel pass: torch.profiler leaves CUPTI attached, which would tax the
+    # host side of every later config (see TAINTED).
+    results = []
     for batch in [int(b) for b in a.batch.split(",")]:
         prompt = random_prompts(model, batch=batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
         for mode in a.modes.split(","):
             res = profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, warmup=a.warmup,
-                          kernels=False if a.no_kernels else None, max_new_tokens=a.max_new_tokens, seed=a.seed,
-                          **settings)
-            config = {"model": a.model, "batch": batch, "mode": mode, "max_new_tokens": a.max_new_tokens,
-                      "prompt_length": a.prompt_length, "eos": not a.no_eos,
-                      "settings": json.dumps(settings, sort_keys=True)}
-            all_steps.append(res.steps.assign(**config))
-            all_summaries.append(res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)))
-            # written after every config: a crash keeps what was measured
-            pd.concat(all_steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
-            pd.concat(all_summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
+                          kernels=False, max_new_tokens=a.max_new_tokens, seed=a.seed, **settings)
+            results.append(({"model": a.model, "batch": batch, "mode": mode, "max_new_tokens": a.max_new_tokens,
+                             "prompt_length": a.prompt_length, "eos": not a.no_eos,
+                             "settings": json.dumps(settings, sort_keys=True)}, res))
+    kernels = not a.no_kernels and _has_kernels(model)
+    all_steps, all_summaries = [], []
+    for config, res in results:
+        if kernels:
+            add_device_busy(res)
+        all_steps.append(res.steps.assign(**config))
+        all_summaries.append(res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)))
+        # written after every kernel pass: a crash keeps what was measured
+        pd.concat(all_steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
+        pd.concat(all_summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
     table = pd.concat(all_summaries, ignore_index=True).pivot_table(index=["batch", "mode"], columns="metric",
                                                                      values="per_token", sort=False, dropna=False)
     print("per token (µs; syncs per token):")

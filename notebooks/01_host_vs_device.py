@@ -60,26 +60,29 @@ print("models:", models, "| in-process timing:", "yes" if profile else "gdtool.t
 # For every step, `host_us` is the CPU time of the decoding thread (blocking waits excluded) and
 # `device_busy_us` the summed duration of the kernels the step launched (from CUPTI, in a second,
 # identical decode). Per token = total over steps / (steps x batch). On CPU the device columns are
-# empty: there is no GPU clock to read.
+# empty: there is no GPU clock to read. Every config is timed before the first kernel pass: a
+# torch.profiler session leaves CUPTI attached, and on an H200 that raised a step-graph replay's host
+# cost from ~7-20 µs to ~185 µs for the rest of the process (`profiles/README.md`).
 
 # %%
 from gdtool.sweep import profile_per_token
 
-rows = []
+results = []
 if profile is not None:
-    for name in models:
+    for name in models:  # kept loaded until the kernel passes are done
         model = gdtool.load_model(name, seed=0)
         for batch in batches:
             prompt = gdtool.random_prompts(model, batch=batch, lengths=prompt_len, seed=0)
             for mode in gdtool.MODES:
-                result = profile(model, prompt.input_ids, prompt.attention_mask, mode=mode,
-                                 max_new_tokens=max_new_tokens, eos_token_id=None, seed=0)
-                rows.append(dict(model=name, mode=mode, batch=batch, steps=len(result.steps),
-                                 **profile_per_token(result)))
-        del model
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+                results.append((dict(model=name, mode=mode, batch=batch),
+                                profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, kernels=False,
+                                        max_new_tokens=max_new_tokens, eos_token_id=None, seed=0)))
+    if torch.cuda.is_available():
+        for _, result in results:
+            gdtool.add_device_busy(result)
+rows = [dict(config, steps=len(result.steps), **profile_per_token(result)) for config, result in results]
+del results
+gc.collect()
 timing = pd.DataFrame(rows)
 if len(timing):
     timing["bound"] = ["?" if pd.isna(d) else "host" if h > d else "device"   # "?": no GPU clock on CPU

@@ -251,3 +251,22 @@ def test_profile_columns_pool_one_profiled_run_per_repetition(load, tmp_path, mo
     pooled = sum(host for _, host, _ in seen) / sum(tokens for _, _, tokens in seen)
     assert (df["profile_runs"] == 3).all()
     assert df["host_us_per_token"].to_numpy() == pytest.approx([pooled] * 3)
+
+
+def test_kernel_passes_come_after_every_config_is_timed(load, tmp_path, monkeypatch):
+    """torch.profiler leaves CUPTI attached and taxes later launches: a profiled sweep times every config
+    (throughput rows and host columns) before the first kernel pass, then fills the busy columns."""
+    import importlib
+    sweep_module = importlib.import_module("gdtool.sweep")  # gdtool.sweep is also the function
+    model = load("tiny-llama")
+    calls = []
+    real = sweep_module._profile_columns
+    monkeypatch.setattr(sweep_module, "_profile_columns",
+                        lambda m, cfg, prompt, runs: calls.append(("timed", cfg.batch)) or real(m, cfg, prompt, runs))
+    monkeypatch.setattr(sweep_module, "_busy_columns",
+                        lambda m, cfg, runs: calls.append(("kernels", cfg.batch)) or {"device_us_per_token": 1.5})
+    df = sweep([model], modes=["step-graph"], batches=[1, 2], polls=[1], lengths=["fixed:3"], max_new_tokens=4,
+               prompt_len=4, repeats=2, warmup=0, progress=False, profile=True, out=tmp_path / "k.csv")
+    assert calls == [("timed", 1), ("timed", 2), ("kernels", 1), ("kernels", 2)]
+    assert (df["device_us_per_token"] == 1.5).all() and df["host_us_per_token"].notna().all()
+    assert (load_csv(tmp_path / "k.csv")["device_us_per_token"] == 1.5).all()

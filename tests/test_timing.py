@@ -159,6 +159,40 @@ def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
     assert "torch" in json.loads((tmp_path / "env.json").read_text())
 
 
+def test_cli_times_every_config_before_any_kernel_pass(tmp_path, monkeypatch, capsys):
+    """torch.profiler leaves CUPTI attached and taxes every later launch: the CLI must not time a config
+    after a kernel pass has run."""
+    events = []
+    real_profile = timing.profile
+
+    def timed(*args, **kwargs):
+        assert kwargs["kernels"] is False
+        events.append(("timed", kwargs["mode"]))
+        return real_profile(*args, **kwargs)
+
+    def busy(result):
+        events.append(("kernels", result.output.mode))
+        return timing._finish(result)
+
+    monkeypatch.setattr(timing, "profile", timed)
+    monkeypatch.setattr(timing, "add_device_busy", busy)
+    monkeypatch.setattr(timing, "_has_kernels", lambda model: True)
+    assert timing.main(["--model", "tiny-llama", "--batch", "1,2", "--modes", "eager,step-graph", "--max-new-tokens",
+                        "3", "--prompt-length", "3", "--no-eos", "--out", str(tmp_path)]) == 0
+    assert [kind for kind, _ in events] == ["timed"] * 4 + ["kernels"] * 4
+    assert [mode for _, mode in events[4:]] == ["eager", "step-graph"] * 2
+
+
+def test_add_device_busy_needs_a_profile_result_on_cuda(load):
+    model = load("tiny-llama")
+    prompt = gdtool.random_prompts(model, batch=1, lengths=(3, 3), seed=0)
+    res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=3)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        timing.add_device_busy(res)
+    with pytest.raises(ValueError, match="not made by gdtool.profile"):
+        timing.add_device_busy(timing.ProfileResult(res.steps, res.summary))
+
+
 def test_summary_per_token_divides_by_steps_times_batch():
     import pandas as pd
     steps = pd.DataFrame({"step": [1, 2], "wall_us": [10.0, 30.0], "host_us": [5.0, 7.0],
