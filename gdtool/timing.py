@@ -45,6 +45,14 @@ Columns, how each is measured, and what it cannot see:
   reads and waits hidden in library code), reported through `gdtool.ranges.count_syncs`. Where
   decode does not report them, only the step's EOS reads are counted (``notes`` says so).
 
+The kernel pass leaves a cost behind: a torch.profiler session keeps CUPTI attached for the rest of
+the process (Kineto finalizes it only with ``TEARDOWN_CUPTI=1``), and every later CUDA launch pays for
+it on the host (an H200 step-graph replay: ~7-20 µs before, ~185 µs after). So when timing several
+configs, run them all with ``kernels=False`` first and call `add_device_busy` on each result last, as
+``python -m gdtool profile`` and ``sweep(profile=True)`` do; a timed pass that runs after a kernel
+pass in the same process says so in ``notes`` and warns. A profiler session started outside gdtool
+cannot be seen.
+
 On a CPU device the three device columns are NaN (see ``notes``). The summary's ``per_token`` is
 the total over steps divided by steps x batch (each step makes one token per row), as in
 `gdtool.nsys`. Figures exclude prefill, warm-up and capture: only the ``step`` ranges are timed.

@@ -246,40 +246,40 @@ def part_decode(args, out: Path) -> list[dict]:
     cases = {"greedy": dict(do_sample=False), "sample": SAMPLING,
              "sample-top-p-only": dict(SAMPLING, top_k=None)}
     rows = []
-    for batch in args.decode_batches:
+    # fusing is permanent for the loaded model: the fused runs come last, after every batch size's others
+    order = sorted(args.decode_kernels, key=lambda k: k == "compiled-fused")
+    for kernels, batch in [(k, b) for k in order for b in args.decode_batches]:
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(args.prompt_len, args.prompt_len), seed=0)
-        # fusing is permanent for the loaded model: fused runs come last
-        for kernels in sorted(args.decode_kernels, key=lambda k: k == "compiled-fused"):
-            if kernels == "compiled-fused":
-                gdtool.fast_fuse.fuse_projections(model)
-            for case in args.cases:
-                settings = dict(cases[case], eos_token_id=None, pad_token_id=0, max_new_tokens=args.max_new_tokens)
-                t0 = time.perf_counter()
-                try:
-                    kernels_arg = "compiled" if kernels == "compiled-fused" else kernels
-                    gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", seed=0,
-                                  kernels=kernels_arg, **settings)
-                    warm_s = time.perf_counter() - t0
-                    ms = []
-                    for repeat in range(3):
-                        o = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph",
-                                          seed=repeat, kernels=kernels_arg, **settings)
-                        assert o.tokens.shape == (batch, args.max_new_tokens), o.tokens.shape
-                        ms.append(o.timings["decode_s"] * 1e3 / o.steps)
-                    row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
-                               ms_per_step=_median(ms), tok_s=batch * 1e3 / _median(ms), warmup_s=warm_s, status="ok")
-                except Exception as error:
-                    traceback.print_exc(limit=8)
-                    row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
-                               status=f"error: {type(error).__name__}: {str(error)[:200]}")
-                rows.append(row)
-                log(f"[decode] {json.dumps(row)}")
-                df = pd.DataFrame(rows)
-                if "ms_per_step" in df:
-                    greedy = df[df.case == "greedy"].set_index(["batch", "kernels"]).ms_per_step
-                    df["pct_over_greedy"] = [100 * (r.ms_per_step / greedy.get((r.batch, r.kernels), float("nan")) - 1)
-                                             for r in df.itertuples()]
-                df.to_csv(out / "decode.csv", index=False)
+        if kernels == "compiled-fused":
+            gdtool.fast_fuse.fuse_projections(model)
+        for case in args.cases:
+            settings = dict(cases[case], eos_token_id=None, pad_token_id=0, max_new_tokens=args.max_new_tokens)
+            t0 = time.perf_counter()
+            try:
+                kernels_arg = "compiled" if kernels == "compiled-fused" else kernels
+                gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", seed=0,
+                              kernels=kernels_arg, **settings)
+                warm_s = time.perf_counter() - t0
+                ms = []
+                for repeat in range(3):
+                    o = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph",
+                                      seed=repeat, kernels=kernels_arg, **settings)
+                    assert o.tokens.shape == (batch, args.max_new_tokens), o.tokens.shape
+                    ms.append(o.timings["decode_s"] * 1e3 / o.steps)
+                row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
+                           ms_per_step=_median(ms), tok_s=batch * 1e3 / _median(ms), warmup_s=warm_s, status="ok")
+            except Exception as error:
+                traceback.print_exc(limit=8)
+                row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
+                           status=f"error: {type(error).__name__}: {str(error)[:200]}")
+            rows.append(row)
+            log(f"[decode] {json.dumps(row)}")
+            df = pd.DataFrame(rows)
+            if "ms_per_step" in df:
+                greedy = df[df.case == "greedy"].set_index(["batch", "kernels"]).ms_per_step
+                df["pct_over_greedy"] = [100 * (r.ms_per_step / greedy.get((r.batch, r.kernels), float("nan")) - 1)
+                                         for r in df.itertuples()]
+            df.to_csv(out / "decode.csv", index=False)
     rows = pd.read_csv(out / "decode.csv").to_dict("records")
     del model
     _free()

@@ -1,0 +1,94 @@
+"""Markdown tables of the committed H200 results quoted in `profiles/h200/README.md`.
+
+    python profiles/results_tables.py [eos-off] [devloop-host] [fast-decode] [launch]
+
+Each table is computed from the files under `profiles/` (nothing typed in): the sweep's EOS-off mode
+comparison, device-loop host time per token, sampling against greedy in the compiled step, and the
+host cost of one graph launch (`launch_probe.py`).
+"""
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT.parent))
+
+from gdtool.sweep import load, summarize  # noqa: E402
+
+H200 = ROOT / "h200"
+
+
+def markdown(df: pd.DataFrame, floatfmt: str = "{:.1f}") -> str:
+    cols = list(df.columns)
+    rows = ["| " + " | ".join(str(c) for c in cols) + " |", "|" + "---|" * len(cols)]
+    for values in df.itertuples(index=False):
+        rows.append("| " + " | ".join(floatfmt.format(v) if isinstance(v, float) else str(v) for v in values) + " |")
+    return "\n".join(rows)
+
+
+def eos_off() -> str:
+    df = load(ROOT / "sweeps" / "llama-1b_geom128.csv")
+    stats = summarize(df[df["lengths"] == "eos-off"])
+    table = stats.pivot_table(index="batch", columns="mode", values="tokens_per_s").reset_index()
+    return "tokens/s, EOS off, 128 tokens per row (medians)\n\n" + markdown(table)
+
+
+def devloop_host() -> str:
+    df = pd.read_csv(H200 / "devloop-host" / "llama-1b_geom128_devloop_host.csv")
+    table = df.groupby("batch").agg(runs=("repeat", "size"), tokens_per_s=("tokens_per_s", "median"),
+                                    host_us_per_token=("host_us_per_token", "first"),
+                                    wall_us_per_token=("wall_us_per_token", "first"),
+                                    profile_runs=("profile_runs", "first")).reset_index()
+    return markdown(table, "{:.3f}")
+
+
+def fast_decode() -> str:
+    # decode.csv ran batch 1 then 64 on one model, fused at batch 1 (the probe's old order): its batch-64
+    # "compiled" row ran with fused projections. decode-64.csv ran batch 64 alone.
+    frames = []
+    for name, run in (("decode.csv", "fast-decode"), ("decode-64.csv", "fast-decode-64")):
+        df = pd.read_csv(H200 / "fast-decode" / name).assign(part=run)
+        if name == "decode.csv":
+            df.loc[(df["batch"] == 64) & (df["kernels"] == "compiled"), "kernels"] = "compiled (fused: see README)"
+        frames.append(df)
+    table = pd.concat(frames)[["part", "batch", "kernels", "case", "ms_per_step", "tok_s", "pct_over_greedy"]]
+    return markdown(table, "{:.3f}")
+
+
+def launch() -> str:
+    out = []
+    for name in ("launch-probe", "launch-timing", "launch-profiler"):
+        doc = json.loads((H200 / name / "launch.json").read_text())
+        rows = []
+        for r in doc["rows"]:
+            if "what" not in r:
+                rows.append({"what": f"error: {r.get('error', '')[:80]}"})
+                continue
+            rows.append({"what": r["what"], "kernels": r.get("kernels", ""), "nodes": r.get("nodes", ""),
+                         "variant": r.get("variant", "") + (" after-profiler" if r.get("after_profiler") else ""),
+                         "blocking_sync": r.get("blocking_sync", ""),
+                         "idle cpu µs": r.get("idle_cpu_us", float("nan")),
+                         "queued cpu µs": r.get("queued_cpu_us", float("nan")),
+                         "profile host µs/step": r.get("host_us_median", float("nan"))})
+        out.append(f"`{name}/launch.json`\n\n" + markdown(pd.DataFrame(rows)).replace(" nan ", " "))
+    return "\n\n".join(out)
+
+
+TABLES = {"eos-off": eos_off, "devloop-host": devloop_host, "fast-decode": fast_decode, "launch": launch}
+
+
+def main(argv=None) -> int:
+    names = (argv if argv is not None else sys.argv[1:]) or list(TABLES)
+    unknown = [n for n in names if n not in TABLES]
+    if unknown:
+        raise SystemExit(f"unknown table(s) {unknown}; choose from {list(TABLES)}")
+    print("\n\n".join(f"### {name}\n\n{TABLES[name]()}" for name in names))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
