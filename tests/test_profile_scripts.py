@@ -1,0 +1,63 @@
+"""Scripts under profiles/ that read committed results: the kernel breakdown of a node-level nsys
+export, the README's result tables, and the launch probe's refusal without a GPU."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from gdtool import nsys
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "profiles"))
+
+import kernel_breakdown  # noqa: E402
+import results_tables  # noqa: E402
+
+NODE_EXPORT = ROOT / "tests" / "data" / "tiny-llama_b4_step-graph_node_noeos.sqlite.gz"
+
+
+@pytest.mark.parametrize("name, cls", [
+    ("nvjet_sm90_tst_64x8_64x16_4x1_v_bz_TNT", "matmul"), ("splitKreduce_kernel", "matmul"),
+    ("gemmk1_kernel", "matmul"), ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "attention"),
+    ("triton_red_fused__to_copy_argmax_0", "triton"), ("vectorized_elementwise_kernel", "other")])
+def test_kernel_classes(name, cls):
+    assert kernel_breakdown.kernel_class(name) == cls
+
+
+def test_breakdown_adds_up_to_the_readers_busy_time():
+    """The kernels joined to the last decode's graph launches are exactly the busy time gdtool.nsys.read
+    gives that decode's steps."""
+    kernels, launches = kernel_breakdown.launch_kernels(NODE_EXPORT)
+    steps = nsys.read(NODE_EXPORT)
+    last = steps[steps["decode"] == steps["decode"].max()]
+    assert launches == len(last) == 32
+    assert kernels["us"].sum() == pytest.approx(last["device_busy_us"].sum())
+    text = kernel_breakdown.breakdown(NODE_EXPORT)
+    per_launch = kernels["us"].sum() / launches
+    assert f"GPU busy {per_launch:.1f} µs per launch" in text and "| matmul |" in text
+
+
+def test_breakdown_refuses_a_graph_level_trace():
+    graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
+    with pytest.raises(ValueError, match="--cuda-graph-trace=node"):
+        kernel_breakdown.launch_kernels(graph_level)
+
+
+def test_results_tables_render_from_committed_files(capsys):
+    assert results_tables.main([]) == 0
+    text = capsys.readouterr().out
+    for name in results_tables.TABLES:
+        assert f"### {name}" in text
+    assert "| 1 | 3 |" in text  # device-loop host time: batch 1, three runs
+    with pytest.raises(SystemExit, match="unknown table"):
+        results_tables.main(["nope"])
+
+
+def test_launch_probe_needs_a_gpu(monkeypatch):
+    import launch_probe
+    import torch
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        launch_probe.main(["--out", "unused.json"])
