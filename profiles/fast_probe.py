@@ -31,6 +31,7 @@ The last stdout line is one JSON document (the summaries and the files written).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import sys
@@ -308,6 +309,9 @@ def parse_args(argv):
     p.add_argument("--out", default="profiles/fast")
     p.add_argument("--device", default="cuda",
                    help="cpu: a dry run of the code paths with tiny models (its times mean nothing)")
+    p.add_argument("--stack-every", type=float, default=0,
+                   help="print every thread's Python stack to stderr every this many seconds (0: never): shows "
+                        "where a run that never finishes waits (compiling, capturing or in a CUDA sync)")
     return p.parse_args(argv)
 
 
@@ -317,6 +321,8 @@ def main(argv=None) -> int:
         raise SystemExit("fast_probe needs a CUDA GPU; --device cpu --models tiny-llama runs its code paths on a CPU")
     import transformers
     transformers.logging.set_verbosity_error()
+    if args.stack_every > 0:
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=sys.stderr)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
