@@ -94,6 +94,8 @@ class ProfileResult:
     summary: pd.DataFrame
     output: object = None                           # the DecodeOutput of the timed decode
     notes: list = field(default_factory=list)       # how the figures were obtained, and any caveat
+    # what add_device_busy needs to repeat the decode (model and inputs); dropped once it has run
+    _pass: dict | None = field(default=None, repr=False, compare=False)
 
     def __iter__(self):
         return iter((self.steps, self.summary))
@@ -182,6 +184,9 @@ def add_device_busy(result: ProfileResult) -> ProfileResult:
     if info is None:
         raise ValueError("this result was not made by gdtool.profile; pass what profile(..., kernels=False) "
                          "returned")
+    if info.get("run") is None:
+        raise ValueError("this result already has its device busy time (add_device_busy ran, or profile was "
+                         "called with kernels on)")
     steps, notes, device, unit = result.steps, result.notes, info["device"], info["unit"]
     if device.type != "cuda":
         raise ValueError(f"add_device_busy needs a CUDA device and the model is on {device}: there are no kernel "
@@ -206,6 +211,7 @@ def add_device_busy(result: ProfileResult) -> ProfileResult:
             notes.append(f"the kernel pass ran {kernel_steps} steps, the timed pass {result.output.steps}: "
                          "device_busy_us is NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
         notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
+    info["run"] = None  # let go of the model and inputs
     return _finish(result)
 
 

@@ -191,6 +191,9 @@ def test_add_device_busy_needs_a_profile_result_on_cuda(load):
         timing.add_device_busy(res)
     with pytest.raises(ValueError, match="not made by gdtool.profile"):
         timing.add_device_busy(timing.ProfileResult(res.steps, res.summary))
+    res._pass["run"] = None  # as after a kernel pass
+    with pytest.raises(ValueError, match="already has its device busy time"):
+        timing.add_device_busy(res)
 
 
 def test_summary_per_token_divides_by_steps_times_batch():
