@@ -196,6 +196,26 @@ def test_add_device_busy_needs_a_profile_result_on_cuda(load):
         timing.add_device_busy(res)
 
 
+def test_add_device_busy_fills_busy_and_idle_from_the_kernel_pass(load, monkeypatch):
+    """The plumbing of a later kernel pass, on a CPU: a stand-in pass returns busy time per step; the
+    result gets busy and idle columns, a recomputed summary, and lets go of its decode."""
+    model = load("tiny-llama")
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 3), seed=0)
+    res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=4,
+                         eos_token_id=None)
+    steps = res.steps["step"].tolist()
+    res.steps["device_span_us"] = 10.0  # as CUDA events would give
+    res._pass["device"] = torch.device("cuda")
+    seen = []
+    monkeypatch.setattr(timing, "_kernel_pass",
+                        lambda run, device, unit: seen.append(unit) or ({s: 4.0 for s in steps}, 0.0, len(steps)))
+    assert timing.add_device_busy(res) is res and seen == [ranges.STEP]
+    assert (res.steps["device_busy_us"] == 4.0).all() and (res.steps["gpu_idle_us"] == 6.0).all()
+    assert res.summary.loc["device_busy_us", "per_token"] == pytest.approx(4.0 * len(steps) / (len(steps) * 2))
+    assert any("kernel records of torch.profiler" in n for n in res.notes)
+    assert not any("kernels=False" in n for n in res.notes) and res._pass["run"] is None
+
+
 def test_summary_per_token_divides_by_steps_times_batch():
     import pandas as pd
     steps = pd.DataFrame({"step": [1, 2], "wall_us": [10.0, 30.0], "host_us": [5.0, 7.0],
