@@ -53,6 +53,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -337,7 +338,7 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
     return row
 
 
-def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool):
+def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool, warmup: int = 1):
     """One extra run under `gdtool.timing.profile` per repetition, each with that repetition's lengths."""
     from .timing import profile
     for repeat in repeats:
@@ -346,7 +347,8 @@ def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool):
             kwargs["eos_poll_interval"] = poll_value(cfg.poll)
         if targets is not None:
             kwargs["target_lengths"] = targets
-        yield profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, kernels=kernels, **kwargs)
+        yield profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, kernels=kernels, warmup=warmup,
+                      **kwargs)
 
 
 def _pooled(results, metrics) -> dict:
@@ -380,13 +382,13 @@ def _profile_columns(model, cfg: RunConfig, prompt, repeats) -> dict:
 
 def _busy_columns(model, cfg: RunConfig, repeats) -> dict:
     """Device busy time and GPU idle per token from kernel passes (CUDA only), pooled as above."""
-    import warnings
     if next(model.parameters()).device.type != "cuda":
         return {}
     prompt = _prompt(model, cfg)
     with warnings.catch_warnings():  # only the kernel pass's figures are used: the timed pass may be tainted
         warnings.simplefilter("ignore")
-        runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=True))
+        # no warm-up decode: the timed pass before each kernel pass already warms it up
+        runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=True, warmup=0))
     busy = {m: c for m, c in PROFILE_COLUMNS.items() if m in ("device_busy_us", "gpu_idle_us")}
     return _pooled(runs, busy)
 
@@ -611,7 +613,13 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
         # Device busy time last, once every config has been timed (torch.profiler taxes later launches).
         for cfg, runs in profiled:
             engines.close()
-            busy = _busy_columns(model_for(cfg), cfg, runs)
+            try:
+                busy = _busy_columns(model_for(cfg), cfg, runs)
+            except Exception as err:  # the timed rows stand; busy time stays empty, and the sweep says why
+                line = traceback.format_exception_only(type(err), err)[-1].strip()
+                warnings.warn(f"sweep: the kernel pass of {cfg.name} failed ({line[:300]}); its device_us_per_token "
+                              "is left empty", stacklevel=2)
+                continue
             mine = (df["config_hash"] == cfg.hash) & df["repeat"].isin(list(runs))
             for column, value in busy.items():
                 df.loc[mine, column] = value

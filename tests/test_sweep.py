@@ -270,3 +270,20 @@ def test_kernel_passes_come_after_every_config_is_timed(load, tmp_path, monkeypa
     assert calls == [("timed", 1), ("timed", 2), ("kernels", 1), ("kernels", 2)]
     assert (df["device_us_per_token"] == 1.5).all() and df["host_us_per_token"].notna().all()
     assert (load_csv(tmp_path / "k.csv")["device_us_per_token"] == 1.5).all()
+
+
+def test_a_failed_kernel_pass_leaves_busy_empty_and_warns(load, tmp_path, monkeypatch):
+    import importlib
+    sweep_module = importlib.import_module("gdtool.sweep")
+
+    def broken(model, cfg, runs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(sweep_module, "_busy_columns", broken)
+    model = load("tiny-llama")
+    with pytest.warns(UserWarning, match="kernel pass of .* failed .*illegal memory access"):
+        df = sweep([model], modes=["step-graph"], batches=[1], polls=[1], lengths=["fixed:3"],
+                   max_new_tokens=4, prompt_len=4, repeats=2, warmup=0, progress=False, profile=True,
+                   out=tmp_path / "b.csv")
+    assert len(df) == 2 and (df["error"] == "").all()
+    assert df["host_us_per_token"].notna().all() and "device_us_per_token" not in df.columns
