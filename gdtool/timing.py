@@ -476,6 +476,14 @@ def main(argv: list[str] | None = None) -> int:
     # Every config is timed before any kernel pass: torch.profiler leaves CUPTI attached, which would tax the
     # host side of every later config (see TAINTED).
     results = []
+
+    def write():  # after every config and every kernel pass: a crash keeps what was measured
+        steps = [res.steps.assign(**config) for config, res in results]
+        summaries = [res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)) for config, res in results]
+        pd.concat(steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
+        pd.concat(summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
+        return summaries
+
     for batch in [int(b) for b in a.batch.split(",")]:
         prompt = random_prompts(model, batch=batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
         for mode in a.modes.split(","):
@@ -484,16 +492,11 @@ def main(argv: list[str] | None = None) -> int:
             results.append(({"model": a.model, "batch": batch, "mode": mode, "max_new_tokens": a.max_new_tokens,
                              "prompt_length": a.prompt_length, "eos": not a.no_eos,
                              "settings": json.dumps(settings, sort_keys=True)}, res))
-    kernels = not a.no_kernels and _has_kernels(model)
-    all_steps, all_summaries = [], []
-    for config, res in results:
-        if kernels:
+            all_summaries = write()
+    if not a.no_kernels and _has_kernels(model):
+        for _, res in results:
             add_device_busy(res)
-        all_steps.append(res.steps.assign(**config))
-        all_summaries.append(res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)))
-        # written after every kernel pass: a crash keeps what was measured
-        pd.concat(all_steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
-        pd.concat(all_summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
+            all_summaries = write()
     table = pd.concat(all_summaries, ignore_index=True).pivot_table(index=["batch", "mode"], columns="metric",
                                                                      values="per_token", sort=False, dropna=False)
     print("per token (µs; syncs per token):")
