@@ -7,7 +7,8 @@ among those k alone:
 
     scores -> repetition penalty -> / temperature          (as generate(), same arithmetic)
     values, ids = topk(scores, k + TIE_SLACK)               (one partial selection over the vocabulary)
-    order those few ascending, ties by id                   (as a stable sort of the vocabulary orders them)
+    order those few ascending, ties by id                   (as a stable sort of the vocabulary orders them;
+                                                             by counting, not torch.sort: see `ascending`)
     drop values below the k-th (ties with it stay, as HF keeps them)
     top-p over the ascending candidates (HF's rule: remove where cumsum <= 1 - top_p, keep the best)
     token = ids[argmax(softmax(values) / noise[ids])]       (exponential race, Gumbel-max)
@@ -53,18 +54,30 @@ def warp(scores: torch.Tensor, seen: torch.Tensor | None, settings: Settings) ->
     return scores
 
 
+def ascending(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, ids) [B, W] ordered ascending by value, tied values by id: the order HF's stable sort
+    of the vocabulary gives them, which decides which tied tokens top-p drops (topk leaves ties in no
+    particular order).
+
+    No torch.sort: each candidate's place is the number of candidates ordered before it, from a
+    [B, W, W] comparison (W is k + TIE_SLACK, a few dozen), and a scatter puts it there. Inductor's
+    Triton sort-with-index kernel for a [64, W] block took minutes to compile on an H200 (batch 64;
+    batch 1 compiled in seconds); this is one small fused reduction. Ids are distinct, so the places
+    are a permutation, the same one a stable sort by (value, id) gives. NaN scores are not ordered
+    (a model that emits NaN logits has no defined sample)."""
+    v, i = values.unsqueeze(-1), ids.unsqueeze(-1)                            # candidate [B, W, 1]
+    before = (values.unsqueeze(-2) < v) | ((values.unsqueeze(-2) == v) & (ids.unsqueeze(-2) < i))
+    place = before.sum(dim=-1)                                                # [B, W], a permutation
+    return torch.zeros_like(values).scatter(-1, place, values), torch.zeros_like(ids).scatter(-1, place, ids)
+
+
 def candidates(scores: torch.Tensor, top_k: int, top_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, ids) [B, K], ascending as HF's stable sort orders them (ties by token id); the
     candidates top-k and top-p drop hold -inf."""
     vocab = scores.size(-1)
     k = min(max(top_k, 1), vocab)
     width = min(k + TIE_SLACK, vocab)
-    values, ids = torch.topk(scores, width, dim=-1)
-    # topk leaves ties in no particular order; HF's ascending sort of the vocabulary puts tied tokens
-    # in id order (a stable sort), which decides which of them top-p drops. Order the few candidates so.
-    ids, by_id = torch.sort(ids, dim=-1)
-    values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, stable=True)
-    ids = ids.gather(-1, by_value)
+    values, ids = ascending(*torch.topk(scores, width, dim=-1))
     kth = values[..., width - k:width - k + 1]
     values = values.masked_fill(values < kth, -float("inf"))
     if top_p is not None and top_p < 1.0:

@@ -62,6 +62,25 @@ def test_sampler_keeps_the_same_candidates_and_picks_the_same_token(rounding):
                                                                           stable_sort=False)), trial
 
 
+@pytest.mark.parametrize("width", [1, 7, 66])
+def test_ascending_orders_as_a_stable_sort_by_value_then_id(width):
+    """The counting order is the permutation two sorts give (ids, then values stably), ties and -inf
+    included, bit for bit."""
+    gen = torch.Generator().manual_seed(width)
+    for trial in range(30):
+        batch = int(torch.randint(1, 9, (1,), generator=gen))
+        # few distinct values: many ties; some -inf as a penalty or mask leaves them
+        values = torch.randint(-3, 3, (batch, width), generator=gen).float() / 4
+        values[torch.rand(batch, width, generator=gen) < 0.1] = NEG
+        ids = torch.stack([torch.randperm(5000, generator=gen)[:width] for _ in range(batch)])
+        by_id_ids, by_id = torch.sort(ids, dim=-1)
+        want_values, by_value = torch.sort(values.gather(-1, by_id), dim=-1, stable=True)
+        want_ids = by_id_ids.gather(-1, by_value)
+        got_values, got_ids = fast_sampling.ascending(values, ids)
+        assert torch.equal(got_ids, want_ids), trial
+        assert torch.equal(got_values, want_values), trial
+
+
 def test_sampler_keeps_every_token_tied_with_the_kth():
     vocab, k = 1000, 10
     logits = torch.linspace(-5, 0, vocab)[None].clone()
