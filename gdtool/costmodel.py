@@ -63,9 +63,13 @@ __all__ = [
     "fit",
     "interval_factor",
     "k_star",
+    "check",
     "measured_best",
+    "pooled",
+    "predicted_best_on_runs",
     "predict",
     "predict_runs",
+    "repeat_noise",
     "steps_and_polls",
 ]
 
@@ -324,14 +328,108 @@ def best_interval(params, lengths, batch: int | None = None, polls=INTERVALS,
     return pd.DataFrame(rows)
 
 
-def measured_best(df: pd.DataFrame) -> pd.DataFrame:
-    """The measured best polling policy per (model, mode, batch, lengths): median tokens/s per poll."""
+def pooled(df: pd.DataFrame) -> pd.DataFrame:
+    """Measured useful tokens/s per (model, mode, batch, lengths, poll), pooled over the repetitions:
+    sum of useful tokens over sum of decode time, the quantity `predict` estimates (E[U] / E[T]).
+    A median of per-run tokens/s would rank the policies by one repetition's draw of lengths."""
+    ok = df[df["error"].fillna("") == ""] if "error" in df.columns else df
+    ok = ok[ok["decode_s"].notna() & (ok["decode_s"] > 0)].assign(poll=lambda d: d["poll"].map(poll_label))
+    group = [c for c in ("model", "mode", "batch", "lengths") if c in ok.columns]
+    sums = ok.groupby(group + ["poll"], sort=True).agg(tokens=("tokens", "sum"), decode_s=("decode_s", "sum"),
+                                                       runs=("decode_s", "size")).reset_index()
+    return sums.assign(tokens_per_s=sums["tokens"] / sums["decode_s"])
+
+
+def repeat_noise(df: pd.DataFrame) -> pd.DataFrame:
+    """Run-to-run noise of identical work, per (model, mode): the largest relative spread
+    (max / min - 1) of tokens/s among repetitions of one config with the same drawn lengths
+    (EOS-off runs, or any config repeated with the same lengths). NaN where nothing was repeated."""
     ok = df[df["error"].fillna("") == ""] if "error" in df.columns else df
     ok = ok.assign(poll=ok["poll"].map(poll_label))
-    group = [c for c in ("model", "mode", "batch", "lengths") if c in ok.columns]
-    med = ok.groupby(group + ["poll"], sort=True)["tokens_per_s"].median().reset_index()
-    idx = med.groupby(group)["tokens_per_s"].idxmax()
-    return med.loc[idx].rename(columns={"poll": "best_poll"}).reset_index(drop=True)
+    same = [c for c in ("model", "mode", "batch", "lengths", "poll", "max_new_tokens", "target_sum", "target_max")
+            if c in ok.columns]
+    spread = ok.groupby(same)["tokens_per_s"].agg(lambda s: s.max() / s.min() - 1 if len(s) > 1 else np.nan)
+    by = [c for c in ("model", "mode") if c in ok.columns]
+    return spread.groupby(level=by).max().rename("noise").reset_index()
+
+
+def measured_best(df: pd.DataFrame, tolerance: float | None = None, noise: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The measured best polling policy per (model, mode, batch, lengths), from `pooled` tokens/s, and
+    ``tied``: every policy within ``tolerance`` of it (relative; default: the mode's run-to-run noise,
+    ``noise`` as `repeat_noise` returns it, by default of ``df``), i.e. policies the measurement cannot
+    tell from the best."""
+    table = pooled(df)
+    noise = repeat_noise(df) if noise is None else noise
+    group = [c for c in ("model", "mode", "batch", "lengths") if c in table.columns]
+    rows = []
+    for ident, g in table.groupby(group, sort=True):
+        ident = dict(zip(group, ident if isinstance(ident, tuple) else (ident,)))
+        top = g.loc[g["tokens_per_s"].idxmax()]
+        tol = tolerance
+        if tol is None:
+            match = noise
+            for c in ("model", "mode"):
+                if c in match.columns:
+                    match = match[match[c] == ident[c]]
+            tol = float(match["noise"].iloc[0]) if len(match) and pd.notna(match["noise"].iloc[0]) else 0.0
+        tied = g[g["tokens_per_s"] >= top["tokens_per_s"] * (1 - tol)].sort_values("poll", key=lambda p: p.map(poll_order))
+        rows.append(ident | dict(best_poll=top["poll"], tokens_per_s=top["tokens_per_s"], tolerance=tol,
+                                 tied=list(tied["poll"]), runs=int(top["runs"])))
+    return pd.DataFrame(rows)
+
+
+def predicted_best_on_runs(runs: pd.DataFrame) -> pd.DataFrame:
+    """The model's best policy for the lengths the sweep actually drew (from `predict_runs`): predicted
+    tokens pooled over predicted time per poll, so model and measurement rank the same workload."""
+    group = [c for c in ("model", "mode", "batch", "lengths") if c in runs.columns]
+    sums = runs.groupby(group + ["poll"], sort=True)[["target_sum", "pred_decode_s"]].sum().reset_index()
+    sums["tokens_per_s"] = sums["target_sum"] / sums["pred_decode_s"]
+    best = sums.loc[sums.groupby(group)["tokens_per_s"].idxmax()]
+    return best[group + ["poll", "tokens_per_s"]].rename(columns={"poll": "best_poll"}).reset_index(drop=True)
+
+
+def check(df: pd.DataFrame, params: pd.DataFrame, lengths, polls=INTERVALS) -> pd.DataFrame:
+    """The cost model against a sweep, one row per (model, mode, batch) of the distribution ``lengths``.
+
+    ``measured_poll`` is the best policy by pooled tokens/s (`measured_best`); ``tied`` holds every
+    policy within ``tolerance`` of it, the run-to-run noise of identical work in ``df`` (such as its
+    EOS-off repetitions): policies the measurement cannot tell apart. Two model picks are compared:
+
+    - ``recommended_poll``: the model's best for the distribution, what a user is told. Against the
+      measurement: ``recommended_factor`` (to ``measured_poll``, `interval_factor`), the smallest
+      factor to any tied policy ``recommended_factor_to_tied`` (``within_2x`` when <= 2), and what it
+      measured, ``recommended_vs_best`` = pooled tokens/s at it over the best's;
+    - ``on_runs_poll``: the model's best for the lengths the sweep actually drew (a few draws of a
+      random distribution can favour another policy than its expectation), with the same factors.
+
+    ``max_error`` is the largest |measured / predicted - 1| of pooled tokens/s over the out-of-sample
+    policies (``within_15pct`` when <= 0.15).
+    """
+    dist = workloads.parse(lengths)
+    sweep = df[df["lengths"] == dist.name] if "lengths" in df.columns else df
+    runs = predict_runs(sweep, params)
+    measured = measured_best(sweep, noise=repeat_noise(df))
+    on_runs = predicted_best_on_runs(runs).rename(columns={"best_poll": "on_runs_poll"})
+    recommended = best_interval(params, dist, polls=polls).rename(columns={"best_poll": "recommended_poll"})
+    key = [c for c in ("model", "mode", "batch") if c in measured.columns and c in on_runs.columns]
+    table = measured.rename(columns={"best_poll": "measured_poll", "tokens_per_s": "measured_tokens_per_s"})
+    table = table.merge(on_runs[key + ["on_runs_poll"]], on=key).merge(
+        recommended[[c for c in key if c in recommended.columns] + ["recommended_poll"]], on=key)
+    for pick in ("recommended", "on_runs"):
+        table[f"{pick}_factor"] = [interval_factor(a, b) for a, b in zip(table[f"{pick}_poll"], table["measured_poll"])]
+        table[f"{pick}_factor_to_tied"] = [min(interval_factor(a, t) for t in tied)
+                                           for a, tied in zip(table[f"{pick}_poll"], table["tied"])]
+    rates = pooled(sweep).set_index(key + ["poll"])["tokens_per_s"]
+    table["recommended_vs_best"] = [rates.get(tuple(r[c] for c in key) + (r["recommended_poll"],), np.nan)
+                                    / r["measured_tokens_per_s"] for _, r in table.iterrows()]
+    out = runs[~runs["calibration"]]
+    per = out.groupby(key + ["poll"])[["tokens", "decode_s", "target_sum", "pred_decode_s"]].sum()
+    error = ((per["tokens"] / per["decode_s"]) / (per["target_sum"] / per["pred_decode_s"]) - 1).abs()
+    table["max_error"] = [error.xs(tuple(r[c] for c in key), level=key).max() if len(error) else np.nan
+                          for _, r in table.iterrows()]
+    table["within_2x"] = table["recommended_factor_to_tied"] <= 2
+    table["within_15pct"] = table["max_error"] <= 0.15
+    return table
 
 
 def interval_factor(a, b) -> float:

@@ -143,27 +143,19 @@ runs = costmodel.predict_runs(graph, params)
 fig, ax = plot.prediction_vs_measurement(runs)
 
 # %% [markdown]
-# **The checks.** Per batch size: the interval the model recommends (from the distribution) against
-# the measured best (median tokens/s), as a factor of intervals (async counts as 1), and the
-# model's error on the out-of-sample runs' medians. Targets: within a factor of 2, within 15 %.
+# **The checks.** Per batch size, the policy the model recommends for the distribution against the
+# measured best, as a factor of intervals (async counts as 1: the host looks every step). Measured
+# tokens/s are pooled over the repetitions (all tokens over all time), the quantity the model
+# predicts, not medians of single runs. Where the curve is flat, several policies lie within the
+# run-to-run noise of identical work (the spread of the EOS-off repetitions, `tolerance`): `tied`
+# lists them, and the factor is taken to the nearest of them. `on_runs_poll` is the model's pick for
+# the lengths the sweep actually drew, `recommended_vs_best` what the recommendation measured
+# against the best, and `max_error` the model's largest error on an out-of-sample policy.
+# Targets: within a factor of 2, within 15 %.
 
 # %%
-best = costmodel.best_interval(params, dist, polls=polls)
-measured = costmodel.measured_best(graph)
-check = best.merge(measured, on=[c for c in ("model", "mode", "batch") if c in best.columns],
-                   suffixes=("_predicted", "_measured"))
-check["interval_factor"] = [costmodel.interval_factor(a, b)
-                            for a, b in zip(check["best_poll_predicted"], check["best_poll_measured"])]
-errors = (runs[~runs["calibration"]].groupby(["batch", "poll"])["ratio"].median() - 1).abs()
-check["max_median_error"] = check["batch"].map(errors.groupby(level="batch").max())
-check["within_2x"] = check["interval_factor"] <= 2
-check["within_15pct"] = check["max_median_error"] <= 0.15
-# Where the curve is flat, "the best interval" is decided by noise: what the recommendation costs is
-# the measured tokens/s at the recommended interval over the measured best.
-medians = summarize(graph).set_index(["batch", "poll"])["tokens_per_s"]
-check["measured_at_predicted_vs_best"] = [medians.get((b, p), float("nan")) / medians.loc[b].max()
-                                          for b, p in zip(check["batch"], check["best_poll_predicted"])]
-check.round(3)
+check = costmodel.check(graph, params, dist, polls=polls)
+check.drop(columns=[c for c in ("model", "mode", "lengths") if c in check.columns]).round(4)
 
 # %% [markdown]
 # ## The device loop: poll never, stop exactly

@@ -115,6 +115,48 @@ def test_fixed_lengths_predict_exact_steps():
     assert table.loc["4", "decode_s"] == pytest.approx(12 * 1e-3 + 3 * 1e-4)
 
 
+def test_measured_best_pools_repetitions_and_lists_ties():
+    rows = []
+    # two repetitions with different lengths: "4" wins the pooled rate, "1" the median of single runs
+    for poll, times in {"1": (1.0, 10.0), "4": (1.2, 9.0), "16": (1.3, 9.3)}.items():
+        for repeat, (tokens, t) in enumerate(zip((100, 1000), times)):
+            rows.append(dict(model="m", mode="step-graph", batch=2, lengths="geom", poll=poll, repeat=repeat,
+                             tokens=tokens, decode_s=t, tokens_per_s=tokens / t, error=""))
+    df = pd.DataFrame(rows)
+    table = costmodel.pooled(df).set_index("poll")
+    assert table.loc["4", "tokens_per_s"] == pytest.approx(1100 / 10.2)
+    strict = costmodel.measured_best(df, tolerance=0.0).iloc[0]
+    assert strict["best_poll"] == "4" and strict["tied"] == ["4"]
+    loose = costmodel.measured_best(df, tolerance=0.05).iloc[0]   # "16" is 3.3 % behind, "1" 7.3 %
+    assert loose["tied"] == ["4", "16"]
+
+
+def test_repeat_noise_is_the_spread_of_identical_work():
+    base = dict(model="m", mode="step-graph", batch=1, lengths="eos-off", poll="never", max_new_tokens=8,
+                target_sum=8, target_max=8, error="")
+    df = pd.DataFrame([base | dict(tokens_per_s=100.0), base | dict(tokens_per_s=101.0),
+                       base | dict(batch=4, tokens_per_s=50.0), base | dict(batch=4, tokens_per_s=50.2),
+                       base | dict(lengths="geom", target_sum=5, tokens_per_s=80.0)])   # not repeated
+    noise = costmodel.repeat_noise(df)
+    assert noise["noise"].iloc[0] == pytest.approx(0.01)
+
+
+def test_check_passes_an_exact_model_and_fails_a_wrong_one():
+    dist = workloads.geometric(16, 64)
+    truth = {1: CostParams(t_step=2.0e-3, t_sync=60e-6), 8: CostParams(t_step=3.0e-3, t_sync=40e-6)}
+    df = _synthetic(truth, dist, [1, 8], ["1", "4", "16", "never", "async"], 64, repeats=6)
+    params = costmodel.fit(df)
+    table = costmodel.check(df, params, dist, polls=["1", "4", "16", "never", "async"])
+    assert list(table["batch"]) == [1, 8]
+    assert (table["on_runs_poll"] == table["measured_poll"]).all()
+    assert table["max_error"].max() < 1e-9 and table["within_15pct"].all() and table["within_2x"].all()
+    # a model that believes a poll costs 50 steps and an async read 5 recommends rare polls: refused
+    wrong = params.assign(t_sync_us=params["t_step_us"] * 50, t_async_us=params["t_step_us"] * 5)
+    table = costmodel.check(df, wrong, dist, polls=["1", "4", "16", "never", "async"])
+    assert not table["within_2x"].any() and not table["within_15pct"].any()
+    assert set(table["recommended_poll"]) <= {"16", "never"}
+
+
 def test_interval_factor():
     assert costmodel.interval_factor("4", 16) == 4
     assert costmodel.interval_factor("async", "1") == 1
