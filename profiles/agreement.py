@@ -3,8 +3,9 @@
 Per mode and batch size, per generated token: device busy time (in-process: torch.profiler kernel
 records; nsys: kernel records of a node-trace session, or of a graph-trace session for eager, which
 has no graphs) and device span (in-process: CUDA events around each step; nsys: first kernel start to
-last kernel end of the step, plus the gap to the next step), and host time per step. Writes a
-markdown table.
+last kernel end of the step, plus the gap to the next step), and host time per step. Busy time is
+also compared as the median step (per step), which a few steps with outlying kernel records do not
+move. Writes a markdown table.
 
     python profiles/agreement.py --profile profiles/h200/profile/summary.csv \
         --nsys profiles/h200/nsys-graph/summary.csv profiles/h200/nsys-node1/summary.csv --out profiles/h200/agreement.md
@@ -44,8 +45,12 @@ def main():
                "busy/token nsys": pick(busy_trace, "device_busy_us_per_token"), "busy trace": busy_trace,
                "span/token in-process": r.get("device_span_us_per_token"),
                "span/token nsys (graph)": pick("graph", "device_span_us_per_token"),
-               "host/step in-process": r.get("host_us_median"), "host/step nsys (graph)": pick("graph", "host_us")}
+               "host/step in-process": r.get("host_us_median"), "host/step nsys (graph)": pick("graph", "host_us"),
+               # medians per step: a few steps with outlying kernel records move a mean, not a median
+               "busy/step median in-process": r.get("device_busy_us_median"),
+               "busy/step median nsys": pick(busy_trace, "device_busy_us")}
         for what, a_key, b_key in (("busy", "busy/token in-process", "busy/token nsys"),
+                                   ("busy median", "busy/step median in-process", "busy/step median nsys"),
                                    ("span", "span/token in-process", "span/token nsys (graph)")):
             row[f"{what} ratio"] = row[a_key] / row[b_key] if row[b_key] == row[b_key] and row[b_key] else float("nan")
             row[f"{what} within 10%"] = abs(row[f"{what} ratio"] - 1) <= 0.10 if row[f"{what} ratio"] == row[

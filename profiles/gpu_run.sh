@@ -6,7 +6,7 @@
 # PART: tests (every `pytest -m cuda` test), determinism (long greedy decodes, run to run and mode to
 # mode), probe (device-loop smoke test), run (python -m gdtool run on
 # llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph (llama-1b, batch 1
-# and 16, graph trace), nsys-node1 (batch 1, node trace, graph modes), nsys-fixtures,
+# and 16, graph trace), nsys-node1 / nsys-node16 (batch 1 / 16, node trace, graph modes), nsys-fixtures,
 # profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
@@ -103,6 +103,8 @@ for p in "$@"; do
            --modes eager,forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-graph" ;;
     nsys-node1) part nsys-node1 90 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1 --trace node \
            --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node1" ;;
+    nsys-node16) part nsys-node16 120 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 16 --trace node \
+           --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node16" ;;
     nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
     bench-1b) part bench-1b ${BENCH_SECONDS:-480} "$py" -m gdtool bench --model llama-1b --batch ${BENCH_BATCHES:-1,64} --repeats 3 --modes "$bench_modes" ${BENCH_FLAGS:-} \
            --out "$work/bench-1b" ;;

@@ -214,6 +214,21 @@ def test_add_device_busy_fills_busy_and_idle_from_the_kernel_pass(load, monkeypa
     assert res.summary.loc["device_busy_us", "per_token"] == pytest.approx(4.0 * len(steps) / (len(steps) * 2))
     assert any("kernel records of torch.profiler" in n for n in res.notes)
     assert not any("kernels=False" in n for n in res.notes) and res._pass["run"] is None
+    assert not any("more kernel time than their device span" in n for n in res.notes)
+
+
+def test_add_device_busy_flags_steps_busier_than_their_span(load, monkeypatch):
+    model = load("tiny-llama")
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 3), seed=0)
+    res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=4,
+                         eos_token_id=None)
+    steps = res.steps["step"].tolist()
+    res.steps["device_span_us"] = 10.0
+    res._pass["device"] = torch.device("cuda")
+    busy = {s: (40.0 if s == steps[0] else 4.0) for s in steps}   # one step's records exceed its span
+    monkeypatch.setattr(timing, "_kernel_pass", lambda run, device, unit: (busy, 0.0, len(steps)))
+    timing.add_device_busy(res)
+    assert any(n.startswith(f"1 of {len(steps)} steps record more kernel time") for n in res.notes)
 
 
 def test_summary_per_token_divides_by_steps_times_batch():
