@@ -6,8 +6,7 @@ top-k is on, every token that top-p could keep is among the k best, and the nucl
 among those k alone:
 
     scores -> repetition penalty -> / temperature          (as generate(), same arithmetic)
-    values, ids = topk(scores, k + TIE_SLACK)               (a partial selection over the vocabulary, in two
-                                                             stages over chunks of it: see `topk`)
+    values, ids = topk(scores, k + TIE_SLACK)               (one partial selection over the vocabulary)
     order those few ascending, ties by id                   (as a stable sort of the vocabulary orders them;
                                                              by counting, not torch.sort: see `ascending`)
     drop values below the k-th (ties with it stay, as HF keeps them)
@@ -39,8 +38,6 @@ from .settings import Settings
 
 # Extra candidates beyond k, so that tokens tied with the k-th score stay candidates (HF keeps ties).
 TIE_SLACK = 16
-# Top-k over the vocabulary in two stages, over chunks of about this many entries (None: one topk).
-TOPK_CHUNK = 1024
 
 
 def applies(settings: Settings) -> bool:
@@ -55,33 +52,6 @@ def warp(scores: torch.Tensor, seen: torch.Tensor | None, settings: Settings) ->
     if settings.uses_temperature:
         scores = scores / settings.temperature
     return scores
-
-
-def chunk_length(vocab: int, width: int) -> int | None:
-    """Length of the equal chunks the two-stage top-k splits a row into: the divisor of ``vocab``
-    nearest `TOPK_CHUNK` (within a factor of 2, and at least 4 x ``width``), or None for one stage."""
-    if not TOPK_CHUNK:
-        return None
-    lengths = [n for n in range(max(TOPK_CHUNK // 2, 4 * width), 2 * TOPK_CHUNK + 1) if vocab % n == 0 and n < vocab]
-    return min(lengths, key=lambda n: abs(n - TOPK_CHUNK)) if lengths else None
-
-
-def topk(scores: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, ids) of the ``width`` largest scores per row, as ``torch.topk`` returns them (values
-    descending; among equal values at the boundary, any).
-
-    torch.topk's kernel for a long row (128k entries) at batch 64 runs one radix select per row;
-    here each chunk of about `TOPK_CHUNK` entries yields its own ``width`` best (many small rows in
-    parallel), and a second topk picks the ``width`` best of those. Every one of a row's ``width``
-    best is among its chunk's ``width`` best, so the values are the same."""
-    vocab = scores.size(-1)
-    length = chunk_length(vocab, width)
-    if length is None:
-        return torch.topk(scores, width, dim=-1)
-    values, ids = torch.topk(scores.unflatten(-1, (vocab // length, length)), width, dim=-1)   # [B, C, W]
-    ids = ids + torch.arange(0, vocab, length, device=scores.device).unsqueeze(-1)
-    values, best = torch.topk(values.flatten(-2), width, dim=-1)
-    return values, ids.flatten(-2).gather(-1, best)
 
 
 def ascending(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +77,7 @@ def candidates(scores: torch.Tensor, top_k: int, top_p: float | None) -> tuple[t
     vocab = scores.size(-1)
     k = min(max(top_k, 1), vocab)
     width = min(k + TIE_SLACK, vocab)
-    values, ids = ascending(*topk(scores, width))
+    values, ids = ascending(*torch.topk(scores, width, dim=-1))
     kth = values[..., width - k:width - k + 1]
     values = values.masked_fill(values < kth, -float("inf"))
     if top_p is not None and top_p < 1.0:

@@ -245,8 +245,7 @@ def part_decode(args, out: Path) -> list[dict]:
 
     model = gdtool.load_model(args.decode_model, seed=0, device=args.device)
     cases = {"greedy": dict(do_sample=False), "sample": SAMPLING,
-             "sample-top-p-only": dict(SAMPLING, top_k=None),
-             "sample-one-stage-topk": SAMPLING}   # the sort-free sampler with one torch.topk over each row
+             "sample-top-p-only": dict(SAMPLING, top_k=None)}
     rows = []
     # fusing is permanent for the loaded model: the fused runs come last, after every batch size's others
     order = sorted(args.decode_kernels, key=lambda k: k == "compiled-fused")
@@ -256,11 +255,6 @@ def part_decode(args, out: Path) -> list[dict]:
             gdtool.fast_fuse.fuse_projections(model)
         for case in args.cases:
             settings = dict(cases[case], eos_token_id=None, pad_token_id=0, max_new_tokens=args.max_new_tokens)
-            chunk = fast_sampling.TOPK_CHUNK
-            if case == "sample-one-stage-topk":  # same settings as "sample": compile it afresh without chunks
-                fast_sampling.TOPK_CHUNK = None
-                model.__dict__.pop(gdtool.fast._ATTR, None)
-                torch._dynamo.reset()
             t0 = time.perf_counter()
             try:
                 kernels_arg = "compiled" if kernels == "compiled-fused" else kernels
@@ -279,10 +273,6 @@ def part_decode(args, out: Path) -> list[dict]:
                 traceback.print_exc(limit=8)
                 row = dict(model=args.decode_model, batch=batch, kernels=kernels, case=case,
                            status=f"error: {type(error).__name__}: {str(error)[:200]}")
-            if case == "sample-one-stage-topk":
-                fast_sampling.TOPK_CHUNK = chunk
-                model.__dict__.pop(gdtool.fast._ATTR, None)
-                torch._dynamo.reset()
             rows.append(row)
             log(f"[decode] {json.dumps(row)}")
             df = pd.DataFrame(rows)
@@ -314,7 +304,7 @@ def parse_args(argv):
     p.add_argument("--fused-models", type=csv(str), default=["llama-1b"],
                    help="agreement part: also run these models with fused projections")
     p.add_argument("--cases", type=csv(str), default=["greedy", "sample"],
-                   help="decode part: greedy, sample, sample-top-p-only, sample-one-stage-topk")
+                   help="decode part: greedy, sample, sample-top-p-only")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", default="profiles/fast")
     p.add_argument("--device", default="cuda",

@@ -81,25 +81,6 @@ def test_ascending_orders_as_a_stable_sort_by_value_then_id(width):
         assert torch.equal(got_values, want_values), trial
 
 
-@pytest.mark.parametrize("vocab,width", [(8192, 66), (4096, 316), (50257, 20), (1000, 66)])
-def test_two_stage_topk_returns_the_rows_best(vocab, width):
-    """Same values as one torch.topk, and the same ids wherever the boundary value is not tied."""
-    gen = torch.Generator().manual_seed(vocab)
-    for rounding in (torch.float32, torch.bfloat16):
-        scores = (torch.randn(5, vocab, generator=gen) * 3).to(rounding).float()
-        scores[0, :] = NEG                       # a row with nothing left
-        scores[1, torch.randperm(vocab, generator=gen)[:40]] = 50.0   # ties above the boundary
-        values, ids = fast_sampling.topk(scores, width)
-        want_values, want_ids = torch.topk(scores, width, dim=-1)
-        assert torch.equal(values, want_values)
-        assert torch.equal(scores.gather(-1, ids), values)      # each id holds its value
-        assert (ids.sort(-1).values.diff(dim=-1) > 0).all()     # distinct ids
-        for row in range(1, 5):
-            if (scores[row] == want_values[row, -1]).sum() == 1:   # boundary not tied: the same set
-                assert torch.equal(ids[row].sort().values, want_ids[row].sort().values)
-    assert fast_sampling.chunk_length(vocab, width) is not None or vocab == 1000
-
-
 def test_sampler_keeps_every_token_tied_with_the_kth():
     vocab, k = 1000, 10
     logits = torch.linspace(-5, 0, vocab)[None].clone()
