@@ -1,9 +1,10 @@
 """Markdown tables of the committed H200 results quoted in `profiles/h200/README.md`.
 
-    python profiles/results_tables.py [eos-off] [devloop-host] [fast-decode] [launch]
+    python profiles/results_tables.py [eos-off] [devloop-host] [fast-decode] [sampling] [cost-model] [launch]
 
 Each table is computed from the files under `profiles/` (nothing typed in): the sweep's EOS-off mode
-comparison, device-loop host time per token, sampling against greedy in the compiled step, and the
+comparison, device-loop host time per token, sampling against greedy in the compiled step (per run
+and sampler), the cost model's check against the sweep, and the
 host cost of one graph launch (`launch_probe.py`).
 """
 from __future__ import annotations
@@ -59,6 +60,46 @@ def fast_decode() -> str:
     return markdown(table, "{:.3f}")
 
 
+# Runs of the compiled step with greedy and sampling cases, in the order they ran: (file, commit,
+# {case in the file: sampler it ran}). sample-cost ran the two-stage top-k as "sample".
+SAMPLING_RUNS = [
+    ("fast-decode/decode.csv", "8c2255e", {"sample": "two sorts"}),
+    ("fast-decode/decode-64.csv", "d95b9d7", {"sample": "counting"}),
+    ("sample-cost/decode.csv", "093fb01", {"sample": "counting, two-stage top-k", "sample-one-stage-topk": "counting"}),
+    ("fast-decode/decode-64-run2.csv", "36ec5ad", {"sample": "counting"}),
+]
+
+
+def sampling() -> str:
+    rows = []
+    for name, commit, samplers in SAMPLING_RUNS:
+        path = H200 / name
+        if not path.exists():
+            continue
+        df = pd.read_csv(path)
+        df = df[df["status"] == "ok"]
+        if name == "fast-decode/decode.csv":  # its batch-64 compiled rows ran fused (see fast_decode)
+            df = df[~((df["batch"] == 64) & (df["kernels"] == "compiled"))]
+        greedy = df[df["case"] == "greedy"].set_index(["batch", "kernels"])["ms_per_step"]
+        for r in df[df["case"].isin(list(samplers))].itertuples():
+            base = greedy.get((r.batch, r.kernels), float("nan"))
+            rows.append(dict(file=name, commit=commit, batch=r.batch, kernels=r.kernels, sampler=samplers[r.case],
+                             greedy_ms=base, sample_ms=r.ms_per_step, pct_over_greedy=100 * (r.ms_per_step / base - 1)))
+    return markdown(pd.DataFrame(rows), "{:.3f}")
+
+
+def cost_model() -> str:
+    """`costmodel.check` on the committed sweep: step-graph, geometric lengths, the issue's policies."""
+    from gdtool import costmodel
+    df = load(ROOT / "sweeps" / "llama-1b_geom128.csv")
+    graph = df[df["mode"] == "step-graph"]
+    table = costmodel.check(graph, costmodel.fit(graph), "geom:128:512", polls=[1, 4, 16, 64, "never", "async"])
+    table["tied"] = table["tied"].map(" ".join)
+    cols = ["batch", "measured_poll", "tied", "recommended_poll", "recommended_factor", "recommended_factor_to_tied",
+            "recommended_vs_best", "on_runs_poll", "max_error"]
+    return markdown(table[cols], "{:.4f}")
+
+
 def launch() -> str:
     out = []
     for name in ("launch-probe", "launch-timing", "launch-profiler"):
@@ -78,7 +119,8 @@ def launch() -> str:
     return "\n\n".join(out)
 
 
-TABLES = {"eos-off": eos_off, "devloop-host": devloop_host, "fast-decode": fast_decode, "launch": launch}
+TABLES = {"eos-off": eos_off, "devloop-host": devloop_host, "fast-decode": fast_decode, "sampling": sampling,
+          "cost-model": cost_model, "launch": launch}
 
 
 def main(argv=None) -> int:
