@@ -77,7 +77,8 @@ def candidates(scores: torch.Tensor, top_k: int, top_p: float | None) -> tuple[t
     vocab = scores.size(-1)
     k = min(max(top_k, 1), vocab)
     width = min(k + TIE_SLACK, vocab)
-    values, ids = ascending(*torch.topk(scores, width, dim=-1))
+    # unsorted: `ascending` orders the candidates anyway (the same set either way: topk picks, then sorts)
+    values, ids = ascending(*torch.topk(scores, width, dim=-1, sorted=False))
     kth = values[..., width - k:width - k + 1]
     values = values.masked_fill(values < kth, -float("inf"))
     if top_p is not None and top_p < 1.0:

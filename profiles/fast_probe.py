@@ -124,6 +124,19 @@ def part_select(args, out: Path) -> list[dict]:
         "sample-top-p-only": (_settings(**dict(SAMPLING, top_k=None)),
                               lambda logits, seen, s: sampling.choose(sampling.process(logits, seen, s), True)),
     }
+    sample = _settings(**SAMPLING)
+    width = SAMPLING["top_k"] + fast_sampling.TIE_SLACK
+    # the sort-free sampler's pieces, alone: where its time goes
+    parts = {
+        "part-warp": (sample, lambda logits, seen, s: fast_sampling.warp(logits, seen, s)),
+        "part-topk-sorted": (sample, lambda logits, seen, s: torch.topk(logits, width, dim=-1)),
+        "part-topk-unsorted": (sample, lambda logits, seen, s: torch.topk(logits, width, dim=-1, sorted=False)),
+        "part-noise": (sample, lambda logits, seen, s: torch.empty_like(logits).exponential_(1)[:, :width].clone()),
+        "part-candidates": (sample, lambda logits, seen, s: fast_sampling.candidates(logits, s.top_k, s.top_p)),
+    }
+    variants.update(parts)
+    if args.select_variants:
+        variants = {k: v for k, v in variants.items() if k in args.select_variants}
     rows = []
     for batch in args.batches:
         gen = torch.Generator(device=device).manual_seed(0)
@@ -131,10 +144,11 @@ def part_select(args, out: Path) -> list[dict]:
         logits = (torch.randn(batch, vocab, device=device, generator=gen) * 3).bfloat16().float()
         seen = torch.rand(batch, vocab, device=device, generator=gen) < 0.001
         for name, (settings, select) in variants.items():
-            for kernels in ("hf", "compiled"):
+            for kernels in args.select_kernels:
                 def fn(select=select, settings=settings):
                     return select(logits, seen, settings)
                 if kernels == "compiled":
+                    torch._dynamo.reset()  # every variant's `fn` shares one code object, and its recompile limit
                     fn = torch.compile(fn, backend="inductor", fullgraph=True, dynamic=False,
                                        options=fast.INDUCTOR_OPTIONS)
                 t0 = time.perf_counter()
@@ -297,6 +311,11 @@ def parse_args(argv):
     p.add_argument("--agreement-batch", type=int, default=4)
     p.add_argument("--batches", type=csv(int), default=[1, 64], help="select part")
     p.add_argument("--vocab", type=int, default=128256, help="select part (Llama 3's vocabulary)")
+    p.add_argument("--select-variants", type=csv(str), default=[],
+                   help="select part: only these variants (greedy, sample-hf-order, sample-sort-free, "
+                        "sample-top-p-only, and the sort-free sampler's parts part-warp, part-topk-sorted, "
+                        "part-topk-unsorted, part-noise, part-candidates); default all")
+    p.add_argument("--select-kernels", type=csv(str), default=["hf", "compiled"])
     p.add_argument("--decode-model", default="llama-1b")
     p.add_argument("--decode-batches", type=csv(int), default=[1, 64])
     p.add_argument("--decode-kernels", type=csv(str), default=["compiled", "hf"],
