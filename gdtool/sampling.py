@@ -17,6 +17,28 @@ import torch
 from .settings import Settings
 
 
+@torch.library.custom_op("gdtool::cumsum", mutates_args=())
+def _opaque_cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.cumsum(x, dim)
+
+
+@_opaque_cumsum.register_fake
+def _(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def cumsum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """torch.cumsum; under torch.compile an opaque op that runs ATen's cumsum.
+
+    Inductor's scan over a whole vocabulary row ([64, 128256], a "SplitScan") fails in codegen on
+    CUDA with torch 2.11 (`TypeError: list indices must be integers or slices, not NoneType`; seen on
+    an H200), which stopped `kernels="compiled"` with top-p and no top-k. ATen's kernel is also what
+    generate() runs, so the values are the eager path's."""
+    if torch.compiler.is_compiling():
+        return _opaque_cumsum(x, dim)
+    return torch.cumsum(x, dim)
+
+
 def penalize(scores: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
     """RepetitionPenaltyLogitsProcessor over a per-row "seen" mask instead of gathered ids."""
     penalized = torch.where(scores < 0, scores * penalty, scores / penalty)
@@ -31,7 +53,7 @@ def top_k_filter(scores: torch.Tensor, top_k: int) -> torch.Tensor:
 
 def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     sorted_logits, sorted_indices = torch.sort(scores, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    cumulative = cumsum(sorted_logits.softmax(dim=-1), -1)
     remove_sorted = cumulative <= (1 - top_p)
     remove_sorted[..., -1:] = 0
     remove = remove_sorted.scatter(1, sorted_indices, remove_sorted)

@@ -17,7 +17,7 @@
 # (batch 64, compiled sampling alone, Python stacks every 45 s: where it waits), sort-compile (inductor's
 # compile time for the sampler's candidate order, by counting and with torch.sort, batch 1 and 64),
 # select-64 (the samplers and the sort-free sampler's parts alone, compiled, batch 64), retest-fast
-# (the cuda tests of the compiled step).
+# (the cuda tests of the compiled step). select-64 reads SELECT_VARIANTS (default: all).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
@@ -120,7 +120,7 @@ for p in "$@"; do
     sample-64) part sample-64 200 "$py" profiles/fast_probe.py --out "$work/sample-64/probe" --parts decode \
            --decode-batches 64 --decode-kernels compiled --cases sample --stack-every 45 ;;
     select-64) part select-64 150 "$py" profiles/fast_probe.py --out "$work/select-64/probe" --parts select \
-           --batches 64 --select-kernels compiled ;;
+           --batches 64 --select-kernels compiled ${SELECT_VARIANTS:+--select-variants "$SELECT_VARIANTS"} ;;
     retest-fast) part retest-fast 100 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_fast_cuda.py \
            tests/test_fast.py ;;
     sort-compile) part sort-compile 140 "$py" profiles/sort_compile_probe.py --batches 1,64 --limit 60 \

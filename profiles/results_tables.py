@@ -67,6 +67,7 @@ SAMPLING_RUNS = [
     ("fast-decode/decode-64.csv", "d95b9d7", {"sample": "counting"}),
     ("sample-cost/decode.csv", "093fb01", {"sample": "counting, two-stage top-k", "sample-one-stage-topk": "counting"}),
     ("fast-decode/decode-64-run2.csv", "36ec5ad", {"sample": "counting"}),
+    ("fast-decode/decode-64-run3.csv", "5275834", {"sample": "counting, unsorted topk"}),
 ]
 
 

@@ -81,6 +81,24 @@ def test_ascending_orders_as_a_stable_sort_by_value_then_id(width):
         assert torch.equal(got_values, want_values), trial
 
 
+def test_top_p_cumsum_is_opaque_to_the_compiler_and_unchanged():
+    """Under torch.compile the vocabulary-wide cumsum of top-p is gdtool::cumsum (inductor's scan over
+    a 128k row fails on CUDA with torch 2.11); compiled or not, top_p_filter gives the same scores."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(str(gm.graph))
+        return gm.forward
+
+    scores = (torch.randn(3, 2000, generator=torch.Generator().manual_seed(0)) * 3).bfloat16().float()
+    eager = sampling.top_p_filter(scores, 0.9)
+    traced = torch.compile(lambda x: sampling.top_p_filter(x, 0.9), backend=backend, fullgraph=True)(scores)
+    assert any("gdtool.cumsum" in g for g in graphs) and not any("torch.cumsum" in g for g in graphs)
+    compiled = torch.compile(lambda x: sampling.top_p_filter(x, 0.9), backend="inductor", fullgraph=True)(scores)
+    assert torch.equal(traced, eager) and torch.equal(compiled, eager)
+    assert torch.equal(sampling.cumsum(scores, -1), scores.cumsum(-1))
+
+
 def test_sampler_keeps_every_token_tied_with_the_kth():
     vocab, k = 1000, 10
     logits = torch.linspace(-5, 0, vocab)[None].clone()

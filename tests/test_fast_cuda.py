@@ -46,6 +46,18 @@ def test_compiled_step_captured_equals_uncaptured(model):
         assert torch.equal(loop.tokens, captured.tokens)
 
 
+def test_compiled_step_with_top_p_and_no_top_k(model):
+    """The sorting path (top-p over the whole vocabulary) compiles, captures, and equals itself uncaptured:
+    inductor's own scan over a vocabulary row failed in codegen on CUDA (torch 2.11), gdtool.sampling.cumsum
+    keeps ATen's kernel there."""
+    prompt = gdtool.random_prompts(model, batch=64, lengths=(5, 12), seed=2)
+    settings = dict(SAMPLING, top_k=0)
+    captured = _decode(model, prompt, max_new_tokens=8, **settings)
+    direct = _decode(model, prompt, max_new_tokens=8, capture=False, **settings)
+    assert captured.replays == captured.steps > 0
+    assert torch.equal(captured.tokens, direct.tokens)
+
+
 def test_compiled_step_graph_with_eos_and_polling(model):
     prompt = gdtool.random_prompts(model, batch=4, lengths=(5, 12), seed=1)
     targets = [3, 5, 7, 16]  # the length harness forces EOS inside the step
