@@ -47,6 +47,9 @@ from gdtool import bench, fast, fast_sampling, sampling
 from gdtool.settings import Settings
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
+SELECT_VARIANTS = ("greedy", "sample-hf-order", "sample-sort-free", "sample-top-p-only", "part-warp",
+                   "part-topk-sorted", "part-topk-unsorted", "part-noise", "part-candidates")
+CASES = ("greedy", "sample", "sample-top-p-only")
 
 
 def log(message):
@@ -135,6 +138,7 @@ def part_select(args, out: Path) -> list[dict]:
         "part-candidates": (sample, lambda logits, seen, s: fast_sampling.candidates(logits, s.top_k, s.top_p)),
     }
     variants.update(parts)
+    assert tuple(variants) == SELECT_VARIANTS, "SELECT_VARIANTS names the variants, for the CLI's check"
     if args.select_variants:
         variants = {k: v for k, v in variants.items() if k in args.select_variants}
     rows = []
@@ -260,6 +264,7 @@ def part_decode(args, out: Path) -> list[dict]:
     model = gdtool.load_model(args.decode_model, seed=0, device=args.device)
     cases = {"greedy": dict(do_sample=False), "sample": SAMPLING,
              "sample-top-p-only": dict(SAMPLING, top_k=None)}
+    assert tuple(cases) == CASES, "CASES names the cases, for the CLI's check"
     rows = []
     # fusing is permanent for the loaded model: the fused runs come last, after every batch size's others
     order = sorted(args.decode_kernels, key=lambda k: k == "compiled-fused")
@@ -331,7 +336,15 @@ def parse_args(argv):
     p.add_argument("--stack-every", type=float, default=0,
                    help="print every thread's Python stack to stderr every this many seconds (0: never): shows "
                         "where a run that never finishes waits (compiling, capturing or in a CUDA sync)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for flag, given, known in (("--select-variants", args.select_variants, SELECT_VARIANTS),
+                               ("--cases", args.cases, CASES),
+                               ("--select-kernels", args.select_kernels, ("hf", "compiled")),
+                               ("--decode-kernels", args.decode_kernels, ("hf", "compiled", "compiled-fused"))):
+        unknown = [x for x in given if x not in known]
+        if unknown:
+            p.error(f"{flag}: unknown {', '.join(unknown)}; choose from {', '.join(known)}")
+    return args
 
 
 def main(argv=None) -> int:

@@ -27,6 +27,9 @@ def two_sorts(values, ids):
     return values, ids.gather(-1, by_value)
 
 
+VARIANTS = ("counting", "two-sorts")
+
+
 def _compile_once(variant: str, batch: int, width: int, queue) -> None:
     from gdtool import fast, fast_sampling
     fn = {"two-sorts": two_sorts, "counting": fast_sampling.ascending}[variant]
@@ -69,6 +72,9 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, default=90.0, help="seconds per compile before it is called not done")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args(argv)
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        p.error(f"--variants: unknown {', '.join(unknown)}; choose from {', '.join(VARIANTS)}")
     if not torch.cuda.is_available():
         print("needs a CUDA GPU", file=sys.stderr)
         return 2

@@ -12,8 +12,10 @@ from gdtool import nsys
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "profiles"))
 
+import fast_probe  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import results_tables  # noqa: E402
+import sort_compile_probe  # noqa: E402
 
 NODE_EXPORT = ROOT / "tests" / "data" / "tiny-llama_b4_step-graph_node_noeos.sqlite.gz"
 
@@ -61,3 +63,24 @@ def test_launch_probe_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         launch_probe.main(["--out", "unused.json"])
+
+
+@pytest.mark.parametrize("argv, flag", [(["--select-variants", "greedy,nope"], "--select-variants"),
+                                        (["--cases", "sampel"], "--cases"),
+                                        (["--decode-kernels", "fused"], "--decode-kernels")])
+def test_fast_probe_refuses_unknown_names(argv, flag, capsys):
+    with pytest.raises(SystemExit):
+        fast_probe.parse_args(argv)
+    err = capsys.readouterr().err
+    assert flag in err and "choose from" in err
+
+
+def test_fast_probe_names_match_its_parts():
+    args = fast_probe.parse_args(["--select-variants", "part-topk-unsorted", "--cases", "greedy,sample"])
+    assert args.select_variants == ["part-topk-unsorted"] and args.cases == ["greedy", "sample"]
+
+
+def test_sort_compile_probe_refuses_unknown_variants(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        sort_compile_probe.main(["--variants", "bubble", "--out", str(tmp_path / "x.json")])
+    assert "choose from counting, two-sorts" in capsys.readouterr().err
