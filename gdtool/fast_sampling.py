@@ -61,8 +61,9 @@ def ascending(values: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, to
 
     No torch.sort: each candidate's place is the number of candidates ordered before it, from a
     [B, W, W] comparison (W is k + TIE_SLACK, a few dozen), and a scatter puts it there. Inductor's
-    Triton sort-with-index kernel for a [64, W] block took minutes to compile on an H200 (batch 64;
-    batch 1 compiled in seconds); this is one small fused reduction. Ids are distinct, so the places
+    Triton sort-with-index kernel for a [64, W] block had not compiled after 50 s on an H200 (batch 1:
+    15 s), and the batch-64 sampling step never got going in runs of 85-180 s; this is one small
+    fused reduction (6-7 s to compile at either batch size). Ids are distinct, so the places
     are a permutation, the same one a stable sort by (value, id) gives. NaN scores are not ordered
     (a model that emits NaN logits has no defined sample)."""
     v, i = values.unsqueeze(-1), ids.unsqueeze(-1)                            # candidate [B, W, 1]
