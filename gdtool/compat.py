@@ -57,10 +57,31 @@ def full_attention_only(cache) -> bool:
     return all(type(layer) is StaticLayer for layer in cache_layers(cache))
 
 
+def _kind(layer, name: str) -> bool:
+    return any(cls.__name__ == name for cls in type(layer).__mro__)
+
+
+def is_sliding(layer) -> bool:
+    """A sliding-window layer: a window that rolls once full, and a Python counter beside the tensor one."""
+    return _kind(layer, "StaticSlidingWindowLayer")
+
+
+def is_linear(layer) -> bool:
+    """A linear-attention / state-space layer: conv and recurrent states rewritten in place each step."""
+    return _kind(layer, "LinearAttentionLayer")
+
+
 def rewind(cache, length: int) -> None:
-    """Forget everything written at or after slot `length` (warm-up steps) and write there next."""
+    """Forget everything written at or after slot `length` (warm-up steps) and write there next.
+
+    A full-attention layer is rewound by zeroing its slots. A sliding window that rolled, or a linear
+    layer's states, cannot be rewound that way: at `length` 0 they are reset, otherwise left to the
+    caller (the decode engine saves and restores them around warm-up and capture)."""
     for layer in cache_layers(cache):
-        if getattr(layer, "is_initialized", True) and getattr(layer, "keys", None) is not None:
+        sliding, linear = is_sliding(layer), is_linear(layer)
+        if length and sliding:
+            continue
+        if getattr(layer, "is_initialized", True) and isinstance(getattr(layer, "keys", None), torch.Tensor):
             layer.keys[:, :, length:].zero_()
             layer.values[:, :, length:].zero_()
         counter = getattr(layer, "cumulative_length", None)
@@ -68,3 +89,14 @@ def rewind(cache, length: int) -> None:
             counter.fill_(length)
         elif counter is not None:
             layer.cumulative_length = length
+        if sliding:
+            layer.cumulative_length_int = 0
+        if linear and not length:
+            for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+                for value in states.values():
+                    if isinstance(value, torch.Tensor):
+                        value.zero_()
+            flags = getattr(layer, "has_previous_state", None)
+            if isinstance(flags, dict):
+                for key in flags:
+                    flags[key] = False

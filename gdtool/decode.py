@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat, fast, graphs, ranges
+from . import compat, fast, feed, graphs, ranges
 from .settings import UNSET, Settings, resolve
 from .step import State, new_state, seed_seen
 from .syncs import Counter, hidden_waits
@@ -140,26 +140,8 @@ def check_poll(eos_poll_interval, mode: str):
 
 
 def check_model(model, mode: str, device: torch.device) -> None:
-    """Refuse, with the reason, what the graph modes cannot capture exactly."""
-    if model.training:
-        dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
-        attn_dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
-        if mode != "eager" or dropout or attn_dropout > 0:
-            raise ValueError("the model is in training mode (models built from a config start that way) and dropout "
-                             "would change every token; call model.eval() first")
-    if mode == "eager":
-        return
-    impl = getattr(model.config, "_attn_implementation", None)
-    if impl not in ("sdpa", "eager"):
-        raise ValueError(f"attention implementation {impl!r} is not supported by the graph modes; load the model "
-                         "with attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
-    text = model.config.get_text_config()
-    experts = [getattr(text, k, 0) or 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")]
-    if max(experts) > 1:
-        raise ValueError("mixture-of-experts layers route tokens on the host and cannot be captured; use mode='eager'")
-    if not getattr(model, "_can_compile_fullgraph", True):
-        raise ValueError(f"{type(model).__name__} does not declare that its forward can be captured "
-                         "(_can_compile_fullgraph is False); use mode='eager'")
+    """Refuse, with the reason, what gdtool cannot decode as generate() does in `mode` (`feed.check`)."""
+    feed.check(model, mode, device)
 
 
 def check_input_ids(input_ids) -> None:
@@ -256,9 +238,7 @@ class Engine:
         self.batch, self.width = input_ids.shape
         self.cache_len = cache_len or compat.cache_length(model, self.width, settings.max_new_tokens)
         self.cache = compat.static_cache(model, self.cache_len)
-        if mode != "eager" and not compat.full_attention_only(self.cache):
-            raise ValueError("the graph modes support static caches of full-attention layers only; this model has "
-                             "sliding-window or other layers; use mode='eager'")
+        feed.check_cache(self.cache, mode, model)
         vocab = model.config.get_text_config().vocab_size
         self.state: State = new_state(input_ids, torch.ones_like(input_ids), settings, self.cache_len, vocab,
                                       return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None,
@@ -266,8 +246,11 @@ class Engine:
         cache_kw, logits_to_keep = compat.forward_kwargs(model)
         self.step = fast.new_step(self.kernels, mode, model, self.cache, self.state, settings, self.width, cache_kw,
                                   logits_to_keep)
-        self.graph = None
-        self.loop = None  # device-loop: the WHILE-node graph around the step graph
+        self.feed = self.step.feed
+        # sliding-window layers take another branch once their window is full: one graph per phase
+        self.phases = self.feed.phases(settings.max_new_tokens)
+        self.graphs: dict = {}  # phase -> captured (or uncaptured) step
+        self.loops: list = []   # device-loop: one WHILE-node graph per phase, around that phase's step graph
         self.rng_increment = None
         self.captures = 0
         self.graph_pool_bytes = 0  # device memory reserved by the capture (the graph's private pool)
@@ -300,7 +283,7 @@ class Engine:
         timings = {"warmup_s": 0.0, "capture_s": 0.0}
         n = settings.max_new_tokens
         captures_before = self.captures
-        launches_before = self.loop.launches if self.loop is not None else 0
+        launches_before = self._launches()
 
         with torch.inference_mode(), ranges.span(ranges.DECODE, self.batch):
             t0 = time.perf_counter()
@@ -310,13 +293,14 @@ class Engine:
             explicit_waits += device.type == "cuda"
             timings["prefill_s"] = time.perf_counter() - t0
             trail = {0: generator.get_state()} if settings.do_sample else None
-            if self.mode != "eager" and n > 1 and self.graph is None:
-                explicit_waits += self._capture(generator, timings, waits)
-            t0 = time.perf_counter()
-            if self.mode == "device-loop":
-                steps, polls, loop_waits = self._device_loop(steps_per_launch, on_chunk, generator)
-            else:
-                steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
+            with self.feed.decoding():
+                if self.mode != "eager" and n > 1 and not self.graphs:
+                    explicit_waits += self._capture(generator, timings, waits)
+                t0 = time.perf_counter()
+                if self.mode == "device-loop":
+                    steps, polls, loop_waits = self._device_loop(steps_per_launch, on_chunk, generator)
+                else:
+                    steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
             explicit_waits += loop_waits
             # copies even on a CPU, where .cpu() would alias the buffers the next call of this engine overwrites
             lengths, tokens = state.lengths.to("cpu", copy=True), state.out.to("cpu", copy=True)
@@ -330,9 +314,9 @@ class Engine:
             generator.set_state(trail[used - 1])
         scores = tuple(state.scores[i].clone() for i in range(used)) if state.scores is not None else None
         timings["total_s"] = time.perf_counter() - t_start
-        replays = steps if self.graph is not None else 0
+        replays = steps if self.graphs else 0
         if self.mode == "device-loop":
-            replays = self.loop.launches - launches_before if self.loop is not None else 0
+            replays = self._launches() - launches_before
         return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
                             batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
@@ -367,73 +351,102 @@ class Engine:
             if targets is not None:
                 s.targets.copy_(targets)
 
+    def _launches(self) -> int:
+        return sum(loop.launches for loop in self.loops)
+
     def _capture(self, generator, timings, waits) -> int:
-        """Warm up and capture this mode's graph; leave state, cache and generator as after the prefill."""
-        snapshot, rng = self.state.snapshot(), generator.get_state()
+        """Warm up and capture this mode's graph, one per phase of the sliding layers; leave state, cache
+        and generator as after the prefill."""
+        snapshot, layers, rng = self.state.snapshot(), self.feed.snapshot(), generator.get_state()
         fn = self.step.forward if self.mode == "forward-graph" else self.step
+        keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
         syncs = 0
-        t0 = time.perf_counter()
-        with ranges.span(ranges.WARMUP):
-            if self.captures_enabled:
-                offset = generator.get_offset()
-                with hidden_waits(self.device, waits):
-                    graphs.warm_up(fn, 1)
-                    self.rng_increment = generator.get_offset() - offset  # what one step draws (device loop)
-                    graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)
-                _sync(self.device)
-                syncs += 1
-        timings["warmup_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        with ranges.span(ranges.CAPTURE):
-            keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
-            if self.captures_enabled:
-                # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
-                torch.cuda.empty_cache()
-            reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
-            self.graph = graphs.capture(fn, self.device, keep_graph=keep) if self.captures_enabled \
-                else graphs.Uncaptured(fn)
-            if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
-                self.graph_pool_bytes = torch.cuda.memory_reserved(self.device) - reserved
-            self.captures += self.captures_enabled
-            syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
-        timings["capture_s"] = time.perf_counter() - t0
-        self.state.restore(snapshot)
-        compat.rewind(self.cache, self.width)
-        generator.set_state(rng)
+        for phase in dict.fromkeys(p for p, _, _ in self.phases):
+            with self.feed.in_phase(phase):
+                t0 = time.perf_counter()
+                with ranges.span(ranges.WARMUP):
+                    if self.captures_enabled:
+                        offset = generator.get_offset()
+                        with hidden_waits(self.device, waits):
+                            graphs.warm_up(fn, 1, self.model)
+                            if self.rng_increment is None:
+                                self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
+                            graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)
+                        _sync(self.device)
+                        syncs += 1
+                    else:
+                        # the same warm-up steps, run for real and undone below, so a CPU tests the undoing too
+                        for _ in range(min(WARMUP_STEPS, self.cache_len - self.width)):
+                            fn()
+                timings["warmup_s"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+                with ranges.span(ranges.CAPTURE):
+                    if self.captures_enabled:
+                        # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
+                        torch.cuda.empty_cache()
+                    reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
+                    # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
+                    self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model) \
+                        if self.captures_enabled else graphs.Uncaptured(fn, self.feed.frozen_counters())
+                    if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
+                        self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
+                    self.captures += self.captures_enabled
+                    syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
+                timings["capture_s"] += time.perf_counter() - t0
+            self.state.restore(snapshot)
+            self.feed.restore(layers)
+            compat.rewind(self.cache, self.width)
+            generator.set_state(rng)
         if self.mode == "device-loop":
             from .devloop import DeviceLoop
-            body = self.graph.graph if self.captures_enabled else self.graph
             sampling = self.settings.do_sample and self.captures_enabled
-            self.loop = DeviceLoop(body, self.state.done, self.state.index, self.settings.max_new_tokens,
-                                   advance_rng=sampling, rng_increment=self.rng_increment if sampling else None,
-                                   generator=generator if sampling else None)
+            for phase, _, last in self.phases:
+                graph = self.graphs[phase]
+                body = graph.graph if self.captures_enabled else graph
+                # a phase's loop stops at its last step (index last + 1); the next phase's loop takes over on the device
+                self.loops.append(DeviceLoop(body, self.state.done, self.state.index, last + 1,
+                                             advance_rng=sampling, rng_increment=self.rng_increment if sampling else None,
+                                             generator=generator if sampling else None))
         return syncs
 
     def _device_loop(self, steps_per_launch, on_chunk, generator):
-        """Launch the WHILE loop until every row finished (one launch unless chunked). Returns (steps, polls, waits)."""
+        """Launch each phase's WHILE loop until every row finished (one launch a phase unless chunked).
+        Returns (steps, polls, waits)."""
         state = self.state
-        if self.loop is None:  # max_new_tokens == 1: the prefill made the only token
+        if not self.loops:  # max_new_tokens == 1: the prefill made the only token
             return 0, 0, 0
         polls = syncs = 0
-        self.loop.start_rollout()
-        while True:
-            with ranges.span(ranges.REPLAY):
-                self.loop.launch(max_steps=steps_per_launch)
-            if steps_per_launch is None:
-                break
-            with ranges.span(ranges.EOS_POLL):
-                # one read of flag, index and tokens between launches: the streaming point
-                finished, produced = bool(state.done), int(state.index)
-                polls += 1
-                syncs += 1
-                ranges.count_syncs()
-            if on_chunk is not None:
-                on_chunk(state.out[:, :produced].cpu())
+        from .devloop import _generator_state, _set_generator_offset
+        sampling = self.loops[0].captured and self.loops[0].advance_rng
+        start = _generator_state(generator)[1] if sampling else None
+        finished = False
+        for loop, (_, first, last) in zip(self.loops, self.phases):
+            if sampling:
+                # the draws of step j start where j - 1 replays would have left the generator
+                _set_generator_offset(generator, start + (first - 1) * self.rng_increment)
+            loop.start_rollout()
+            while True:
+                with ranges.span(ranges.REPLAY):
+                    loop.launch(max_steps=steps_per_launch)
+                if steps_per_launch is None:
+                    break
+                with ranges.span(ranges.EOS_POLL):
+                    # one read of flag, index and tokens between launches: the streaming point
+                    finished, produced = bool(state.done), int(state.index)
+                    polls += 1
+                    syncs += 1
+                    ranges.count_syncs()
+                if on_chunk is not None:
+                    on_chunk(state.out[:, :produced].cpu())
+                if finished or produced > last:
+                    break
+            if sampling:
+                loop.finish_rollout(steps=0)
             if finished:
                 break
         steps = int(state.index) - 1  # the prefill made token 0; part of the final read-back's wait
-        if self.loop.captured:
-            self.loop.finish_rollout(steps=steps)
+        if sampling:
+            _set_generator_offset(generator, start + steps * self.rng_increment)
         return steps, polls, syncs
 
     def _loop(self, poll, trail, generator, waits):
@@ -460,13 +473,14 @@ class Engine:
                     with ranges.span(ranges.UPDATE):
                         step.update(next_tokens)
                 elif mode == "forward-graph":
+                    graph = self.graphs[self.feed.phase_of(j)]
                     with ranges.span(ranges.REPLAY):
-                        self.graph.replay()
+                        graph.replay()
                     with ranges.span(ranges.SELECT):
-                        step.update(step.select(self.graph.output))
+                        step.update(step.select(graph.output))
                 else:
                     with ranges.span(ranges.REPLAY):
-                        self.graph.replay()
+                        self.graphs[self.feed.phase_of(j)].replay()
                 steps = j
                 if trail is not None:
                     trail[j] = generator.get_state()
@@ -493,12 +507,12 @@ class Engine:
         return steps, polls, syncs
 
     def close(self) -> None:
-        if self.loop is not None:
-            self.loop.close()
-            self.loop = None
-        if self.graph is not None:
-            self.graph.close()
-            self.graph = None
+        for loop in self.loops:
+            loop.close()
+        self.loops = []
+        for graph in self.graphs.values():
+            graph.close()
+        self.graphs = {}
         self.cache = None
         self.step = None
         self.state = None

@@ -9,34 +9,53 @@ after capture (`decode.py`), as it restores the random generator.
 """
 from __future__ import annotations
 
+import os
+import traceback
+import warnings
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class Uncaptured:
     """Stand-in used where there is no CUDA: replay() runs the function."""
     captured = False
 
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn, before=None):
+        # before: called ahead of each replay (the Python state a captured graph would have frozen)
+        self.fn, self.before = fn, before
         self.output = None
 
     def replay(self) -> None:
+        if self.before is not None:
+            self.before()
         self.output = self.fn()
 
     def close(self) -> None:
         self.fn = None
 
 
+class CaptureError(ValueError):
+    """A step that cannot be captured, with the model, the cause and where it happens."""
+
+
 class Captured:
     """A CUDA graph of `fn`; `output` holds what `fn` returned during capture (static buffers)."""
     captured = True
 
-    def __init__(self, fn, pool=None, keep_graph: bool = False):
+    def __init__(self, fn, pool=None, keep_graph: bool = False, model=None):
         # keep_graph: keep the cudaGraph_t after instantiation, for a device loop to embed it
         self.graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         # captured on the warm-up stream: the cuBLAS workspace it made there is reused, not made during capture
-        with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()):
-            self.output = fn()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()):
+                self.output = fn()
+        except RuntimeError as error:
+            name = type(model).__name__ if model is not None else "the model"
+            raise CaptureError(f"capturing {name}'s decode step failed: {str(error).strip().splitlines()[0][:300]} "
+                               "(the forward reads the host or copies a CPU tensor inside the step); use "
+                               "mode='eager'. A failed capture can leave CUDA unusable in this process: restart it "
+                               "before the next decode") from error
 
     def replay(self) -> None:
         self.graph.replay()
@@ -63,15 +82,87 @@ def side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def warm_up(fn, steps: int) -> None:
-    """Run `fn` on a side stream, as torch asks before capturing."""
+def warm_up(fn, steps: int, model=None) -> None:
+    """Run `fn` on a side stream, as torch asks before capturing; with `model`, the first run also checks
+    that nothing in it would break the capture (`check_capturable`)."""
     side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(steps):
-            fn()
+        for i in range(steps):
+            if i == 0 and model is not None:
+                check_capturable(fn, model)
+            else:
+                fn()
     torch.cuda.current_stream().wait_stream(side)
 
 
-def capture(fn, device: torch.device, pool=None, keep_graph: bool = False):
-    return Captured(fn, pool, keep_graph) if can_capture(device) else Uncaptured(fn)
+def capture(fn, device: torch.device, pool=None, keep_graph: bool = False, model=None):
+    return Captured(fn, pool, keep_graph, model) if can_capture(device) else Uncaptured(fn)
+
+
+# -- what makes a step uncapturable, found before capture ------------------------------------------
+
+# aten ops that make the host wait for the device (a value read back, or a size known only on the device)
+_SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "is_nonzero", "item")
+
+
+class _Hazards(TorchDispatchMode):
+    """Record the ops of one step that a CUDA graph cannot hold: host reads and CPU tensors fed to the GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func.overloadpacket.__name__
+        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        on_cuda = any(t.device.type == "cuda" for t in tensors) or str(kwargs.get("device", "")).startswith("cuda")
+        cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+        out = func(*args, **kwargs)
+        if len(self.found) < 3:
+            if name in _SYNCING and on_cuda:
+                self.found.append(f"{name} reads a device value on the host, at {_where()}")
+            elif on_cuda and cpu:
+                self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "
+                                  f"copy), at {_where()}")
+        return out
+
+
+def _where() -> str:
+    """The innermost frame outside torch and gdtool: the model code that made the op."""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith((torch_dir, here)):
+            return f"{os.path.basename(frame.filename)}:{frame.lineno} ({frame.name}: {(frame.line or '').strip()[:80]})"
+    return "an unknown place"
+
+
+def device_constants(model) -> list[str]:
+    """Move the CPU tensors a model keeps as plain attributes onto its device, where its forward would copy
+    them at every call (a copy a graph cannot capture). Returns the moved names."""
+    device = next(model.parameters()).device
+    moved = []
+    for module_name, module in model.named_modules():
+        for key, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter) \
+                    and value.device != device and value.device.type == "cpu":
+                setattr(module, key, value.to(device))
+                moved.append(f"{module_name}.{key}" if module_name else key)
+    return moved
+
+
+def check_capturable(fn, model) -> None:
+    """Run `fn` once (a warm-up step) watching for what a graph cannot capture; refuse it with the cause."""
+    moved = device_constants(model)
+    if moved:
+        warnings.warn(f"gdtool: moved {len(moved)} CPU tensor(s) {moved[:3]} of {type(model).__name__} to its device "
+                      "before capture (its forward copies them there at every call)", stacklevel=3)
+    watch = _Hazards()
+    with watch:
+        fn()
+    if watch.found:
+        raise CaptureError(f"{type(model).__name__}'s decode step cannot be captured in a CUDA graph: "
+                           f"{'; '.join(watch.found)}; use mode='eager'")

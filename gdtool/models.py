@@ -37,6 +37,41 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
                                rope_scaling=_LLAMA3_ROPE_8B, tie_word_embeddings=False, bos_token_id=128000,
                                eos_token_id=128001)),
+    # Mixture of experts and sliding-window layers, CPU-sized
+    "tiny-qwen3-moe": ("qwen3_moe", dict(vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=1,
+                                         eos_token_id=2)),
+    "tiny-gemma3": ("gemma3_text", dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"],
+                                        max_position_embeddings=2048, query_pre_attn_scalar=16, bos_token_id=1,
+                                        eos_token_id=2, pad_token_id=0)),
+    "tiny-gpt-oss": ("gpt_oss", dict(vocab_size=4096, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                     num_experts_per_tok=2, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"],
+                                     max_position_embeddings=131072, bos_token_id=1, eos_token_id=2, pad_token_id=0)),
+    # Real shapes: Qwen3-30B-A3B (128 experts, 8 active), gpt-oss-20b (32 experts, 4 active; sliding-window
+    # layers of 128 tokens alternating with full attention), Gemma-3-1B (5 sliding layers of 512 tokens per full one)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        norm_topk_prob=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                                        rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=151643,
+                                        eos_token_id=151645)),
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                    num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+                                    num_experts_per_tok=4, sliding_window=128,
+                                    layer_types=["sliding_attention", "full_attention"] * 12,
+                                    max_position_embeddings=131072, tie_word_embeddings=False, bos_token_id=199998,
+                                    eos_token_id=200002, pad_token_id=199999)),
+    "gemma-3-1b": ("gemma3_text", dict(vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+                                       num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+                                       head_dim=256, sliding_window=512, max_position_embeddings=32768,
+                                       query_pre_attn_scalar=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                       bos_token_id=2, eos_token_id=1, pad_token_id=0)),
     "qwen2.5-0.5b": ("qwen2", dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
                                    rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
@@ -53,19 +88,26 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def preset_config(name: str):
-    """The transformers config of a preset (sdpa attention)."""
+    """The transformers config of a preset (sdpa attention where the model has it)."""
     if name not in PRESETS:
         raise ValueError(f"unknown model preset {name!r}; use one of {sorted(PRESETS)} or a local checkpoint path")
     family, fields = PRESETS[name]
-    from transformers import LlamaConfig, Qwen2Config
-    config_cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[family]
+    from transformers import CONFIG_MAPPING
+    config_cls = CONFIG_MAPPING[family]
     fields = dict(fields)
     rope_scaling = fields.pop("rope_scaling", None)
     rope_theta = fields.pop("rope_theta", None)
     config = config_cls(**fields)
     _set_rope(config, rope_theta, rope_scaling)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = default_attention(config)
     return config
+
+
+def default_attention(config) -> str:
+    """sdpa where the architecture has it (gpt-oss, with its attention sinks, has not: eager)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    return "sdpa" if model_cls is None or getattr(model_cls, "_supports_sdpa", True) else "eager"
 
 
 def _set_rope(config, rope_theta, rope_scaling) -> None:
@@ -85,11 +127,12 @@ def _set_rope(config, rope_theta, rope_scaling) -> None:
 
 
 def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None = None,
-               device: torch.device | str | None = None, attn_implementation: str = "sdpa"):
+               device: torch.device | str | None = None, attn_implementation: str | None = None):
     """A preset with random weights (seeded) or a local checkpoint, in eval mode on `device`.
 
-    dtype defaults to bf16 on CUDA and fp32 on CPU. A local checkpoint's tokenizer, if its folder
-    has one, is attached as ``model.gdtool_tokenizer``.
+    dtype defaults to bf16 on CUDA and fp32 on CPU; attention to sdpa where the architecture has it,
+    else eager. A local checkpoint's tokenizer, if its folder has one, is attached as
+    ``model.gdtool_tokenizer``.
     """
     from transformers import AutoModelForCausalLM
     device = torch.device(device) if device is not None else default_device()
@@ -102,6 +145,9 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
             raise ValueError("dtype must be one of bf16, fp16, fp32")
     dtype = dtype or default_dtype(device)
     if os.path.isdir(name_or_path):
+        if attn_implementation is None:
+            from transformers import AutoConfig
+            attn_implementation = default_attention(AutoConfig.from_pretrained(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
                                                      attn_implementation=attn_implementation).to(device)
         model.gdtool_tokenizer = _maybe_tokenizer(name_or_path)
@@ -110,7 +156,8 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
             raise ValueError(f"{name_or_path!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a local "
                              "checkpoint folder; hub downloads are not supported: download it first and pass its path")
         config = preset_config(name_or_path)
-        config._attn_implementation = attn_implementation
+        if attn_implementation is not None:
+            config._attn_implementation = attn_implementation
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)

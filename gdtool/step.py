@@ -3,7 +3,7 @@
 A step feeds the last token to the model, turns the logits into the next token exactly as
 generate() does, and does all of generate()'s bookkeeping on the device:
 
-    forward   model(token, position, 2-D mask over the static cache) -> float32 logits
+    forward   model(**inputs generate() would build: `feed.py`) -> float32 logits
     select    repetition penalty (a per-row "seen" mask) -> temperature -> top-k -> top-p ->
               argmax, or softmax + exponential race (= torch.multinomial, same bits)
     update    forced EOS (length harness) -> finished rows get pad -> write the token and its
@@ -20,6 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 
 from . import compat, sampling
+from .feed import Feed
 from .settings import Settings
 
 
@@ -95,24 +96,23 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 class Step:
     """forward + select + update over one `State`; every mode calls this object."""
 
-    def __init__(self, model, cache, state: State, settings: Settings, prompt_width: int, cache_kw: str,
-                 logits_to_keep: bool):
+    def __init__(self, model, cache, state: State, settings: Settings, prompt_width: int, cache_kw: str | None = None,
+                 logits_to_keep: bool | None = None, feed: Feed | None = None):
+        # cache_kw and logits_to_keep: what the feed now derives from the model (kept for callers that pass them)
         self.model, self.cache, self.state, self.settings = model, cache, state, settings
         self.prompt_width = prompt_width
         self.last_slot = state.mask.shape[1] - 1
         self.last_index = settings.max_new_tokens - 1
         self.pad = settings.pad_token_id if settings.pad_token_id is not None else 0
-        self.model_kwargs = {cache_kw: cache, "use_cache": True}
-        if logits_to_keep:
-            self.model_kwargs["logits_to_keep"] = 1
+        self.feed = feed or Feed(model, cache, prompt_width, state.mask.shape[1])
 
-    def logits(self, **inputs) -> torch.Tensor:
-        out = self.model(**inputs, **self.model_kwargs)
+    def logits(self, inputs: dict) -> torch.Tensor:
+        out = self.model(**inputs)
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     def forward(self) -> torch.Tensor:
         s = self.state
-        return self.logits(input_ids=s.tokens, position_ids=s.positions, attention_mask=s.mask)
+        return self.logits(self.feed.decode(s.tokens, s.positions, s.mask, s.index))
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         scores = sampling.process(logits, self.state.seen, self.settings)
@@ -161,7 +161,7 @@ class Step:
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
         """The prompt's forward (as generate() runs it) and the first token's select + update."""
         positions = prefill_positions(attention_mask)
-        logits = self.logits(input_ids=input_ids, position_ids=positions, attention_mask=attention_mask)
+        logits = self.logits(self.feed.prefill(input_ids, attention_mask, positions))
         s = self.state
         s.positions.copy_(positions[:, -1:])
         self.update(self.select(logits))

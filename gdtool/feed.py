@@ -1,0 +1,345 @@
+"""How a model's decode step is fed: the inputs generate() gives it, built on the device.
+
+generate() never calls a model's forward with a bare 2-D mask. Before every forward it calls
+`model.prepare_inputs_for_generation` (or the family's override: Mamba drops the mask after the
+prefill, MiniMax-style models theirs), which slices the new token, passes the cache under the
+model's keyword, the positions, `use_cache` and `logits_to_keep`, and for a static cache turns the
+2-D mask into the per-layer-type masks of `create_masks_for_generate` (or the model's override).
+gdtool calls the same functions with its own fixed-size buffers, so every family is fed as
+generate() feeds it, with no per-family code here:
+
+    prefill  prepare_inputs_for_generation(prompt, prompt mask, prefill positions, first iteration)
+    decode   prepare_inputs_for_generation(token, mask over the cache, position, later iteration)
+
+Three things generate() does with Python values that a captured step cannot, and what gdtool does:
+
+- Sliding-window layers (`StaticSlidingWindowLayer`) keep a Python counter. Their mask is built
+  from it (query offset, key offset) and their cache update takes another branch once the window
+  is full. gdtool builds their mask from device tensors in a shifted frame that gives the same
+  booleans (`Windows`), and runs one graph per phase (window not yet full / full), switched at the
+  step the host computes in advance (`phase_of`).
+- Mixture-of-experts blocks: generate() decodes under `_optimize_model_for_decode()`, which on a
+  GPU switches `grouped_mm` experts to `batched_mm` (no host read, capturable). gdtool decodes
+  under the same context manager (`decoding()`).
+- Layers whose state a warm-up step changes for good (a sliding window that rolls, the conv and
+  recurrent states of linear-attention layers) are saved before warm-up and capture and put back
+  (`snapshot` / `restore`).
+
+`check()` refuses, with the reason and what to use instead, the models gdtool cannot decode as
+generate() does; it reads the built model (its modules, cache layers and forward), not config counts.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+
+from . import compat
+
+CAPTURE_ATTENTION = ("sdpa", "eager")
+
+
+class Unsupported(ValueError):
+    """A model or setting gdtool refuses, with the reason and what to do instead."""
+
+
+# -- what gdtool can decode ------------------------------------------------------------------------
+
+def check(model, mode: str, device: torch.device | None = None) -> None:
+    """Refuse, with the reason, what gdtool cannot decode exactly as generate() does in `mode`."""
+    name = type(model).__name__
+    if model.training:
+        dropout = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+        attn_dropout = getattr(model.config, "attention_dropout", 0.0) or 0.0
+        if mode != "eager" or dropout or (isinstance(attn_dropout, float) and attn_dropout > 0):
+            raise Unsupported("the model is in training mode (models built from a config start that way) and dropout "
+                              "would change every token; call model.eval() first")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise Unsupported(f"{name} is an encoder-decoder model; gdtool decodes decoder-only causal LMs (use its "
+                          "*ForCausalLM class, or generate())")
+    supports_cache = getattr(model, "_supports_default_dynamic_cache", None)
+    if supports_cache is not None and not supports_cache():
+        raise Unsupported(f"{name} keeps a cache of its own, and generate() decodes it with that cache instead of a "
+                          "static one; gdtool decodes over transformers' StaticCache only: use generate()")
+    params = inspect.signature(model.forward).parameters
+    if not any(k in params for k in ("cache", "past_key_values", "cache_params")):
+        raise Unsupported(f"{name}'s forward takes no cache, so generate() recomputes the whole sequence at every "
+                          "step; gdtool decodes over a static KV cache only: use generate()")
+    if getattr(model.generation_config, "use_cache", True) is False:
+        raise Unsupported(f"{name}'s generation config has use_cache=False, so generate() decodes it without a cache "
+                          "(the whole sequence every step); set model.generation_config.use_cache = True (and "
+                          "model.config.use_cache = True) to decode it with a static cache, as gdtool does")
+    if mode == "eager":
+        return
+    impl = getattr(model.config, "_attn_implementation", None)
+    if impl not in CAPTURE_ATTENTION:
+        raise Unsupported(f"attention implementation {impl!r} is not supported by the graph modes; load the model with "
+                          "attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
+    if device is not None and device.type == "cuda":
+        eager_experts = [type(m).__name__ for m in experts_modules(model) if _experts_impl(m) == "eager"]
+        if eager_experts:
+            raise Unsupported(f"{name}'s experts ({eager_experts[0]}) run experts_implementation='eager', which loops "
+                              "over the experts hit on the host and cannot be captured; call "
+                              "model.set_experts_implementation('grouped_mm') (generate() then decodes with "
+                              "batched_mm, as gdtool does) or use mode='eager'")
+
+
+def check_cache(cache, mode: str, model) -> None:
+    """Refuse the cache layers the graph modes cannot capture."""
+    if mode == "eager":
+        return
+    kinds = {type(layer).__name__ for layer in compat.cache_layers(cache)}
+    chunked = getattr(model.config.get_text_config(), "attention_chunk_size", None)
+    types = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
+    if chunked and "chunked_attention" in types:
+        raise Unsupported(f"{type(model).__name__} has chunked-attention layers, whose mask depends on the absolute "
+                          "position in a way the graph modes' shifted frame does not keep; use mode='eager'")
+    known = ("StaticLayer", "StaticSlidingWindowLayer", "LinearAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer",
+             "LinearAttentionAndStaticSlidingWindowAttentionLayer")
+    unknown = sorted(kinds - set(known))
+    if unknown:
+        raise Unsupported(f"the graph modes do not know the cache layer {unknown[0]} (what it keeps on the host "
+                          "between steps is not modelled); use mode='eager'")
+
+
+def experts_modules(model) -> list:
+    """The experts blocks that dispatch through transformers' experts implementations."""
+    return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]
+
+
+def _experts_impl(module) -> str | None:
+    return getattr(getattr(module, "config", None), "_experts_implementation", None)
+
+
+def experts_implementation(model) -> str | None:
+    """The experts implementation a decode step of `model` runs (None without experts blocks)."""
+    found = {_experts_impl(m) for m in experts_modules(model)}
+    return ",".join(sorted(str(x) for x in found)) if found else None
+
+
+# -- the feed ---------------------------------------------------------------------------------------
+
+class Windows:
+    """The masks of sliding-window layers from device tensors, in a frame shifted by a constant.
+
+    HF builds a sliding layer's mask from `q_offset = cumulative_length_int` and
+    `kv_offset = max(q_offset - window + 1, 0)`, both Python ints, and reads the 2-D mask at
+    absolute key positions `kv_offset + k`. Causality and the window compare differences of
+    positions, so shifting query and keys by the same amount gives the same booleans. gdtool hands
+    the mask code a 2-D mask of width C + W (the cache's mask, then the W columns the window
+    covers, gathered on the device) and, for sliding layers only, `kv_offset = C` (a constant) and a
+    query offset tensor `C + q - kv_offset`, so one captured graph builds the right mask at every step.
+    """
+
+    def __init__(self, cache, width: int, cache_len: int):
+        self.layers = [i for i, layer in enumerate(compat.cache_layers(cache)) if compat.is_sliding(layer)]
+        self.width, self.cache_len = width, cache_len
+        sizes = sorted({compat.cache_layers(cache)[i].max_cache_len for i in self.layers})
+        self.groups = []  # (window, base column in the framed mask, layer indices)
+        base = cache_len
+        for size in sizes:
+            members = [i for i in self.layers if compat.cache_layers(cache)[i].max_cache_len == size]
+            self.groups.append((size, base, members))
+            base += size
+        self.group_of = {i: g for g, (_, _, members) in enumerate(self.groups) for i in members}
+        self.query = None  # per group: [] long tensor, the shifted query offset of the current step
+
+    def __bool__(self) -> bool:
+        return bool(self.layers)
+
+    def framed_mask(self, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[B, C + sum(W)] mask, and the shifted query offsets for this step, from device tensors."""
+        position = index + (self.width - 1)  # slot of the token this forward feeds = tokens already cached
+        parts, query = [mask], []
+        for size, base, _ in self.groups:
+            offset = (position - size + 1).clamp(min=0)
+            columns = torch.arange(size, device=mask.device) + offset
+            parts.append(mask.gather(1, columns.expand(mask.shape[0], size)))
+            query.append(position - offset + base)
+        self.query = query
+        return torch.cat(parts, dim=1)
+
+    @contextlib.contextmanager
+    def patched(self, cache):
+        """The cache answers the mask code in the shifted frame for sliding layers (decode only)."""
+        mask_sizes, query_offset = cache.get_mask_sizes, cache.get_query_offset
+
+        def get_mask_sizes(query_length, layer_idx=0, *args, **kwargs):
+            group = self.group_of.get(layer_idx)
+            if group is None or query_length != 1:
+                return mask_sizes(query_length, layer_idx, *args, **kwargs)
+            size, base, _ = self.groups[group]
+            return size, base
+
+        def get_query_offset(layer_idx=0, *args, **kwargs):
+            group = self.group_of.get(layer_idx)
+            if group is None or self.query is None:
+                return query_offset(layer_idx, *args, **kwargs)
+            return self.query[group]
+
+        cache.get_mask_sizes, cache.get_query_offset = get_mask_sizes, get_query_offset
+        updates = {}
+        for i in self.layers:
+            layer = compat.cache_layers(cache)[i]
+            updates[i] = layer.update
+            layer.update = _full_window_update(layer, layer.update)
+        try:
+            yield
+        finally:
+            del cache.get_mask_sizes, cache.get_query_offset
+            for i, update in updates.items():
+                layer = compat.cache_layers(cache)[i]
+                if layer.__dict__.get("update") is not None:
+                    del layer.update
+
+
+def _full_window_update(layer, update):
+    """HF's update of a full window for one new token, without its `torch.tensor([-1], device=...)`
+    (a host-to-device copy a graph cannot capture): roll left by one, write the last slot. Same data."""
+
+    def full_update(key_states, value_states, *args, **kwargs):
+        if layer.cumulative_length_int >= layer.max_cache_len and key_states.shape[-2] == 1 \
+                and layer.is_initialized:
+            layer.cumulative_length_int += 1
+            new_keys = layer.keys.roll(-1, dims=-2)
+            new_values = layer.values.roll(-1, dims=-2)
+            new_keys[:, :, -1:] = key_states
+            new_values[:, :, -1:] = value_states
+            layer.keys.copy_(new_keys)
+            layer.values.copy_(new_values)
+            return layer.keys, layer.values
+        return update(key_states, value_states, *args, **kwargs)
+
+    return full_update
+
+
+class Feed:
+    """The model inputs of the prefill and of one decode step, as generate() builds them."""
+
+    def __init__(self, model, cache, width: int, cache_len: int):
+        self.model, self.cache, self.width, self.cache_len = model, cache, width, cache_len
+        self.cache_kw, self.logits_to_keep = compat.forward_kwargs(model)
+        supports = getattr(model, "_supports_logits_to_keep", None)
+        if supports is not None:
+            self.logits_to_keep = bool(supports())
+        self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
+        self.windows = Windows(cache, width, cache_len)
+        layers = compat.cache_layers(cache)
+        self.all_linear = bool(layers) and all(compat.is_linear(layer) and not hasattr(layer, "keys") for layer in layers)
+
+    def _common(self, attention_mask, position_ids) -> dict:
+        kwargs = {self.cache_kw: self.cache, "attention_mask": attention_mask, "use_cache": True}
+        if self.takes_positions:
+            kwargs["position_ids"] = position_ids
+        if self.logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        return kwargs
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
+        kwargs = self._common(attention_mask, positions)
+        length = None if self.all_linear else input_ids.shape[1]
+        return self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=length,
+                                                        is_first_iteration=True, **kwargs)
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, index: torch.Tensor) -> dict:
+        if self.windows:
+            mask = self.windows.framed_mask(mask, index)
+        kwargs = self._common(mask, positions)
+        return self.model.prepare_inputs_for_generation(tokens, next_sequence_length=1, is_first_iteration=False,
+                                                        **kwargs)
+
+    @contextlib.contextmanager
+    def decoding(self):
+        """What holds for every decode forward: generate()'s decode-time experts implementation, and
+        the sliding layers' shifted frame."""
+        optimize = getattr(self.model, "_optimize_model_for_decode", None)
+        experts = optimize() if optimize is not None and experts_modules(self.model) else contextlib.nullcontext()
+        frame = self.windows.patched(self.cache) if self.windows else contextlib.nullcontext()
+        with experts, frame:
+            yield
+
+    # -- phases of the sliding layers --
+    def phase_of(self, step: int) -> int:
+        """Decode step j (1-based; it feeds the token at slot width + j - 1): how many window sizes are full."""
+        position = self.width + step - 1
+        return sum(position >= size for size, _, _ in self.windows.groups)
+
+    def phases(self, max_new_tokens: int) -> list[tuple[int, int, int]]:
+        """(phase, first step, last step) for decode steps 1..max_new_tokens - 1."""
+        out = []
+        for step in range(1, max_new_tokens):
+            phase = self.phase_of(step)
+            if out and out[-1][0] == phase:
+                out[-1] = (phase, out[-1][1], step)
+            else:
+                out.append((phase, step, step))
+        return out
+
+    @contextlib.contextmanager
+    def in_phase(self, phase: int):
+        """Set the sliding layers' Python counters as they stand in `phase` (for warm-up and capture)."""
+        layers = compat.cache_layers(self.cache)
+        saved = {i: layers[i].cumulative_length_int for i in self.windows.layers}
+        for g, (size, _, members) in enumerate(self.windows.groups):
+            for i in members:
+                full = g < phase
+                count = layers[i].cumulative_length_int
+                layers[i].cumulative_length_int = max(count, size) if full else min(count, size - 1)
+        try:
+            yield
+        finally:
+            for i, count in saved.items():
+                layers[i].cumulative_length_int = count
+
+    def frozen_counters(self):
+        """A function that puts the sliding layers' Python counters back where they stand now: what a
+        graph captured now replays with, whatever the counters say later."""
+        layers = compat.cache_layers(self.cache)
+        counts = {i: layers[i].cumulative_length_int for i in self.windows.layers}
+        if not counts:
+            return None
+
+        def freeze():
+            for i, count in counts.items():
+                layers[i].cumulative_length_int = count
+        return freeze
+
+    # -- state a warm-up step changes for good --
+    def snapshot(self) -> list:
+        saved = []
+        for layer in compat.cache_layers(self.cache):
+            if compat.is_sliding(layer) or compat.is_linear(layer):
+                saved.append((layer, _layer_state(layer)))
+        return saved
+
+    @staticmethod
+    def restore(saved: list) -> None:
+        for layer, state in saved:
+            for key, value in state.items():
+                if isinstance(value, dict):
+                    for k, v in value.items():
+                        if isinstance(v, torch.Tensor):
+                            getattr(layer, key)[k].copy_(v)
+                        else:
+                            getattr(layer, key)[k] = v
+                elif isinstance(value, torch.Tensor):
+                    getattr(layer, key).copy_(value)
+                else:
+                    setattr(layer, key, value)
+
+
+def _layer_state(layer) -> dict:
+    """What `compat.rewind` cannot put back: a sliding window's contents and counters, linear states."""
+    state = {}
+    if compat.is_sliding(layer):
+        for key in ("keys", "values", "cumulative_length"):
+            value = getattr(layer, key, None)
+            if isinstance(value, torch.Tensor):
+                state[key] = value.clone()
+        state["cumulative_length_int"] = layer.cumulative_length_int
+    for key in ("conv_states", "recurrent_states", "has_previous_state"):
+        value = getattr(layer, key, None)
+        if isinstance(value, dict):
+            state[key] = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in value.items()}
+    return state

@@ -1,0 +1,74 @@
+"""The model zoo: every causal-LM architecture of the installed transformers, as a tiny random model,
+in every mode and polling setting, greedy and sampling with EOS firing at different steps in
+left-padded rows, against generate(static) bit for bit (tokens and processed scores). Each
+architecture ends as a pass or as a refusal whose reason is listed in REFUSED; a mismatch, a crash
+or an unlisted refusal fails. Sliding-window variants use a window filled by the prompt (4) and
+one filled while decoding (10). `pytest -m cuda` runs it again with real capture.
+"""
+import re
+
+import pytest
+import torch
+
+import zoo
+
+# model type -> what its refusal must say (every mode refuses it)
+REFUSED = {
+    "mpt": "use_cache=False",
+    "openai-gpt": "takes no cache",
+    "rwkv": "cache of its own", "xlnet": "cache of its own", "minimax": "cache of its own",
+    "xlstm": "cache of its own", "reformer": "cache of its own",
+    "bart": "forced_eos_token_id", "mbart": "forced_eos_token_id", "marian": "forced_eos_token_id",
+    "pegasus": "forced_eos_token_id", "plbart": "forced_eos_token_id", "blenderbot-small": "forced_eos_token_id",
+    "blenderbot": "encoder_no_repeat_ngram_size", "whisper": "begin_suppress_tokens",
+}
+# model type -> what a refusal of the graph modes only must say (eager decodes it)
+GRAPH_REFUSED = {
+    "llama4": "chunked-attention", "llama4_text": "chunked-attention",
+}
+
+
+def _cases():
+    out = []
+    for model_type in zoo.architectures():
+        try:
+            out += [(name, model_type, overrides) for name, overrides in zoo.variants(model_type)]
+        except Exception:  # noqa: BLE001 - a config class that cannot be built with defaults
+            out.append((model_type, model_type, {}))
+    return out
+
+
+CASES = _cases()
+
+
+def _check(model_type, overrides, device):
+    try:
+        model = zoo.build(model_type, device=device, **overrides)
+    except Exception as error:  # noqa: BLE001
+        pytest.skip(f"the tiny config does not build: {type(error).__name__}: {str(error)[:120]}")
+    try:
+        results = zoo.run_architecture(model, device)
+    except zoo.GenerateFailed as error:
+        pytest.skip(f"generate() cannot decode the tiny config: {error}")
+    refusals = {key: r for key, r in results.items() if r != "pass"}
+    expected = REFUSED.get(model_type)
+    for (case, mode, poll), result in results.items():
+        if expected is not None:
+            assert result.startswith("refused") and expected in result, (case, mode, poll, result)
+        elif mode != "eager" and model_type in GRAPH_REFUSED:
+            assert result.startswith("refused") and GRAPH_REFUSED[model_type] in result, (case, mode, poll, result)
+        else:
+            assert result == "pass", (case, mode, poll, result)
+    return results, refusals
+
+
+@pytest.mark.parametrize("name,model_type,overrides", CASES, ids=[c[0] for c in CASES])
+def test_zoo(name, model_type, overrides):
+    _check(model_type, overrides, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name,model_type,overrides", CASES, ids=[c[0] for c in CASES])
+def test_zoo_captured(name, model_type, overrides):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    _check(model_type, overrides, "cuda")

@@ -1,0 +1,204 @@
+"""Tiny random models from the config class of every causal-LM architecture transformers ships.
+
+`architectures()` lists the model types of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`; `build(type)` makes
+a model of that type from its default config with every size field shrunk (2-4 layers, hidden 64,
+vocabulary 512, 4 experts, one layer of each layer kind), in eval mode. `variants(type)` adds
+sliding-window versions (a window filled by the prompt, one filled while decoding) where the
+config has a window.
+"""
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+VOCAB = 512
+# (pattern over a config field name, small value); the first match wins
+SMALL = [
+    (r"vocab_size", VOCAB),
+    (r"hidden_size|n_embd|d_model|embedding_dim|n_embed|embed_dim|attention_hidden_size", 64),
+    (r"intermediate_size|ffn_hidden_size|n_inner|dim_ff|ffn_dim|decoder_ffn_dim|d_ff|inner_size", 128),
+    (r"moe_intermediate_size|expert_ffn_hidden_size|shared_expert_intermediate_size|moe_ffn_hidden_size|"
+     r"expert_intermediate_size", 32),
+    (r"num_hidden_layers|n_layer|n_layers|num_layers|decoder_layers|num_blocks", 2),
+    (r"num_attention_heads|n_head|n_heads|decoder_attention_heads|num_heads", 4),
+    (r"num_key_value_heads|n_kv_heads|num_kv_heads|multi_query_group_num", 2),
+    (r"head_dim|dim_head|attention_head_dim", 16),
+    (r"kv_lora_rank", 16), (r"q_lora_rank", 32), (r"qk_rope_head_dim", 8), (r"qk_nope_head_dim", 8),
+    (r"v_head_dim", 16), (r"qk_head_dim", 16), (r"rotary_dim", 8),
+    (r"num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts", 4),
+    (r"num_experts_per_tok|moe_topk|moe_k|num_experts_per_token", 2),
+    (r"n_shared_experts|num_shared_experts", 1),
+    (r"max_position_embeddings|n_positions|n_ctx|max_seq_len|seq_length", 256),
+    # mixture-of-experts layers from the first or second layer on, so a 2-layer model has one
+    (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index", 1),
+]
+IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id", "cls_token_id")
+LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
+
+
+def architectures() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _small(d: dict) -> dict:
+    out = {}
+    for key, value in d.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            continue
+        for pattern, small in SMALL:
+            if re.fullmatch(pattern, key):
+                out[key] = min(value, small) if value > 0 else value
+                break
+    for key in IDS:
+        value = d.get(key)
+        if isinstance(value, int) and value >= VOCAB:
+            out[key] = {"pad_token_id": 0, "bos_token_id": 1}.get(key, 2)
+        elif isinstance(value, list) and any(isinstance(v, int) and v >= VOCAB for v in value):
+            out[key] = [2]
+    return out
+
+
+def shrink(d: dict) -> dict:
+    """Small values for the size fields of a config dict; per-layer lists keep one layer of each kind."""
+    kw = _small(d)
+    count = next((d[k] for k in LAYER_COUNTS if isinstance(d.get(k), int)), None)
+    per_layer = {k: v for k, v in d.items()
+                 if isinstance(v, list) and v and count is not None and len(v) == count}
+    kinds = {k: list(dict.fromkeys(map(str, v))) for k, v in per_layer.items() if all(isinstance(x, str) for x in v)}
+    layers = max([2] + [len(v) for v in kinds.values()])
+    for key in LAYER_COUNTS:
+        if key in d:
+            kw[key] = layers
+    for key, value in per_layer.items():
+        if key in kinds:
+            kw[key] = [kinds[key][i % len(kinds[key])] for i in range(layers)]
+        else:
+            kw[key] = [value[i % len(value)] for i in range(layers)]
+    if "qk_rope_head_dim" in d and "head_dim" in d:  # multi-head latent attention: RoPE runs over head_dim
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+        if "num_key_value_heads" in d:
+            kw["num_key_value_heads"] = kw.get("num_attention_heads", 4)
+    if isinstance(d.get("moe_layers"), list):
+        kw["moe_layers"] = list(range(1, layers))
+    return kw
+
+
+def tiny_config(model_type: str, **overrides):
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = cls().to_dict()
+        kw = shrink(d)
+        nested = [k for k in ("text_config", "decoder") if isinstance(d.get(k), dict)]
+        for sub in nested:
+            kw[sub] = dict(shrink(d[sub]), **overrides)
+        if not nested:
+            kw.update(overrides)
+        return cls(**kw)
+
+
+def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, **overrides):
+    from transformers import AutoModelForCausalLM
+    config = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.to(device).eval() if device is not None else model.eval()
+
+
+def window_overrides(model_type: str, window: int) -> dict | None:
+    """Config fields that give `model_type` sliding-window layers of `window` tokens, or None."""
+    from transformers import CONFIG_MAPPING
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        d = CONFIG_MAPPING[model_type]().to_dict()
+    d = d.get("text_config") if isinstance(d.get("text_config"), dict) else d
+    if "sliding_window" not in d:
+        return None
+    out = {"sliding_window": window}
+    if "use_sliding_window" in d:
+        out["use_sliding_window"] = True
+    if "max_window_layers" in d:
+        out["max_window_layers"] = 1  # layer 0 full attention, the rest sliding
+    return out
+
+
+def variants(model_type: str, windows=(4, 10)) -> list[tuple[str, dict]]:
+    """(name, config overrides): the architecture as it ships, and with each sliding window."""
+    out = [(model_type, {})]
+    for window in windows:
+        overrides = window_overrides(model_type, window)
+        if overrides is not None:
+            out.append((f"{model_type}@window{window}", overrides))
+    return out
+
+
+# -- one architecture, every mode, against generate() ------------------------------------------------
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1)
+# (case, settings, [(mode, eos_poll_interval)])
+CASES = [
+    ("greedy", dict(do_sample=False),
+     [("eager", 1), ("forward-graph", 1), ("step-graph", 1), ("step-graph", 3), ("step-graph", "async"),
+      ("step-graph", 0), ("device-loop", None)]),
+    ("sampling", SAMPLING, [("eager", 1), ("forward-graph", 1), ("step-graph", 4), ("device-loop", None)]),
+]
+NEW_TOKENS = 12
+
+
+class GenerateFailed(Exception):
+    """generate() itself cannot decode this tiny model: nothing to compare with."""
+
+
+def prompt(model, device, batch: int = 3, width: int = 7, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, width), generator=gen)
+    mask = torch.ones_like(ids)
+    for row in range(batch):  # left padding of different widths, the last row unpadded
+        mask[row, :max(0, width - 3 - 2 * row)] = 0
+    ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
+    return ids.to(device), mask.to(device)
+
+
+def _reference(model, ids, mask, seed, **settings):
+    from reference import generate
+    try:
+        return generate(model, ids, mask, NEW_TOKENS, seed=seed, **settings)
+    except Exception as error:  # noqa: BLE001 - any failure of generate() means there is no reference
+        raise GenerateFailed(f"{type(error).__name__}: {str(error)[:160]}") from error
+
+
+def run_architecture(model, device) -> dict:
+    """Decode `model` in every mode and case; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
+    Raises AssertionError on any mismatch with generate(), GenerateFailed when there is no reference."""
+    import gdtool
+    from gdtool.feed import Unsupported
+    from gdtool.graphs import CaptureError
+    from reference import assert_same, decode
+    ids, mask = prompt(model, device)
+    plain, _ = _reference(model, ids, mask, 0, do_sample=False, eos_token_id=None, pad_token_id=0)
+    early, late = int(plain[0, 2]), int(plain[1, 6])
+    eos = [early, late] if early != late else [early]
+    results = {}
+    for case, settings, modes in CASES:
+        settings = dict(settings, eos_token_id=eos, pad_token_id=1)
+        ref_tokens, ref_scores = _reference(model, ids, mask, 5, **settings)
+        for mode, poll in modes:
+            key = (case, mode, poll)
+            try:
+                out = decode(model, ids, mask, NEW_TOKENS, seed=5, mode=mode, eos_poll_interval=poll, **settings)
+            except (Unsupported, CaptureError) as refusal:
+                results[key] = f"refused: {refusal}"
+                continue
+            try:
+                assert_same(out, ref_tokens, ref_scores)
+            except AssertionError as error:
+                raise AssertionError(f"{case} {mode} poll={poll}: {str(error)[:300]}") from None
+            results[key] = "pass"
+    del gdtool
+    return results
