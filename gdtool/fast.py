@@ -42,10 +42,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, fast_attention, fast_fuse, fast_sampling, graphs
+from . import compat, fast_attention, fast_decoder, fast_fuse, fast_ops, fast_sampling, fast_triton, graphs, sampling
 from .step import Step, new_state
 
-KERNELS = ("hf", "compiled")
+KERNELS = ("hf", "compiled", "fast")
 DEFAULT_KERNELS = "hf"
 # What runs compiled in each mode: the whole step where the mode captures the whole step.
 FORWARD_ONLY_MODES = ("eager", "forward-graph")
@@ -60,20 +60,20 @@ def check_kernels(kernels, device: torch.device | None = None, model=None, mode:
     model is one the graph modes accept (eager mode too: its compiled forward has the same needs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}: 'hf' runs HF's kernels (bitwise generate()), "
-                         "'compiled' fuses the step with torch.compile")
-    if kernels == "compiled" and device is not None:
+                         "'compiled' fuses the step with torch.compile, 'fast' adds gdtool's decode kernels to it")
+    if kernels != DEFAULT_KERNELS and device is not None:
         compilers = ("g++", "clang++", "c++")
         if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in compilers)):
-            raise ValueError("kernels='compiled' on a CPU needs a C++ compiler for inductor (g++ or clang++, or set "
-                             "CXX); install one, or use kernels='hf'")
+            raise ValueError(f"kernels={kernels!r} on a CPU needs a C++ compiler for inductor (g++ or clang++, or "
+                             "set CXX); install one, or use kernels='hf'")
         if device.type == "cuda":
             from torch.utils._triton import has_triton
             if not has_triton():
-                raise ValueError("kernels='compiled' on CUDA needs Triton for inductor's kernels; "
+                raise ValueError(f"kernels={kernels!r} on CUDA needs Triton for inductor's kernels; "
                                  "pip install triton (the version your torch names), or use kernels='hf'")
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"kernels='compiled' supports CPU and CUDA devices, not {device.type}; use kernels='hf'")
-    if kernels == "compiled" and model is not None and mode == "eager":
+            raise ValueError(f"kernels={kernels!r} supports CPU and CUDA devices, not {device.type}; use kernels='hf'")
+    if kernels != DEFAULT_KERNELS and model is not None and mode == "eager":
         from .decode import check_model
         check_model(model, "forward-graph", device)
     return kernels
@@ -84,7 +84,7 @@ def new_step(kernels: str, mode: str, *args, **kwargs) -> Step:
     if kernels == DEFAULT_KERNELS:
         return Step(*args, **kwargs)
     check_kernels(kernels)
-    return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", **kwargs)
+    return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", kernels=kernels, **kwargs)
 
 
 # -- the compiled step ---------------------------------------------------------------------------
@@ -95,7 +95,7 @@ def _whole_step(step):
 
 
 def _forward_only(step):
-    return Step.forward(step)
+    return step.decode_logits()
 
 
 @dataclass
@@ -108,34 +108,54 @@ class _Compiled:
     fullgraph: bool = True
     calls: int = 0
     note: str = ""                # why it was split, or why it was compiled again
+    kernels: str = "compiled"     # which kernels the step runs: for "fast", the decode forward's or why not
 
 
 class CompiledStep(Step):
     """`Step` whose `__call__` (part="step") or `forward` (part="forward") runs a compiled function."""
 
-    def __init__(self, *args, part: str = "step", **kwargs):
+    def __init__(self, *args, part: str = "step", kernels: str = "compiled", **kwargs):
         super().__init__(*args, **kwargs)
         if part not in ("step", "forward"):
             raise ValueError(f"part={part!r} must be 'step' or 'forward'")
         if not compat.full_attention_only(self.cache):
             # a sliding-window layer keeps a python counter: the compiled step would recompile every step
-            raise ValueError("kernels='compiled' supports static caches of full-attention layers only; this model has "
-                             "sliding-window or other layers; use kernels='hf'")
+            raise ValueError(f"kernels={kernels!r} supports static caches of full-attention layers only; this model "
+                             "has sliding-window or other layers; use kernels='hf'")
         self.part = part
+        self.kernels = kernels
+        # kernels="fast": gdtool's decode forward where it applies (a Llama model at small batch), the
+        # compiled HF forward elsewhere; `compiles()` says which ran and why.
+        self.fast_plan = fast_decoder.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
         self._compiled = None
         fast_attention.install()
+
+    @property
+    def fast_forward(self) -> bool:
+        return self.fast_plan is not None and self.fast_plan.applies
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.state
         # Processed scores and log-probabilities are defined over the whole vocabulary: HF's path.
-        if s.scores is not None or getattr(s, "logprobs", None) is not None or not fast_sampling.applies(self.settings):
+        recorded = s.scores is not None or getattr(s, "logprobs", None) is not None
+        if self.kernels == "fast" and not self.settings.do_sample and not recorded:
+            # greedy: the same processed scores, a two-stage argmax (same index as torch.argmax, ties included)
+            return fast_ops.argmax(sampling.process(logits, s.seen, self.settings))
+        if recorded or not fast_sampling.applies(self.settings):
             return super().select(logits)
         return fast_sampling.choose(logits, s.seen, self.settings)
+
+    def decode_logits(self) -> torch.Tensor:
+        """The decode forward: gdtool's kernels (kernels="fast", where they apply) or HF's forward."""
+        if self.fast_forward:
+            s = self.state
+            return fast_decoder.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
+        return Step.forward(self)
 
     def forward(self) -> torch.Tensor:
         if self.part == "forward":
             return self._run(_forward_only)
-        return super().forward()
+        return self.decode_logits()
 
     def __call__(self) -> None:
         if self.part == "step":
@@ -145,6 +165,11 @@ class CompiledStep(Step):
 
     def _run(self, body):
         if self._compiled is None:
+            if self.fast_forward:
+                # the cache's tensors exist once the prefill has run: check their layout before tracing
+                why = fast_decoder.cache_ready(self.cache)
+                if why:
+                    self.fast_plan = fast_decoder.Plan(False, why)
             self._compiled = _compiled_for(self, body)
         entry = self._compiled
         before = _graphs_compiled()
@@ -184,8 +209,18 @@ def _compiled_for(step: CompiledStep, body) -> _Compiled:
     if key not in table:
         name = _name(step)
         table[key] = _Compiled(torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
-                                             options=INDUCTOR_OPTIONS), name)
+                                             options=INDUCTOR_OPTIONS), name, kernels=_kernels_note(step))
     return table[key]
+
+
+def _kernels_note(step: CompiledStep) -> str:
+    if step.fast_plan is None:
+        return step.kernels
+    if not step.fast_plan.applies:
+        return f"fast: HF forward compiled ({step.fast_plan.reason}); two-stage argmax"
+    device = next(step.model.parameters()).device
+    pdl = "on" if fast_triton.pdl_enabled() and fast_triton.pdl_supported(device) else "off"
+    return f"fast: {step.fast_plan.reason}; two-stage argmax; PDL {pdl} at first capture"
 
 
 def _fresh(fn):
@@ -200,7 +235,8 @@ def _key(step: CompiledStep) -> tuple:
     buffers = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in sorted(vars(step.state).items())
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
-    base = (step.part, param.dtype, str(param.device), fast_fuse.is_fused(step.model))
+    base = (step.part, param.dtype, str(param.device), fast_fuse.is_fused(step.model), step.kernels,
+            step.fast_forward)
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
     return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)
@@ -212,6 +248,8 @@ def _name(step: CompiledStep) -> str:
     if step.part == "step":
         s = step.settings
         name += f"_n{s.max_new_tokens}_" + ("sample" if s.do_sample else "greedy")
+    if step.kernels != "compiled":
+        name += f"_{step.kernels}"
     return name
 
 
@@ -246,7 +284,7 @@ def compiles(model) -> "pandas.DataFrame":
     calls, warm-up included), whether it is one graph, calls, and a note on any break or recompile.
     (Warnings say the same, but decode() records warnings raised during its warm-up on CUDA.)"""
     import pandas as pd
-    columns = ["step", "compiles", "compile_s", "fullgraph", "calls", "note"]
+    columns = ["step", "kernels", "compiles", "compile_s", "fullgraph", "calls", "note"]
     return pd.DataFrame([{c: getattr(e, "name" if c == "step" else c) for c in columns}
                          for e in getattr(model, _ATTR, {}).values()], columns=columns)
 
@@ -326,8 +364,8 @@ class _Timer:
 
 
 def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32, seed: int = 0,
-                    capture: bool | None = None) -> "pandas.DataFrame":
-    """Teacher-forced comparison of kernels="compiled" with HF's kernels, one row per position.
+                    capture: bool | None = None, kernels: str = "compiled") -> "pandas.DataFrame":
+    """Teacher-forced comparison of `kernels` ("compiled" or "fast") with HF's kernels, one row per position.
 
     Both steps are fed the same random prompt and the same random continuation; per decode position
     (1..steps-1, position 0 is the shared prefill): share of rows whose top-1 token agrees, the
@@ -340,11 +378,12 @@ def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32
     gen = torch.Generator().manual_seed(seed + 1)
     continuation = torch.randint(3, vocab, (batch, steps), generator=gen)
     hf = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture)
-    compiled = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled", capture)
+    compiled = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels, capture)
     df = agreement(hf["logits"], compiled["logits"])
     name = getattr(model, "gdtool_name", type(model).__name__)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    for column, value in reversed(list(dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len).items())):
+    columns = dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len, kernels=kernels)
+    for column, value in reversed(list(columns.items())):
         df.insert(0, column, value)
     df["hf_step_ms"], df["compiled_step_ms"] = hf["step_ms"], compiled["step_ms"]
     return df
