@@ -95,7 +95,16 @@ def _whole_step(step):
 
 
 def _forward_only(step):
-    return step.decode_logits()
+    return Step.forward(step)
+
+
+def _select_update(step, logits):
+    # kernels="fast": the forward ran gdtool's kernels eagerly; select and update stay compiled
+    step.update(step.select(logits))
+
+
+def _update_only(step, tokens):
+    step.update(tokens)
 
 
 @dataclass
@@ -128,6 +137,7 @@ class CompiledStep(Step):
         # compiled HF forward elsewhere; `compiles()` says which ran and why.
         self.fast_plan = fast_decoder.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
         self._compiled = None
+        self._cache_checked = False
         fast_attention.install()
 
     @property
@@ -136,47 +146,65 @@ class CompiledStep(Step):
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.state
-        # Processed scores and log-probabilities are defined over the whole vocabulary: HF's path.
-        recorded = s.scores is not None or getattr(s, "logprobs", None) is not None
-        if self.kernels == "fast" and not self.settings.do_sample and not recorded:
-            # greedy: the same processed scores, a two-stage argmax (same index as torch.argmax, ties included)
+        if self._eager_argmax():
+            # greedy after the fast forward: the same processed scores, a two-stage argmax (the index
+            # torch.argmax gives, ties and NaN included), run eagerly like the forward
             return fast_ops.argmax(sampling.process(logits, s.seen, self.settings))
-        if recorded or not fast_sampling.applies(self.settings):
+        # Processed scores and log-probabilities are defined over the whole vocabulary: HF's path.
+        if self._recorded() or not fast_sampling.applies(self.settings):
             return super().select(logits)
         return fast_sampling.choose(logits, s.seen, self.settings)
 
+    def _recorded(self) -> bool:
+        return self.state.scores is not None or getattr(self.state, "logprobs", None) is not None
+
+    def _eager_argmax(self) -> bool:
+        return self.fast_forward and not self.settings.do_sample and not self._recorded()
+
     def decode_logits(self) -> torch.Tensor:
-        """The decode forward: gdtool's kernels (kernels="fast", where they apply) or HF's forward."""
-        if self.fast_forward:
-            s = self.state
-            return fast_decoder.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
-        return Step.forward(self)
+        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`fast_decoder`)."""
+        if self._compiled is None and not self._cache_checked:
+            # the cache's tensors exist once the prefill has run: check their layout on first use
+            self._cache_checked = True
+            why = fast_decoder.cache_ready(self.cache)
+            if why:
+                self.fast_plan = fast_decoder.Plan(False, why)
+                return self.forward()
+        s = self.state
+        return fast_decoder.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
 
     def forward(self) -> torch.Tensor:
+        if self.fast_forward:
+            if self.part == "forward" and self._compiled is None:
+                self._compiled = _compiled_for(self, None)  # nothing to compile: listed in compiles() all the same
+            if self._compiled is not None:
+                self._compiled.calls += 1
+            return self.decode_logits()
         if self.part == "forward":
             return self._run(_forward_only)
-        return self.decode_logits()
+        return Step.forward(self)
 
     def __call__(self) -> None:
-        if self.part == "step":
-            self._run(_whole_step)
-        else:
-            super().__call__()
+        if self.part != "step":
+            return super().__call__()
+        if not self.fast_forward:
+            return self._run(_whole_step)
+        logits = self.decode_logits()
+        if not self.fast_forward:  # the cache check declined it: decode_logits ran the compiled HF forward
+            return self._run(_select_update, logits)
+        if self._eager_argmax():
+            return self._run(_update_only, self.select(logits))
+        self._run(_select_update, logits)
 
-    def _run(self, body):
+    def _run(self, body, *args):
         if self._compiled is None:
-            if self.fast_forward:
-                # the cache's tensors exist once the prefill has run: check their layout before tracing
-                why = fast_decoder.cache_ready(self.cache)
-                if why:
-                    self.fast_plan = fast_decoder.Plan(False, why)
             self._compiled = _compiled_for(self, body)
         entry = self._compiled
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
             with _no_function_modes(), fast_attention.scope():
-                result = entry.fn(self)
+                result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
                 raise
@@ -189,7 +217,7 @@ class CompiledStep(Step):
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
             with _no_function_modes(), fast_attention.scope():
-                result = entry.fn(self)
+                result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
             entry.compile_s += time.perf_counter() - t0
@@ -208,8 +236,9 @@ def _compiled_for(step: CompiledStep, body) -> _Compiled:
     table = step.model.__dict__.setdefault(_ATTR, {})
     if key not in table:
         name = _name(step)
-        table[key] = _Compiled(torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
-                                             options=INDUCTOR_OPTIONS), name, kernels=_kernels_note(step))
+        fn = None if body is None else torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
+                                                     options=INDUCTOR_OPTIONS)
+        table[key] = _Compiled(fn, name, kernels=_kernels_note(step))
     return table[key]
 
 
@@ -217,10 +246,11 @@ def _kernels_note(step: CompiledStep) -> str:
     if step.fast_plan is None:
         return step.kernels
     if not step.fast_plan.applies:
-        return f"fast: HF forward compiled ({step.fast_plan.reason}); two-stage argmax"
+        return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
     device = next(step.model.parameters()).device
     pdl = "on" if fast_triton.pdl_enabled() and fast_triton.pdl_supported(device) else "off"
-    return f"fast: {step.fast_plan.reason}; two-stage argmax; PDL {pdl} at first capture"
+    argmax = "two-stage argmax; " if step._eager_argmax() else ""
+    return f"fast: {step.fast_plan.reason}; {argmax}PDL {pdl} at first use"
 
 
 def _fresh(fn):

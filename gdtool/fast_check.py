@@ -117,18 +117,21 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None)
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     ws = [(torch.randn(h * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for h in (hq, hkv, hkv)]
     g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
-    angle = torch.rand(m, d // 2, generator=gen, device=device) * 6.0
-    cos = torch.cat([angle.cos()] * 2, -1).to(dtype)
-    sin = torch.cat([angle.sin()] * 2, -1).to(dtype)
+    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    scaling = 1.0 + 0.25 * float(torch.rand(1, generator=gen, device=device))
     slot = torch.randint(0, cache_len, (), generator=gen, device=device)
     caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
     mine = [c.clone() for c in caches]
     theirs = [c.clone() for c in caches]
-    q = _impl.qkv_rope(x, g, 1e-5, *ws, cos, sin, *mine, slot, config=config)
-    q_ref = fast_gemv.qkv_rope_reference(x, g, 1e-5, *ws, cos, sin, *theirs, slot)
+    rope = (positions, inv_freq, scaling)
+    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, config=config)
+    q_ref = fast_gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot)
     xn = _exact_norm(x, g, 1e-5)
     qe, ke, ve = (xn @ w.double().T for w in ws)
-    c, s = cos.double()[:, None], sin.double()[:, None]
+    freqs = (positions.float() * inv_freq[None, :]).double()  # the angle is defined in float32 (HF's)
+    emb = torch.cat((freqs, freqs), -1)
+    c, s = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
     qe = _rope_exact(qe.view(m, hq, d), c, s)
     ke = _rope_exact(ke.view(m, hkv, d), c, s)
     ve = ve.view(m, hkv, d)

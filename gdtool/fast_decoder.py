@@ -9,9 +9,12 @@ runs six, over HF's own weights and HF's own static cache:
     rms_gemv          RMSNorm + gate/up products + SiLU * up
     rms_gemv          down projection + residual add
 
-then RMSNorm + lm_head (float32 logits, as the step reads them) and one update of the layers' cache
-counters. The embedding and the RoPE angles stay HF's modules (traced by torch.compile), so
-Llama 3's scaled RoPE comes out as HF computes it.
+then RMSNorm + lm_head (float32 logits, as the step reads them), the embedding lookup and one
+update of the layers' cache counters: 99 kernels for a 16-layer model. The RoPE angles are computed
+inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled RoPE included), as
+HF's rotary embedding computes them. The forward runs eagerly, outside torch.compile (its calls
+are kernels already); select and update around it stay compiled, and gdtool captures the whole
+step as usual.
 
 `plan(model, batch)` says whether it applies and why not: a Llama decoder layer stack exactly as
 transformers writes it (RMSNorm, SiLU MLP, no biases, no sliding window, a static RoPE), bf16 or
@@ -23,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from . import compat, fast_gemv, fast_ops, fast_triton
 
@@ -58,9 +62,13 @@ def plan(model, batch: int) -> Plan:
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False) \
             or getattr(config, "attention_bias", False) or getattr(config, "pretraining_tp", 1) != 1:
         return Plan(False, "activation other than SiLU, biases, or tensor-parallel slicing")
-    rope = getattr(inner.rotary_emb, "rope_type", "default")
+    rotary = inner.rotary_emb
+    rope = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope or "longrope" in rope:
         return Plan(False, f"RoPE type {rope!r} changes with the sequence length")
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) or \
+            not isinstance(getattr(rotary, "attention_scaling", None), (int, float)):
+        return Plan(False, "a rotary embedding without inv_freq and attention_scaling")
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers:
         return Plan(False, "the model runs a subset of its layers")
@@ -100,18 +108,20 @@ def cache_ready(cache) -> str:
 
 def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """float32 logits [B, V] of one decode step (tokens, positions [B, 1]; mask [B, C] over the cache slots),
-    writing each layer's key and value at its counter's slot and advancing the counters, as HF's does."""
+    writing each layer's key and value at its counter's slot and advancing the counters, as HF's does.
+    Runs eagerly: every line below is one kernel (the embedding, the counters' update) or a call of
+    gdtool's kernels."""
     inner = model.model
-    h = inner.embed_tokens(tokens)[:, 0]                      # [B, H]
-    cos, sin = inner.rotary_emb(h[:, None], positions)        # [B, 1, D] each, HF's angles and scaling
-    cos, sin = cos[:, 0], sin[:, 0]
+    rotary = inner.rotary_emb
+    h = F.embedding(tokens[:, 0], inner.embed_tokens.weight)          # [B, H]
     layers = compat.cache_layers(cache)
     for block, layer in zip(inner.layers, layers):
         attn, mlp = block.self_attn, block.mlp
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
         counter = layer.cumulative_length                   # this step's slot, before HF's update adds 1
         q = fast_ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
-                              attn.v_proj.weight, cos, sin, layer.keys, layer.values, counter)
+                              attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
+                              layer.keys, layer.values, counter)
         o = fast_ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
         h = fast_ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
         a = fast_ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,

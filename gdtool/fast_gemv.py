@@ -9,7 +9,8 @@ every multiprocessor's loads in flight, and fold in the small operations around 
 
     rms_gemv    y = [RMSNorm](x) @ W.T  [+ residual]       (o, down and lm_head: one kernel each)
     gate_up     a = silu(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side)
-    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T; RoPE on q and k; k and v written to the cache slot
+    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T; RoPE on q and k (angles computed in the kernel from the
+                positions, as HF's rotary embedding computes them); k and v written to the cache slot
 
 Each kernel keeps the rounding points of HF's eager module sequence (the product rounded to the
 model dtype, then the norm, SiLU, residual add, RoPE each rounded as eager PyTorch rounds them), so
@@ -53,10 +54,19 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, cos, sin, k_cache, v_cache, slot):
-    """Returns q [B, Hq, D] after RoPE; writes k (after RoPE) and v at `slot` of the [B, Hkv, C, D] caches."""
+def rope_angles_reference(positions, inv_freq, scaling, dtype):
+    """cos, sin [B, D] as HF's rotary embedding computes them for positions [B, 1]."""
+    freqs = positions.float() * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
+    """Returns q [B, Hq, D] after RoPE; writes k (after RoPE) and v at `slot` of the [B, Hkv, C, D] caches.
+    positions [B, 1] int, inv_freq [D / 2] and scaling: HF's rotary embedding's buffer and factor."""
     b = x.shape[0]
     d = k_cache.shape[-1]
+    cos, sin = rope_angles_reference(positions, inv_freq, scaling, x.dtype)
     n = rms_norm_reference(x, norm_weight, eps)
     q = F.linear(n, wq).view(b, -1, d)
     k = F.linear(n, wk).view(b, -1, d)
@@ -153,8 +163,8 @@ if HAVE_TRITON:
         return h, d1, rows, rows + (D // 2) * K
 
     @triton.jit
-    def _qkv_rope_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, cos_ptr, sin_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                         M, C, stride_x, stride_cos, eps, nprog,
+    def _qkv_rope_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         M, C, stride_x, stride_pos, scaling, eps, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          HB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
@@ -183,13 +193,15 @@ if HAVE_TRITON:
             y2 = tl.sum(x * w2.to(tl.float32), axis=2).to(out_ty).to(tl.float32)
             d2 = d1 + D // 2
             if h < HQ + HKV:
+                # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
+                # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
                 # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
-                c1 = tl.load(cos_ptr + rm * stride_cos + d1[None, :], mask=rmask, other=0.0).to(tl.float32)
-                c2 = tl.load(cos_ptr + rm * stride_cos + d2[None, :], mask=rmask, other=0.0).to(tl.float32)
-                s1 = tl.load(sin_ptr + rm * stride_cos + d1[None, :], mask=rmask, other=0.0).to(tl.float32)
-                s2 = tl.load(sin_ptr + rm * stride_cos + d2[None, :], mask=rmask, other=0.0).to(tl.float32)
-                r1 = ((y1 * c1).to(out_ty).to(tl.float32) + (-y2 * s1).to(out_ty).to(tl.float32)).to(out_ty)
-                r2 = ((y2 * c2).to(out_ty).to(tl.float32) + (y1 * s2).to(out_ty).to(tl.float32)).to(out_ty)
+                pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
+                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+                c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
+                s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
+                r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
+                r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
             else:
                 r1 = y1.to(out_ty)
                 r2 = y2.to(out_ty)
@@ -260,7 +272,7 @@ def qkv_rope_config(k: int, d: int) -> tuple[int, int, int]:
     return hb, (8 if next_pow2(k) >= 2048 else 4), 2
 
 
-def qkv_rope(x, norm_weight, eps, wq, wk, wv, cos, sin, k_cache, v_cache, slot, config=None):
+def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, config=None):
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
@@ -269,8 +281,8 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, cos, sin, k_cache, v_cache, slot, 
     tiles = (hq + 2 * hkv) * ((d // 2) // hb)
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_kernel[grid](
-        x, norm_weight, wq, wk, wv, cos, sin, q, k_cache, v_cache, slot,
-        m, c, x.stride(0), cos.stride(0), float(eps), grid[0],
+        x, norm_weight, wq, wk, wv, positions, inv_freq, q, k_cache, v_cache, slot,
+        m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, BLOCK_M=_out_rows(m), BLOCK_K=next_pow2(k), num_warps=warps,
         **launch_options(x.device))
     return q

@@ -24,7 +24,8 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 HAVE_TRITON = triton is not None
 
-_pdl = os.environ.get("GDTOOL_PDL", "1") not in ("0", "false", "off")
+# Off unless asked for (GDTOOL_PDL=1 or `pdl(True)`): see docs/fast.md for what was measured.
+_pdl = os.environ.get("GDTOOL_PDL", "0") not in ("0", "false", "off", "")
 
 
 def interpreting() -> bool:

@@ -97,8 +97,14 @@ def _weights(n, k, copies, dtype, gen, count=1):
             for _ in range(copies)]
 
 
-def gemv_configs(k: int, tiles: int):
-    """The default and a sweep of (BLOCK_N, num_warps, programs per SM), tiles of at most 64 KB."""
+def gemv_configs(k: int, tiles: int, m: int = 1, n: int = 1, sweep: str = "full"):
+    """The default and a sweep of (BLOCK_N, num_warps, programs per SM), tiles of at most 64 KB.
+    small: the default's neighbours (half and twice the rows per tile)."""
+    if sweep == "none":
+        return [None]
+    if sweep == "small":
+        bn, warps, per_sm = fast_gemv.gemv_config(m, n, k, tiles)
+        return [None] + [(b, warps, per_sm) for b in (bn // 2, bn * 2) if b >= 1]
     sweep = [(1, 4, 4), (1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (4, 4, 4), (8, 8, 2), (4, 8, 4), (2, 8, 4),
              (1, 16, 1), (2, 16, 1)]
     return [None] + [c for c in sweep if c[0] * fast_triton.next_pow2(k) * 2 * tiles <= 65536]
@@ -123,21 +129,23 @@ def part_gemv(args, rows):
                    for h in (hq, hkv, hkv)] for _ in range(copies)]
             x = torch.randn(m, hidden, device=DEVICE, generator=gen).to(dtype)
             g = torch.ones(hidden, device=DEVICE, dtype=dtype)
-            cos = torch.randn(m, d, device=DEVICE, dtype=dtype)
-            sin = torch.randn(m, d, device=DEVICE, dtype=dtype)
+            positions = torch.full((m, 1), 200, device=DEVICE)
+            inv_freq = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=DEVICE, dtype=torch.float32) / d))
             kc = torch.zeros(m, hkv, 384, d, device=DEVICE, dtype=dtype)
             vc = torch.zeros_like(kc)
             slot = torch.tensor(200, device=DEVICE)
             wcat = [torch.cat(w) for w in ws]
             variants = [("cublas qkv (one matmul, no RoPE)", None, False,
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
-            for config in [None, (1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]:
+            qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
+                         "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]}
+            for config in [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else []):
                 if config is not None and m > 1:
                     continue
                 for pdl in ((False, True) if config is None else (False,)):
                     variants.append((f"triton qkv_rope {config or 'default'}", config, pdl,
                                      lambda config=config: [lambda w=w: fast_gemv.qkv_rope(
-                                         x, g, 1e-5, *w, cos, sin, kc, vc, slot, config=config) for w in ws]))
+                                         x, g, 1e-5, *w, positions, inv_freq, 1.0, kc, vc, slot, config=config) for w in ws]))
             for label, config, pdl, make in variants:
                 if time.perf_counter() - START > args.budget_s:
                     return
@@ -163,7 +171,7 @@ def part_gemv(args, rows):
                 else:
                     base = [lambda w=w: F.linear(x, w[0]) for w in weights]
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
-                for config in gemv_configs(k, count):
+                for config in gemv_configs(k, count, m, n, args.sweep if model == "llama-1b" else "none"):
                     if config is not None and m > 1:
                         continue
                     for pdl in ((False, True) if config is None else (False,)):
@@ -196,6 +204,8 @@ def part_attention(args, rows):
     if DEVICE != "cuda":
         cases = ((1, 4, 2, 16, 40, (17,)),)
     for m, hq, hkv, d, cache, lives in cases:
+        if time.perf_counter() - START > args.budget_s:
+            return
         copies = 16 if DEVICE == "cuda" else 1
         q = torch.randn(m, hq, d, device=DEVICE, generator=gen).to(dtype)
         caches = [(torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(dtype),
@@ -245,7 +255,24 @@ def part_step(args, rows):
         model = gdtool.load_model(model_name, device=DEVICE)
         prompts, tokens = {}, {}
         for batch, kernels, mode, pdl in args.step_cases:
-            if batch not in args.step_batches or (mode == "device-loop" and not loop_ok):
+            if mode == "device-loop" and not loop_ok:
+                continue
+            if kernels == "agree":  # teacher-forced agreement with HF's kernels (compare_kernels)
+                try:
+                    with fast_triton.pdl(pdl):
+                        df = fast.compare_kernels(model, batch=batch, prompt_len=args.prompt_len, steps=16,
+                                                  kernels="fast")
+                    row = dict(model=model_name, batch=batch, kernels="fast vs hf (teacher-forced)", mode=mode,
+                               pdl=pdl, top1_agreement=float(df.top1_agreement.mean()),
+                               min_top1_agreement=float(df.top1_agreement.min()),
+                               max_abs_logit_diff=float(df.max_abs_logit_diff.max()),
+                               max_abs_logit=float(df.max_abs_logit.max()),
+                               hf_step_ms=float(df.hf_step_ms.iloc[0]), fast_step_ms=float(df.compiled_step_ms.iloc[0]))
+                except Exception as error:
+                    row = dict(model=model_name, batch=batch, kernels="agree", error=repr(error)[:400])
+                    traceback.print_exc()
+                rows.append(row)
+                log(row)
                 continue
             if time.perf_counter() - START > args.budget_s:
                 log("budget reached: skipping the rest of the step part")
@@ -263,7 +290,7 @@ def part_step(args, rows):
                 row["ms_per_step"] = out.timings["decode_s"] / out.steps * 1e3
                 row["tok_s"] = batch * out.steps / out.timings["decode_s"]
                 row["repeat_equal"] = bool(torch.equal(first.tokens, out.tokens))
-                if kernels == "fast" and mode == "step-graph" and pdl:
+                if kernels == "fast" and mode == "step-graph" and "captured_equals_uncaptured" not in str(rows):
                     with fast_triton.pdl(pdl):
                         direct = _decode(model, prompt, args, mode=mode, kernels=kernels, capture=False)
                     row["captured_equals_uncaptured"] = bool(torch.equal(direct.tokens, out.tokens))
@@ -318,7 +345,13 @@ def parse_args(argv):
     p.add_argument("--models", default="llama-1b,llama-8b", help="shapes for the gemv part")
     p.add_argument("--gemv-rows", default="1,4")
     p.add_argument("--step-models", default="llama-1b")
-    p.add_argument("--step-batches", default="1,64")
+    p.add_argument("--cases", default="1:compiled:step-graph:0,1:fast:step-graph:0,1:fast:step-graph:1,"
+                                      "1:fast:device-loop:0,64:compiled:step-graph:0,64:fast:step-graph:0,"
+                                      "1:fast:device-loop:1",
+                   help="step part: batch:kernels:mode:pdl, in order (kernels 'agree': compare_kernels, fast vs hf)")
+    p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
+                   help="gemv part: tile configs besides the default (small: two neighbours, llama-1b only)")
+    p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--reps", type=int, default=15)
@@ -330,12 +363,11 @@ def parse_args(argv):
     args.models = args.models.split(",")
     args.gemv_rows = [int(x) for x in args.gemv_rows.split(",")]
     args.step_models = args.step_models.split(",")
-    args.step_batches = [int(x) for x in args.step_batches.split(",")]
-    # the riskiest case last: a capture that fails can leave the process unusable
-    args.step_cases = [(1, "compiled", "step-graph", True), (1, "fast", "step-graph", True),
-                       (1, "fast", "step-graph", False), (1, "fast", "device-loop", False),
-                       (64, "compiled", "step-graph", True), (64, "fast", "step-graph", True),
-                       (1, "fast", "device-loop", True)]
+    # the riskiest cases last: a capture that fails can leave the process unusable
+    args.step_cases = []
+    for case in args.cases.split(","):
+        batch, kernels, mode, pdl = case.split(":")
+        args.step_cases.append((int(batch), kernels, mode, pdl == "1"))
     unknown = set(args.parts) - {"check", "gemv", "attention", "step"}
     if unknown:
         p.error(f"unknown parts {sorted(unknown)}")
@@ -344,6 +376,9 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.stack_every > 0:
+        import faulthandler
+        faulthandler.dump_traceback_later(args.stack_every, repeat=True, file=sys.stderr)
     import transformers
     transformers.logging.set_verbosity_error()
     out = Path(args.out)
