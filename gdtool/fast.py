@@ -20,6 +20,10 @@ it is bitwise equal to itself run uncaptured (`capture=False` calls the same com
 Sampling with top-k uses the sort-free sampler of `fast_sampling.py` (same noise, same candidate
 rule); without top-k it uses `sampling.py`'s sorting top-p.
 
+`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (a
+Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and
+update (`fast_decoder.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
+
 Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
 settings, which buffers exist), each with its own code object so dynamo's recompile limit never
 sends a long sweep back to eager; a second `decode()` with the same shapes compiles nothing.

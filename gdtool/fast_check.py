@@ -202,6 +202,7 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_gemv(m, n, k, dtype, device, gen, norm, res, f32, config=(4, 4, 2)))
         results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))  # default config
         results.append(check_gate_up(m, n, k, dtype, device, gen, config=(4, 4, 2)))
+    results.append(check_gemv(2, 200, 128, dtype, device, gen, True, False, True, config=(8, 8, 2)))  # lm_head's
     results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen)
     results += check_qkv_rope(1, 128, 8, 2, 32, 20, dtype, device, gen, config=(4, 4, 2))
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):

@@ -163,7 +163,7 @@ if HAVE_TRITON:
         return h, d1, rows, rows + (D // 2) * K
 
     @triton.jit
-    def _qkv_rope_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+    def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
                          M, C, stride_x, stride_pos, scaling, eps, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                          HB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
@@ -239,7 +239,12 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     block_k = next_pow2(k)
     block_n = max(1, min(16, (8192 // block_k) // tiles))
     warps = 8 if block_k >= 2048 else 4
-    return block_n, warps, 2 if warps == 8 else 4
+    per_sm = 2 if warps == 8 else 4
+    if block_k <= 2048 and block_n < 16 and n > 64 * block_n * 132 * per_sm:
+        # a long stream of tiles per program (llama-1b's lm_head: ~120): 32 KB tiles measured faster on
+        # the H200, 128 against 140 us (profiles/h200/decode-kernels/gemv.csv)
+        block_n *= 2
+    return block_n, warps, per_sm
 
 
 def _out_rows(m: int) -> int:
@@ -280,7 +285,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     q = torch.empty(m, hq, d, device=x.device, dtype=x.dtype)
     tiles = (hq + 2 * hkv) * ((d // 2) // hb)
     grid = (_programs(tiles, x.device, per_sm),)
-    _qkv_rope_kernel[grid](
+    _qkv_rope_gemv_kernel[grid](
         x, norm_weight, wq, wk, wv, positions, inv_freq, q, k_cache, v_cache, slot,
         m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, BLOCK_M=_out_rows(m), BLOCK_K=next_pow2(k), num_warps=warps,

@@ -60,7 +60,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 if HAVE_TRITON:
     @triton.jit
-    def _split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
+    def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
                       C, stride_mask, qk_scale,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
@@ -105,7 +105,7 @@ if HAVE_TRITON:
             tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
 
     @triton.jit
-    def _combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr,
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr,
                         D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                         PDL: tl.constexpr):
         bh = tl.program_id(0)  # row * Hq + query head
@@ -172,11 +172,11 @@ def decode_attention(q, k_cache, v_cache, mask, slot, scale):
     acc = torch.empty(b * hq * splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq * d, device=q.device, dtype=q.dtype)
     opts = launch_options(q.device)
-    _split_kernel[(b * hkv, splits)](
+    _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
         num_warps=4, **opts)
-    _combine_kernel[(b * hq,)](m, l, acc, out, slot, D=d, CHUNK=chunk, SPLITS=splits,
+    _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, D=d, CHUNK=chunk, SPLITS=splits,
                                BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4 if d >= 128 else 2, **opts)
     return out
 

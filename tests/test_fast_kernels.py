@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gdtool
+import gdtool.devloop
 from gdtool import fast, fast_check, fast_decoder, fast_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,9 +110,17 @@ def test_fast_step_on_cuda_captured_equals_uncaptured():
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
     table = fast.compiles(model)
     assert table.compiles.sum() == 1 and table.kernels.iloc[0].startswith("fast: fast decode forward")
-    import gdtool.devloop
     if gdtool.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)
     agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all()
+
+
+def test_node_trace_breakdown_classifies_the_fast_kernels():
+    """profiles/kernel_breakdown.py puts gdtool's kernels in the classes the docs' account uses."""
+    sys.path.insert(0, os.path.join(ROOT, "profiles"))
+    import kernel_breakdown
+    for name, cls in (("_rms_gemv_kernel", "matmul"), ("_qkv_rope_gemv_kernel", "matmul"),
+                      ("_attention_split_kernel", "attention"), ("_attention_combine_kernel", "attention")):
+        assert kernel_breakdown.kernel_class(name) == cls
