@@ -20,6 +20,10 @@ it is bitwise equal to itself run uncaptured (`capture=False` calls the same com
 Sampling with top-k uses the sort-free sampler of `fast_sampling.py` (same noise, same candidate
 rule); without top-k it uses `sampling.py`'s sorting top-p.
 
+`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (a
+Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and
+update (`fast_decoder.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
+
 Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
 settings, which buffers exist), each with its own code object so dynamo's recompile limit never
 sends a long sweep back to eager; a second `decode()` with the same shapes compiles nothing.
@@ -42,10 +46,10 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, fast_attention, fast_fuse, fast_sampling, graphs
+from . import compat, fast_attention, fast_decoder, fast_fuse, fast_ops, fast_sampling, fast_triton, graphs, sampling
 from .step import Step, new_state
 
-KERNELS = ("hf", "compiled")
+KERNELS = ("hf", "compiled", "fast")
 DEFAULT_KERNELS = "hf"
 # What runs compiled in each mode: the whole step where the mode captures the whole step.
 FORWARD_ONLY_MODES = ("eager", "forward-graph")
@@ -60,20 +64,20 @@ def check_kernels(kernels, device: torch.device | None = None, model=None, mode:
     model is one the graph modes accept (eager mode too: its compiled forward has the same needs)."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}: 'hf' runs HF's kernels (bitwise generate()), "
-                         "'compiled' fuses the step with torch.compile")
-    if kernels == "compiled" and device is not None:
+                         "'compiled' fuses the step with torch.compile, 'fast' adds gdtool's decode kernels to it")
+    if kernels != DEFAULT_KERNELS and device is not None:
         compilers = ("g++", "clang++", "c++")
         if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in compilers)):
-            raise ValueError("kernels='compiled' on a CPU needs a C++ compiler for inductor (g++ or clang++, or set "
-                             "CXX); install one, or use kernels='hf'")
+            raise ValueError(f"kernels={kernels!r} on a CPU needs a C++ compiler for inductor (g++ or clang++, or "
+                             "set CXX); install one, or use kernels='hf'")
         if device.type == "cuda":
             from torch.utils._triton import has_triton
             if not has_triton():
-                raise ValueError("kernels='compiled' on CUDA needs Triton for inductor's kernels; "
+                raise ValueError(f"kernels={kernels!r} on CUDA needs Triton for inductor's kernels; "
                                  "pip install triton (the version your torch names), or use kernels='hf'")
         if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"kernels='compiled' supports CPU and CUDA devices, not {device.type}; use kernels='hf'")
-    if kernels == "compiled" and model is not None and mode == "eager":
+            raise ValueError(f"kernels={kernels!r} supports CPU and CUDA devices, not {device.type}; use kernels='hf'")
+    if kernels != DEFAULT_KERNELS and model is not None and mode == "eager":
         from .decode import check_model
         check_model(model, "forward-graph", device)
     return kernels
@@ -84,7 +88,7 @@ def new_step(kernels: str, mode: str, *args, **kwargs) -> Step:
     if kernels == DEFAULT_KERNELS:
         return Step(*args, **kwargs)
     check_kernels(kernels)
-    return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", **kwargs)
+    return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", kernels=kernels, **kwargs)
 
 
 # -- the compiled step ---------------------------------------------------------------------------
@@ -98,6 +102,15 @@ def _forward_only(step):
     return Step.forward(step)
 
 
+def _select_update(step, logits):
+    # kernels="fast": the forward ran gdtool's kernels eagerly; select and update stay compiled
+    step.update(step.select(logits))
+
+
+def _update_only(step, tokens):
+    step.update(tokens)
+
+
 @dataclass
 class _Compiled:
     """One compiled function for one shape key."""
@@ -108,42 +121,86 @@ class _Compiled:
     fullgraph: bool = True
     calls: int = 0
     note: str = ""                # why it was split, or why it was compiled again
+    kernels: str = "compiled"     # which kernels the step runs: for "fast", the decode forward's or why not
 
 
 class CompiledStep(Step):
     """`Step` whose `__call__` (part="step") or `forward` (part="forward") runs a compiled function."""
 
-    def __init__(self, *args, part: str = "step", **kwargs):
+    def __init__(self, *args, part: str = "step", kernels: str = "compiled", **kwargs):
         super().__init__(*args, **kwargs)
         if part not in ("step", "forward"):
             raise ValueError(f"part={part!r} must be 'step' or 'forward'")
         if not compat.full_attention_only(self.cache):
             # a sliding-window layer keeps a python counter: the compiled step would recompile every step
-            raise ValueError("kernels='compiled' supports static caches of full-attention layers only; this model has "
-                             "sliding-window or other layers; use kernels='hf'")
+            raise ValueError(f"kernels={kernels!r} supports static caches of full-attention layers only; this model "
+                             "has sliding-window or other layers; use kernels='hf'")
         self.part = part
+        self.kernels = kernels
+        # kernels="fast": gdtool's decode forward where it applies (a Llama model at small batch), the
+        # compiled HF forward elsewhere; `compiles()` says which ran and why.
+        self.fast_plan = fast_decoder.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
         self._compiled = None
+        self._cache_checked = False
         fast_attention.install()
+
+    @property
+    def fast_forward(self) -> bool:
+        return self.fast_plan is not None and self.fast_plan.applies
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         s = self.state
+        if self._eager_argmax():
+            # greedy after the fast forward: the same processed scores, a two-stage argmax (the index
+            # torch.argmax gives, ties and NaN included), run eagerly like the forward
+            return fast_ops.argmax(sampling.process(logits, s.seen, self.settings))
         # Processed scores and log-probabilities are defined over the whole vocabulary: HF's path.
-        if s.scores is not None or getattr(s, "logprobs", None) is not None or not fast_sampling.applies(self.settings):
+        if self._recorded() or not fast_sampling.applies(self.settings):
             return super().select(logits)
         return fast_sampling.choose(logits, s.seen, self.settings)
 
+    def _recorded(self) -> bool:
+        return self.state.scores is not None or getattr(self.state, "logprobs", None) is not None
+
+    def _eager_argmax(self) -> bool:
+        return self.fast_forward and not self.settings.do_sample and not self._recorded()
+
+    def decode_logits(self) -> torch.Tensor:
+        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`fast_decoder`)."""
+        if self._compiled is None and not self._cache_checked:
+            # the cache's tensors exist once the prefill has run: check their layout on first use
+            self._cache_checked = True
+            why = fast_decoder.cache_ready(self.cache)
+            if why:
+                self.fast_plan = fast_decoder.Plan(False, why)
+                return self.forward()
+        s = self.state
+        return fast_decoder.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
+
     def forward(self) -> torch.Tensor:
+        if self.fast_forward:
+            if self.part == "forward" and self._compiled is None:
+                self._compiled = _compiled_for(self, None)  # nothing to compile: listed in compiles() all the same
+            if self._compiled is not None:
+                self._compiled.calls += 1
+            return self.decode_logits()
         if self.part == "forward":
             return self._run(_forward_only)
-        return super().forward()
+        return Step.forward(self)
 
     def __call__(self) -> None:
-        if self.part == "step":
-            self._run(_whole_step)
-        else:
-            super().__call__()
+        if self.part != "step":
+            return super().__call__()
+        if not self.fast_forward:
+            return self._run(_whole_step)
+        logits = self.decode_logits()
+        if not self.fast_forward:  # the cache check declined it: decode_logits ran the compiled HF forward
+            return self._run(_select_update, logits)
+        if self._eager_argmax():
+            return self._run(_update_only, self.select(logits))
+        self._run(_select_update, logits)
 
-    def _run(self, body):
+    def _run(self, body, *args):
         if self._compiled is None:
             self._compiled = _compiled_for(self, body)
         entry = self._compiled
@@ -151,7 +208,7 @@ class CompiledStep(Step):
         t0 = time.perf_counter()
         try:
             with _no_function_modes(), fast_attention.scope():
-                result = entry.fn(self)
+                result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
                 raise
@@ -164,7 +221,7 @@ class CompiledStep(Step):
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
             with _no_function_modes(), fast_attention.scope():
-                result = entry.fn(self)
+                result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
             entry.compile_s += time.perf_counter() - t0
@@ -183,9 +240,21 @@ def _compiled_for(step: CompiledStep, body) -> _Compiled:
     table = step.model.__dict__.setdefault(_ATTR, {})
     if key not in table:
         name = _name(step)
-        table[key] = _Compiled(torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
-                                             options=INDUCTOR_OPTIONS), name)
+        fn = None if body is None else torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
+                                                     options=INDUCTOR_OPTIONS)
+        table[key] = _Compiled(fn, name, kernels=_kernels_note(step))
     return table[key]
+
+
+def _kernels_note(step: CompiledStep) -> str:
+    if step.fast_plan is None:
+        return step.kernels
+    if not step.fast_plan.applies:
+        return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
+    device = next(step.model.parameters()).device
+    pdl = "on" if fast_triton.pdl_enabled() and fast_triton.pdl_supported(device) else "off"
+    argmax = "two-stage argmax; " if step._eager_argmax() else ""
+    return f"fast: {step.fast_plan.reason}; {argmax}PDL {pdl} at first use"
 
 
 def _fresh(fn):
@@ -200,7 +269,8 @@ def _key(step: CompiledStep) -> tuple:
     buffers = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in sorted(vars(step.state).items())
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
-    base = (step.part, param.dtype, str(param.device), fast_fuse.is_fused(step.model))
+    base = (step.part, param.dtype, str(param.device), fast_fuse.is_fused(step.model), step.kernels,
+            step.fast_forward)
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
     return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)
@@ -212,6 +282,8 @@ def _name(step: CompiledStep) -> str:
     if step.part == "step":
         s = step.settings
         name += f"_n{s.max_new_tokens}_" + ("sample" if s.do_sample else "greedy")
+    if step.kernels != "compiled":
+        name += f"_{step.kernels}"
     return name
 
 
@@ -246,7 +318,7 @@ def compiles(model) -> "pandas.DataFrame":
     calls, warm-up included), whether it is one graph, calls, and a note on any break or recompile.
     (Warnings say the same, but decode() records warnings raised during its warm-up on CUDA.)"""
     import pandas as pd
-    columns = ["step", "compiles", "compile_s", "fullgraph", "calls", "note"]
+    columns = ["step", "kernels", "compiles", "compile_s", "fullgraph", "calls", "note"]
     return pd.DataFrame([{c: getattr(e, "name" if c == "step" else c) for c in columns}
                          for e in getattr(model, _ATTR, {}).values()], columns=columns)
 
@@ -326,8 +398,8 @@ class _Timer:
 
 
 def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32, seed: int = 0,
-                    capture: bool | None = None) -> "pandas.DataFrame":
-    """Teacher-forced comparison of kernels="compiled" with HF's kernels, one row per position.
+                    capture: bool | None = None, kernels: str = "compiled") -> "pandas.DataFrame":
+    """Teacher-forced comparison of `kernels` ("compiled" or "fast") with HF's kernels, one row per position.
 
     Both steps are fed the same random prompt and the same random continuation; per decode position
     (1..steps-1, position 0 is the shared prefill): share of rows whose top-1 token agrees, the
@@ -340,11 +412,12 @@ def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32
     gen = torch.Generator().manual_seed(seed + 1)
     continuation = torch.randint(3, vocab, (batch, steps), generator=gen)
     hf = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture)
-    compiled = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled", capture)
+    compiled = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels, capture)
     df = agreement(hf["logits"], compiled["logits"])
     name = getattr(model, "gdtool_name", type(model).__name__)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    for column, value in reversed(list(dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len).items())):
+    columns = dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len, kernels=kernels)
+    for column, value in reversed(list(columns.items())):
         df.insert(0, column, value)
     df["hf_step_ms"], df["compiled_step_ms"] = hf["step_ms"], compiled["step_ms"]
     return df

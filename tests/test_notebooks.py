@@ -20,6 +20,7 @@ CPU_PARAMETERS = {
                                      polls=[1, 2, "never", "async"], lengths="geom:3:6",
                                      other_lengths=["fixed:4"], eos_off_tokens=4, repeats=2, warmup=0,
                                      prompt_len=8),
+    "03_fast_step_vs_megakernel": dict(results="h200/decode-kernels"),  # committed H200 results only
 }
 
 

@@ -1,0 +1,141 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # One captured step against a hand-written megakernel
+#
+# At batch 1 a decode step of Llama-3.2-1B reads 2.47 GB of bf16 weights once; at the H200's
+# ~4.2 TB/s copy bandwidth that is ~0.58 ms. A public H200 measurement puts plain CUDA graphs with
+# programmatic dependent launch (PDL) over ~100 hand-written kernels at 794.7 µs per step and
+# Hazy Research's single persistent megakernel at 759.8 µs (msaroufim/megakernels-vs-cuda-graphs,
+# `llama/docs/RESULTS.md`; quoted, not measured here). How close does gdtool's captured step come
+# with its own kernels (`kernels="fast"`: RMSNorm-fused persistent GEMVs, q/k/v + RoPE + cache write
+# in one kernel, split-KV attention, two-stage argmax; `docs/fast.md`)?
+#
+# Everything below is read from `profiles/h200/decode-kernels/` (measured on one H200; commands and
+# commits in its README) through `profiles/decode_kernels_tables.py`, which renders the same tables
+# for `docs/fast.md`.
+
+# %% tags=["parameters"]
+results = "h200/decode-kernels"   # under profiles/: the committed H200 results
+model = "llama-1b"
+
+# %%
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+from IPython.display import display
+
+import gdtool
+
+root = Path(gdtool.__file__).resolve().parent.parent
+sys.path.insert(0, str(root / "profiles"))
+import decode_kernels_tables as tables  # noqa: E402
+
+data = tables.load(root / "profiles" / results)
+env = pd.read_json(root / "profiles" / results / "run2" / "env.json", typ="series")
+print("Environment:", {k: env.get(k) for k in ("device_name", "driver", "torch", "transformers", "triton", "commit",
+                                                "date", "copy_gb_s")})
+
+# %% [markdown]
+# ## The whole step
+# ms per step of a 256-token greedy decode (prompt 128, EOS off), captured (step-graph) or inside
+# one CUDA-graph WHILE node (device-loop), PDL off and on; beside it the anchor's two figures.
+
+# %%
+step = tables.step_table(data)
+display(step)
+fig, ax = plt.subplots(figsize=(8, 3))
+labels = [f"gdtool fast, {r['mode']}, PDL {'on' if r['pdl'] else 'off'}" for _, r in step.iterrows()]
+values = list(step["ms_per_step"] * 1e3)
+for name, us in tables.ANCHOR_US.items():
+    labels.append(f"anchor: {name}")
+    values.append(us)
+ax.barh(labels, values, color=["tab:blue"] * len(step) + ["tab:gray"] * len(tables.ANCHOR_US))
+ax.axvline(800, color="tab:red", linestyle="--", label="target 0.80 ms")
+ax.set_xlabel("µs per step, llama-1b, batch 1")
+ax.legend(loc="lower right")
+ax.invert_yaxis()
+plt.show()
+
+# %% [markdown]
+# ## Per kernel, and the gaps between them
+# Each kernel timed alone (a captured graph of back-to-back calls, so each figure includes one
+# in-graph launch gap), times its calls per step; the last rows compare that sum with the whole
+# step. PDL lets a kernel issue its weight loads before the previous kernel has finished: the
+# difference between the two columns is what it wins back, per kernel.
+
+# %%
+off, on = tables.account(data, model, pdl=False), tables.account(data, model, pdl=True)
+merged = off[["kernel", "calls", "us per step"]].merge(on[["kernel", "us per step"]], on="kernel",
+                                                       suffixes=(" PDL off", " PDL on"))
+display(merged)
+parts = merged[merged["calls"] != ""]
+fig, ax = plt.subplots(figsize=(8, 3.5))
+y = range(len(parts))
+ax.barh([i - 0.2 for i in y], parts["us per step PDL off"], height=0.4, label="PDL off")
+ax.barh([i + 0.2 for i in y], parts["us per step PDL on"], height=0.4, label="PDL on")
+ax.set_yticks(list(y), parts["kernel"])
+ax.invert_yaxis()
+ax.set_xlabel("µs per step")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## Bandwidth per GEMV
+# Batch 1, each projection alone: TB/s over its weight bytes, cuBLAS (`F.linear`, the matmul alone)
+# against the Triton kernel as the step runs it (which also does the fused norm, RoPE, residual or
+# SiLU), PDL off and on. The dashed line is the copy bandwidth measured in the same run.
+
+# %%
+gemv = tables.gemv_table(data)
+display(gemv)
+fig, ax = plt.subplots(figsize=(9, 3.5))
+names = [f"{m.replace('llama-', '')} {p}" for m, p in zip(gemv["model"], gemv["projection"])]
+x = range(len(gemv))
+for offset, column, label in ((-0.27, "cuBLAS TB/s", "cuBLAS"), (0.0, "triton TB/s", "Triton"),
+                              (0.27, "+PDL TB/s", "Triton + PDL")):
+    ax.bar([i + offset for i in x], gemv[column], width=0.27, label=label)
+ax.axhline(float(env["copy_gb_s"]) / 1e3, color="k", linestyle="--", label="copy")
+ax.set_xticks(list(x), names, rotation=30, ha="right")
+ax.set_ylabel("TB/s")
+ax.legend(ncol=4, fontsize=8)
+plt.show()
+
+# %% [markdown]
+# ## Attention over the live slots
+# One layer's attention at batch 1: the packed SDPA `kernels="compiled"` runs (over all static slots,
+# masked) against split-KV over the live ones only; and the argmax over the vocabulary.
+
+# %%
+display(tables.attention_table(data))
+
+# %% [markdown]
+# ## Reading
+# The best step against the anchor's graph of hand-written kernels, and the projections' bandwidth
+# (from the tables above):
+
+# %%
+best = step.sort_values("ms_per_step").iloc[0]
+graph_anchor = tables.ANCHOR_US["CUDA graphs + PDL, ~100 hand-written kernels"]
+print(f"best gdtool step: {best.ms_per_step * 1e3:.0f} µs ({best['mode']}, PDL {'on' if best.pdl else 'off'}), "
+      f"{best.ms_per_step * 1e3 / graph_anchor:.2f}x the anchor's {graph_anchor} µs; target 800 µs")
+mine = gemv[gemv.model == model].set_index("projection")["+PDL TB/s" if best.pdl else "triton TB/s"]
+print("TB/s per projection as the best step runs them:", mine.round(2).to_dict())
+# %% [markdown]
+# The small projections (q/k/v and o, 8-13 MB each) stay far under the copy bandwidth while the
+# large ones come near it: `docs/fast.md` lists the levers measured so far and the next ones.
