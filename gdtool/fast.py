@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, fast_attention, fast_decoder, fast_fuse, fast_ops, fast_sampling, fast_triton, graphs, sampling
+from . import compat, fast_attention, fast_decoder, fast_fuse, fast_ops, fast_sampling, fast_triton, feed, graphs, sampling
 from .step import Step, new_state
 
 KERNELS = ("hf", "compiled", "fast")
@@ -78,8 +78,7 @@ def check_kernels(kernels, device: torch.device | None = None, model=None, mode:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"kernels={kernels!r} supports CPU and CUDA devices, not {device.type}; use kernels='hf'")
     if kernels != DEFAULT_KERNELS and model is not None and mode == "eager":
-        from .decode import check_model
-        check_model(model, "forward-graph", device)
+        feed.check(model, "forward-graph", device)
     return kernels
 
 
