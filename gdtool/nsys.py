@@ -54,11 +54,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import glob
 import gzip
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -74,6 +71,7 @@ import numpy as np
 import pandas as pd
 
 from . import ranges
+from . import record as results  # `record` is this module's recording function
 
 MODES = ("eager", "forward-graph", "step-graph")  # gdtool.MODES, without importing torch to read an export
 TRACES = ("graph", "node")
@@ -680,14 +678,15 @@ def plot_timelines(paths, first_step: int = 20, steps: int = 3):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One profiled decode: its name (``llama-1b_b1_eager_graph``) names the files it writes."""
+class RunConfig(results.Config):
+    """One profiled decode: its name (``llama-1b_b1_eager_graph``) names the files it writes; ``hash``
+    as every run config has it (`gdtool.record.Config`)."""
     model: str
     batch: int
     mode: str
     trace: str
     max_new_tokens: int = 48
-    prompt_length: int = 128
+    prompt_len: int = 128
     repeat: int = 2
     seed: int = 0
     eos: bool = True  # False: eos_token_id=None, every decode runs max_new_tokens - 1 steps (polls still happen)
@@ -702,17 +701,10 @@ class RunConfig:
             raise ValueError(f"batch={self.batch}, max_new_tokens={self.max_new_tokens}, repeat={self.repeat}: need "
                              f"batch >= 1, max_new_tokens >= 2 (one decode step at least) and repeat >= 1")
 
-    @property
-    def name(self) -> str:
+    def name_parts(self) -> list:
         model = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(self.model).name or self.model)
-        extra = ("" if self.eos else "_noeos") + "".join(f"_{k}{v}" for k, v in self.settings)
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model}_b{self.batch}_{self.mode}_{self.trace}{extra}")
-
-    @property
-    def hash(self) -> str:
-        """Stable across runs and machines: the same fields give the same hash."""
-        fields = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
-        return hashlib.sha1(fields.encode()).hexdigest()[:10]
+        return [model, f"b{self.batch}", self.mode, self.trace, "" if self.eos else "noeos",
+                *(f"{k}{v}" for k, v in self.settings)]
 
     @property
     def settings_label(self) -> str:
@@ -758,7 +750,7 @@ def _nsys_env(nsys: str) -> dict:
 def target_command(cfg: RunConfig) -> list[str]:
     """The profiled program: `repeat` decodes of one config in a fresh Python (the last is the one to read)."""
     args = ["--model", cfg.model, "--mode", cfg.mode, "--batch", str(cfg.batch), "--max-new-tokens",
-            str(cfg.max_new_tokens), "--prompt-length", str(cfg.prompt_length), "--repeat", str(cfg.repeat),
+            str(cfg.max_new_tokens), "--prompt-len", str(cfg.prompt_len), "--repeat", str(cfg.repeat),
             "--seed", str(cfg.seed)] + ([] if cfg.eos else ["--no-eos"])
     for k, v in cfg.settings:
         args += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
@@ -782,7 +774,7 @@ def target(argv: list[str]) -> int:
     p.add_argument("--mode", required=True, choices=MODES)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--prompt-len", "--prompt-length", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos", action="store_true")
@@ -798,7 +790,7 @@ def target(argv: list[str]) -> int:
     if settings.pop("fuse_projections", False) and not gdtool.fast_fuse.fuse_projections(model):
         # not a decode argument: the bench's --fuse-projections
         raise SystemExit(f"fuse_projections=true: {a.model} has no q/k/v or gate/up projections to fuse; drop it")
-    prompt = gdtool.random_prompts(model, batch=a.batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
+    prompt = gdtool.random_prompts(model, batch=a.batch, lengths=(a.prompt_len, a.prompt_len), seed=a.seed)
     results = []
     for r in range(a.repeat):
         out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=a.mode,
@@ -825,21 +817,8 @@ def _parse_settings(pairs) -> dict:
 
 
 def environment(nsys: str | None = None) -> dict:
-    """GPU, driver, torch, transformers, nsys, git commit, date: the sidecar of every result file."""
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": sys.version.split()[0]}
-    for pkg in ("torch", "transformers", "nvtx"):
-        try:
-            env[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            env[pkg] = None
-    gpus = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]).splitlines()
-    env["gpu"], _, env["driver"] = gpus[0].partition(", ") if gpus else (None, None, None)
-    root = Path(__file__).resolve().parent.parent
-    env["git_commit"] = _run_text(["git", "-C", str(root), "rev-parse", "HEAD"]) or None
-    env["git_dirty"] = bool(_run_text(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
-    env["nsys"] = _run_text([nsys, "--version"]) if nsys else None
-    return env
+    """The sidecar of every result file: the environment record of `gdtool.record`, with nsys's version."""
+    return results.environment(nsys=nsys)
 
 
 def _run_text(cmd) -> str:
@@ -921,25 +900,62 @@ def _tail(proc, n: int = 30) -> str:
 
 
 def session(configs, out, nsys: str | None = None, keep_report: bool = False, fixture: bool = False,
-            echo=print) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Record every config, writing after each one: steps.csv (one row per step), summary.csv, env.json."""
+            echo=print, redo: bool = False, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Record every config, writing after each one: steps.csv (one row per step), summary.csv, env.json.
+
+    A config whose export is in `out` and whose steps are in its steps.csv (same config hash) is not
+    recorded again unless `redo`: rerun a session to finish it."""
     configs = list(configs)
     if not configs:
         raise ValueError("no configs to record; give at least one batch, mode and trace")
     out = Path(out)
     nsys = nsys or find_nsys()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "env.json").write_text(json.dumps(environment(nsys), indent=2) + "\n")
-    frames = []
-    for cfg in configs:
-        echo(f"# {cfg.name}: nsys profile --cuda-graph-trace={cfg.trace} ...")
-        df, _ = record(cfg, out, nsys=nsys, keep_report=keep_report, fixture=fixture)
-        frames.append(df)
-        steps = pd.concat(frames, ignore_index=True)
-        steps.to_csv(out / "steps.csv", index=False)
-        table = summary(steps)
-        table.to_csv(out / "summary.csv", index=False)
-    return steps, table
+    results.write_sidecar(out / "env.json", environment(nsys), session=dict(configs=[c.name for c in configs]))
+    steps_file = results.Results(out / "steps.csv", dtype={"model": str, "mode": str, "trace": str, "settings": str},
+                                 first=())
+    from .options import progress as bar_for
+    bar = bar_for(len(configs), "nsys", progress, unit="config")
+    try:
+        for cfg in configs:
+            if not redo and steps_file.count(cfg)[0] and (out / f"{cfg.name}.sqlite.gz").exists():
+                echo(f"# {cfg.name}: already in {out} (same config hash), skipped")
+                bar.update(1)
+                continue
+            echo(f"# {cfg.name}: nsys profile --cuda-graph-trace={cfg.trace} ...")
+            df, _ = record(cfg, out, nsys=nsys, keep_report=keep_report, fixture=fixture)
+            steps_file.replace(cfg, df)
+            steps_file.save()
+            summary(steps_file.df).to_csv(out / "summary.csv", index=False)
+            bar.update(1)
+    finally:
+        bar.close()
+    mine = steps_file.df[steps_file.df["config_hash"].isin({c.hash for c in configs})].reset_index(drop=True)
+    return mine, summary(mine)
+
+
+def summarize_exports(paths) -> pd.DataFrame:
+    """`summary` of each export, one row per export, with the columns its name gives (``file``, ``config``,
+    ``model``, ``batch``, ``mode``, ``trace``, and ``implementation``: decode's kernels, 'compiled' where the
+    recording's settings said so, else 'hf'); an export not named as `RunConfig.name` names them gets
+    ``model`` '?'."""
+    rows = []
+    for path in paths:
+        path = Path(path)
+        df = read(path)
+        try:
+            named = parse_name(path.name)
+        except ValueError:
+            named = {}
+        config = path.name.split(".sqlite")[0]
+        df = df.assign(file=path.name, model=named.get("model", "?"), settings=config)
+        rows.append(summary(df).assign(file=path.name, config=config,
+                                       implementation="compiled" if "kernelscompiled" in config else "hf"))
+    if not rows:
+        return pd.DataFrame()
+    out = pd.concat(rows, ignore_index=True)
+    first = ["config", "model", "batch", "mode", "trace", "implementation"]
+    return out[first + [c for c in out.columns if c not in first + ["settings"]]]
 
 
 TABLE_COLUMNS = ("model", "batch", "mode", "trace", "steps", "wall_us", "host_us", "sync_us", "device_busy_us",
@@ -949,61 +965,3 @@ TABLE_COLUMNS = ("model", "batch", "mode", "trace", "steps", "wall_us", "host_us
 def format_table(table: pd.DataFrame) -> str:
     cols = [c for c in TABLE_COLUMNS if c in table.columns]
     return table[cols].to_string(index=False, float_format=lambda x: f"{x:.1f}")
-
-
-def _csv_list(text: str, kind=str) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m gdtool profile --nsys",
-        description="Decode under Nsight Systems per mode, export sqlite, and print the per-step table. "
-                    "Writes <out>/<config>.sqlite.gz, steps.csv, summary.csv, env.json.")
-    p.add_argument("--nsys", action="store_true", help="profile under Nsight Systems (this path); accepted for the "
-                   "`profile` dispatcher")
-    p.add_argument("--model", default="llama-1b")
-    p.add_argument("--batch", default="1", help="comma list, e.g. 1,16")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
-    p.add_argument("--trace", default="graph", help="graph (host time), node (kernel detail), or graph,node")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=2, help="decodes per process; the summary uses the last")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps "
-                   "(the host still polls on schedule)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16; also "
-                   "fuse_projections=true (fuse the model's projections first, as bench --fuse-projections; "
-                   "used with kernels=compiled)")
-    p.add_argument("--out", default="nsys-profiles")
-    p.add_argument("--keep-report", action="store_true", help="also keep the .nsys-rep files (to open in the GUI)")
-    p.add_argument("--fixture", action="store_true", help="write slimmed exports (test fixtures)")
-    p.add_argument("--read", nargs="+", metavar="EXPORT", help="read existing exports instead of recording")
-    a = p.parse_args(argv)
-
-    if a.read:
-        frames = []
-        for path in a.read:
-            df = read(path)
-            check_totals(df, path)
-            frames.append(df.assign(file=Path(path).name))
-        steps = pd.concat(frames, ignore_index=True)
-        table = summary(steps)
-    else:
-        modes = _csv_list(a.modes)
-        bad = [m for m in modes if m not in MODES]
-        if bad:
-            p.error(f"unknown mode(s) {bad}; use a comma list of {', '.join(MODES)}")
-        settings = tuple(sorted(_parse_settings(a.set).items()))
-        configs = [RunConfig(a.model, b, m, t, a.max_new_tokens, a.prompt_length, a.repeat, a.seed, not a.no_eos,
-                             settings)
-                   for t in _csv_list(a.trace) for b in _csv_list(a.batch, int) for m in modes]
-        steps, table = session(configs, a.out, keep_report=a.keep_report, fixture=a.fixture)
-    print(format_table(table))
-    print(json.dumps({"out": None if a.read else str(a.out), "rows": json.loads(table.to_json(orient="records"))}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
