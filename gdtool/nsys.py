@@ -543,6 +543,18 @@ def summary(df: pd.DataFrame, decode: str = "last") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def per_token(table: pd.DataFrame) -> pd.DataFrame:
+    """`summary` rows with the per-token columns `gdtool.timing.per_token` gives, so the two plot and
+    compare alike: ``<metric>_per_token`` (the total over steps / (steps x batch), as in the summary) and
+    ``<metric>_median_per_token``, ``_p20_per_token``, ``_p80_per_token`` (a step's median and band / batch)."""
+    out = table.copy()
+    for metric in _BANDS:
+        for stat, column in (("median", metric), ("p20", f"{metric}_p20"), ("p80", f"{metric}_p80")):
+            if column in out.columns:
+                out[f"{metric}_{stat}_per_token"] = out[column] / out["batch"]
+    return out
+
+
 def timeline(path, decode: int = -1, first_step: int = 1, steps: int = 4, domain: str = ranges.DOMAIN) -> pd.DataFrame:
     """Intervals of a few steps for a picture: lane ('host' for ranges, 'gpu' for device work), name, step,
     start_us and end_us relative to the first step's start."""
