@@ -555,6 +555,41 @@ def per_token(table: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def load_sessions(folders) -> pd.DataFrame:
+    """The per-token table (`per_token`) of every config in the session folders (as `session` writes
+    them): an export in the folder is read again here (``source`` 'export'); a config whose export was
+    not kept keeps the row of the folder's summary.csv (``source`` 'summary.csv'). Columns ``folder``,
+    ``config``, ``implementation`` ('hf' or 'compiled') come first."""
+    frames = []
+    for folder in map(Path, folders):
+        exports = sorted(folder.glob("*.sqlite.gz")) + sorted(folder.glob("*.sqlite"))
+        fresh = summarize_exports(exports).assign(source="export") if exports else pd.DataFrame()
+        frames.append(fresh.assign(folder=folder.name) if len(fresh) else fresh)
+        table = folder / "summary.csv"
+        if not table.exists():
+            continue
+        kept = pd.read_csv(table)
+        if not {"batch", "mode", "trace"} <= set(kept.columns):
+            continue  # not an nsys session's summary
+        settings = kept["settings"].fillna("") if "settings" in kept.columns else pd.Series("", index=kept.index)
+        kept["implementation"] = ["compiled" if "kernels=compiled" in str(x) else "hf" for x in settings]
+        have = set(zip(fresh["batch"], fresh["mode"], fresh["trace"], fresh["implementation"])) if len(fresh) else set()
+        missing = [(b, m, t, i) not in have for b, m, t, i in
+                   zip(kept["batch"], kept["mode"], kept["trace"], kept["implementation"])]
+        kept = kept[missing]
+        if len(kept):
+            name = [f"{m}_b{b}_{mode}_{t}" + ("_noeos" if "eos_token_id=None" in str(x) else "")
+                    for m, b, mode, t, x in zip(kept.get("model", "?"), kept["batch"], kept["mode"], kept["trace"],
+                                                settings[missing])]
+            frames.append(kept.assign(source="summary.csv", folder=folder.name, config=name))
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame()
+    out = per_token(pd.concat(frames, ignore_index=True))
+    first = ["folder", "config", "source", "model", "batch", "mode", "trace", "implementation"]
+    return out[[c for c in first if c in out.columns] + [c for c in out.columns if c not in first + ["settings"]]]
+
+
 def timeline(path, decode: int = -1, first_step: int = 1, steps: int = 4, domain: str = ranges.DOMAIN) -> pd.DataFrame:
     """Intervals of a few steps for a picture: lane ('host' for ranges, 'gpu' for device work), name, step,
     start_us and end_us relative to the first step's start."""

@@ -114,7 +114,8 @@ def _yscale(ax, values, prefer_log: bool = True) -> str:
     if prefer_log and len(values) and (values > 0).all() and values.max() > 8 * values.min():
         ax.set_yscale("log")
         return "log"
-    if prefer_log and len(positive) and (values >= 0).all() and values.max() > 8 and positive.min() >= 1:
+    if (prefer_log and len(positive) and (values >= 0).all() and (values == 0).any() and positive.min() >= 1
+            and values.max() > 8 * positive.min()):
         ax.set_yscale("symlog", linthresh=1.0, linscale=0.5)
         ax.set_ylim(bottom=0)
         return "symlog"
@@ -387,6 +388,9 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
         theirs = theirs[theirs["implementation"] == "hf"]
     rows = []
     for (mode, batch), g in mine.groupby(["mode", "batch"], sort=False):
+        if mode not in set(theirs["mode"]):
+            continue  # a mode nsys did not record (device-loop): nothing to set beside it
+
         def pick(trace, column):
             t = theirs[(theirs["mode"] == mode) & (theirs["batch"] == batch) & (theirs["trace"] == trace)]
             return float(t[column].iloc[-1]) if len(t) and column in t else math.nan
@@ -408,7 +412,7 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
     table = table.iloc[order].reset_index(drop=True)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     x = np.arange(len(table))
-    names = [f"{m}\nb{b}" for m, b in zip(table["mode"], table["batch"])]
+    names = [f"{m.replace('-', '-' + chr(10))}\nb{b}" for m, b in zip(table["mode"], table["batch"])]
     for ax, a, b, ratio, ylabel in ((axes[0], "busy_in_process", "busy_nsys", "busy_ratio", "device busy µs/token"),
                                     (axes[1], "host_in_process", "host_nsys", "host_ratio",
                                      "host work, median step (µs)")):
@@ -421,9 +425,10 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
                 top = np.nanmax([table[a][i], table[b][i]])
                 ax.annotate(f"{table[ratio][i]:.2f}x", (x[i], top), ha="center", va="bottom", fontsize="x-small",
                             xytext=(0, 2), textcoords="offset points")
-        ax.set_xticks(x, names, fontsize="small")
+        ax.set_xticks(x, names, fontsize="x-small")
         _yscale(ax, table[[a, b]].to_numpy())
         _finish(ax, "mode, batch size", ylabel)
+    axes[0].get_legend().remove()   # one legend, right of both panels
     _legend(axes[1], "measured by")
     axes[0].set_title("device busy per token (mean)", fontsize="medium")
     axes[1].set_title("host work per step (median)", fontsize="medium")

@@ -125,7 +125,7 @@ def describe(env: dict | None = None) -> str:
     if env.get("git_dirty"):
         at += " with local changes"
     return (f"{where}; torch {env.get('torch')}, transformers {env.get('transformers')}, "
-            f"gdtool {env.get('gdtool')} at {at}; {env.get('date')}")
+            f"gdtool {env.get('gdtool') or ''} at {at}; {env.get('date')}".replace("gdtool  at", "gdtool at"))
 
 
 # ---------------------------------------------------------------------------------------------

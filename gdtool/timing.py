@@ -496,3 +496,23 @@ def per_token(result: ProfileResult) -> dict:
             key = f"{name}_us_{stat}_per_token" if metric.endswith("_us") else f"{name}_{stat}_per_token"
             out[key] = float(summary.loc[metric, stat]) * scale / batch
     return out
+
+
+def per_token_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """`per_token`'s columns, one row per config, from a summary.csv of ``python -m gdtool profile`` (one
+    row per config x metric; config columns model, batch, mode, ...), e.g. a committed one. For
+    device-loop (one row per launch) the typical step is the mean per token."""
+    keys = [c for c in summary.columns if c not in ("metric", "median", "p20", "p80", "mean", "total", "per_token",
+                                                    "notes")]
+    rows = []
+    for values, g in summary.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
+        batch = float(row["batch"])
+        for _, m in g.iterrows():
+            name = m["metric"]
+            row[f"{name}_per_token"] = float(m["per_token"])
+            for stat in ("median", "p20", "p80"):
+                typical = m["per_token"] if row.get("mode") == "device-loop" else m[stat] / batch
+                row[f"{name}_{stat}_per_token"] = float(typical)
+        rows.append(row)
+    return pd.DataFrame(rows)
