@@ -42,12 +42,12 @@ thread (it is not attributed to a step).
 
     python -m gdtool profile --nsys --model llama-1b --batch 1,16 --modes eager,forward-graph,step-graph \\
         --trace graph --max-new-tokens 48 --no-eos --out my-session
-    python -m gdtool profile --nsys --read my-session/llama-1b_b1_step-graph_graph_noeos.sqlite.gz
+    python -m gdtool profile --read my-session/llama-1b_b1_step-graph_graph_noeos.sqlite.gz
 
     df = gdtool.nsys.read("my-session/llama-1b_b1_eager_graph_noeos.sqlite.gz")
     gdtool.nsys.summary(df); fig, axes = gdtool.nsys.plot_steps(df)
 
-(``python -m gdtool.nsys ...`` takes the same arguments.)
+(The command is `gdtool.profile_cli`; `python -m gdtool profile --help` lists every option.)
 """
 from __future__ import annotations
 
@@ -637,7 +637,8 @@ def plot_steps(df: pd.DataFrame, decode: str = "last", axes=None):
         df = df[df["decode"] == df.groupby("mode")["decode"].transform("max")]
     modes = [m for m in MODES if m in set(df["mode"])] or sorted(df["mode"].dropna().unique())
     if axes is None:
-        fig, axes = plt.subplots(len(modes), 1, figsize=(9, 2.4 * len(modes)), sharex=True, squeeze=False)
+        fig, axes = plt.subplots(len(modes), 1, figsize=(10.5, 2.4 * len(modes)), sharex=True, squeeze=False,
+                                 layout="constrained")
         axes = axes[:, 0]
     else:
         axes = np.atleast_1d(axes)
@@ -656,9 +657,12 @@ def plot_steps(df: pd.DataFrame, decode: str = "last", axes=None):
         a.set_ylabel("µs / step")
         a.set_title(f"{m} (batch {g['batch'].iloc[0]}, --cuda-graph-trace={g['trace'].iloc[0]})", fontsize=9)
         a.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper right", title="per decode step", title_fontsize=8)
+    # outside the axes, clear of the bars
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="per decode step",
+                   title_fontsize=8, borderaxespad=0.0)
     axes[-1].set_xlabel("decode step (dotted: the host polls EOS)")
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     return fig, axes
 
 

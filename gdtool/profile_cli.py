@@ -109,8 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     given = {k for k in IN_PROCESS_ONLY if getattr(args, k) not in (None, False)}
     if given and traced:
         p.error(f"--{sorted(given)[0].replace('_', '-')} is an in-process option; drop it with --nsys / --read")
-    if args.nsys and args.read:
-        p.error("--nsys records and --read reads: give one of them")
     args.settings = options.settings(args.set, p)
     if args.read:
         return options.run(p, _read, args)

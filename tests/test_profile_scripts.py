@@ -84,3 +84,28 @@ def test_sort_compile_probe_refuses_unknown_variants(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sort_compile_probe.main(["--variants", "bubble", "--out", str(tmp_path / "x.json")])
     assert "choose from counting, two-sorts" in capsys.readouterr().err
+
+
+def _gpu_run(tmp_path, *parts):
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), *parts], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, (tmp_path / "out" / "log").read_text()
+
+
+def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
+    """A part that fails (the launch probe refuses a machine without a GPU) or is not a part makes the whole
+    run exit 1, after the other parts ran, and the log names them; the environment sidecar is kept."""
+    rc, log = _gpu_run(tmp_path, "launch-probe", "no-such-part")
+    assert rc == 1, log
+    assert "=== launch-probe exit 1" in log and "unknown part no-such-part" in log
+    assert "=== failed: launch-probe no-such-part" in log
+    import tarfile
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        names = tar.getnames()
+    assert "env.json" in names and "launch-probe/log" in names
+    rc, log = _gpu_run(tmp_path)
+    assert rc == 0 and "every part passed" in log
