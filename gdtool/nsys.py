@@ -590,6 +590,62 @@ def load_sessions(folders) -> pd.DataFrame:
     return out[[c for c in first if c in out.columns] + [c for c in out.columns if c not in first + ["settings"]]]
 
 
+def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, model: str | None = None) -> pd.DataFrame:
+    """In-process figures against Nsight Systems', per mode and batch size of one model (default: the first
+    in both), HF's kernels: device busy per token (the mean: total / (steps x batch)) against the node-level
+    trace (graph-level for eager, which replays no graph, or where no node trace was kept), host work of
+    the median step against the graph-level trace, and both ratios (in-process / nsys).
+
+    ``inproc``: rows of `gdtool.timing.per_token` (or `timing.per_token_table`) with model, mode, batch;
+    ``traced``: rows of `per_token` (or `load_sessions`) with model, mode, batch, trace. Modes and batch
+    sizes nsys did not record are left out."""
+    for what, table, need in (("in-process", inproc, {"model", "mode", "batch"}),
+                              ("nsys", traced, {"model", "mode", "batch", "trace"})):
+        if not need <= set(table.columns):
+            raise ValueError(f"the {what} table lacks {sorted(need - set(table.columns))}: pass "
+                             + ("rows of gdtool.timing.per_token" if what == "in-process" else
+                                "an nsys session's summary.csv, or gdtool.nsys.load_sessions(...)"))
+    model = model or next((m for m in dict.fromkeys(inproc["model"]) if m in set(traced["model"])), None)
+    if model is None:
+        raise ValueError("no model is in both tables: the comparison needs an in-process profile of a model that "
+                         f"an nsys session recorded ({sorted(set(traced['model']))})")
+    mine = inproc[inproc["model"] == model]
+    theirs = traced[traced["model"] == model]
+    if "implementation" in theirs.columns:
+        theirs = theirs[theirs["implementation"] == "hf"]
+    busy_column = next((c for c in ("device_busy_us_per_token", "device_us_per_token") if c in mine.columns), None)
+    rows = []
+    for (mode, batch), g in mine.groupby(["mode", "batch"], sort=False):
+        if mode not in set(theirs["mode"]):
+            continue  # a mode nsys did not record (device-loop): nothing to set beside it
+
+        def pick(trace, column):
+            t = theirs[(theirs["mode"] == mode) & (theirs["batch"] == batch) & (theirs["trace"] == trace)]
+            return float(t[column].iloc[-1]) if len(t) and column in t else np.nan
+        busy_trace = "graph" if mode == "eager" else "node"
+        busy_nsys = pick(busy_trace, "device_busy_us_per_token")
+        if busy_nsys != busy_nsys and mode != "eager":
+            busy_trace, busy_nsys = "graph", pick("graph", "device_busy_us_per_token")
+        host = g["host_us_median_per_token"] if "host_us_median_per_token" in g else pd.Series([np.nan])
+        rows.append(dict(mode=mode, batch=int(batch),
+                         busy_in_process=float(g[busy_column].iloc[0]) if busy_column else np.nan,
+                         busy_nsys=busy_nsys, busy_trace=busy_trace, host_in_process=float(host.iloc[0]) * batch,
+                         host_nsys=pick("graph", "host_us_median_per_token") * batch))
+    table = pd.DataFrame(rows)
+    if len(table):   # a batch size nsys did not record: nothing to set beside it
+        table = table.dropna(subset=["busy_nsys", "host_nsys"], how="all").reset_index(drop=True)
+    if table.empty:
+        raise ValueError(f"nsys recorded none of the modes and batch sizes profiled in-process for {model}")
+    table["busy_ratio"] = table["busy_in_process"] / table["busy_nsys"]
+    table["host_ratio"] = table["host_in_process"] / table["host_nsys"]
+    table["busy_within_10pct"] = [abs(r - 1) <= 0.10 if r == r else None for r in table["busy_ratio"]]
+    order = list(MODES) + ["device-loop"]
+    table = table.sort_values(["batch", "mode"], key=lambda c: c.map(order.index) if c.name == "mode" else c)
+    table = table.reset_index(drop=True)
+    table.attrs["model"] = model
+    return table
+
+
 def timeline(path, decode: int = -1, first_step: int = 1, steps: int = 4, domain: str = ranges.DOMAIN) -> pd.DataFrame:
     """Intervals of a few steps for a picture: lane ('host' for ranges, 'gpu' for device work), name, step,
     start_us and end_us relative to the first step's start."""

@@ -374,42 +374,11 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
     Left: device busy time per token (the mean: total / (steps x batch)), in-process against nsys's
     node-level trace (graph-level for eager, which replays no graph), with their ratio. Right: host
     work of the median step, in-process against nsys's graph-level trace (its launch tracing costs the
-    host; the ratio says how much). ``inproc``: rows of `gdtool.timing.per_token` with model, mode,
-    batch; ``traced``: rows of `gdtool.nsys.per_token` with model, mode, batch, trace. Returns
-    (fig, axes) and, in ``fig.gdtool_table``, the table drawn."""
-    inproc, traced = _ok(inproc), _ok(traced)
-    model = model or next((m for m in dict.fromkeys(inproc["model"]) if m in set(traced["model"])), None)
-    if model is None:
-        raise ValueError("no model is in both tables: the comparison needs an in-process profile of a model that "
-                         f"an nsys session recorded ({sorted(set(traced['model']))})")
-    mine = inproc[inproc["model"] == model]
-    theirs = traced[traced["model"] == model]
-    if "implementation" in theirs.columns:
-        theirs = theirs[theirs["implementation"] == "hf"]
-    rows = []
-    for (mode, batch), g in mine.groupby(["mode", "batch"], sort=False):
-        if mode not in set(theirs["mode"]):
-            continue  # a mode nsys did not record (device-loop): nothing to set beside it
-
-        def pick(trace, column):
-            t = theirs[(theirs["mode"] == mode) & (theirs["batch"] == batch) & (theirs["trace"] == trace)]
-            return float(t[column].iloc[-1]) if len(t) and column in t else math.nan
-        busy_trace = "graph" if mode == "eager" else "node"
-        busy_nsys = pick(busy_trace, "device_busy_us_per_token")
-        if busy_nsys != busy_nsys and mode != "eager":
-            busy_trace, busy_nsys = "graph", pick("graph", "device_busy_us_per_token")
-        rows.append(dict(mode=mode, batch=int(batch), busy_in_process=float(g[_device_column(g)].iloc[0]),
-                         busy_nsys=busy_nsys, busy_trace=busy_trace,
-                         host_in_process=float(g["host_us_median_per_token"].iloc[0]) * batch,
-                         host_nsys=pick("graph", "host_us_median_per_token") * batch))
-    table = pd.DataFrame(rows)
-    if table.empty or table[["busy_nsys", "host_nsys"]].isna().all().all():
-        raise ValueError(f"nsys recorded none of the modes and batch sizes profiled in-process for {model}")
-    table["busy_ratio"] = table["busy_in_process"] / table["busy_nsys"]
-    table["host_ratio"] = table["host_in_process"] / table["host_nsys"]
-    order = sorted(range(len(table)), key=lambda i: (table["batch"][i], list(MODE_STYLE).index(table["mode"][i])
-                                                     if table["mode"][i] in MODE_STYLE else 9))
-    table = table.iloc[order].reset_index(drop=True)
+    host; the ratio says how much). The table is `gdtool.nsys.agreement(inproc, traced)`; it is also
+    in ``fig.gdtool_table``. Returns (fig, axes)."""
+    from .nsys import agreement as compare
+    table = compare(_ok(inproc), _ok(traced), model=model)
+    model = table.attrs["model"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
     x = np.arange(len(table))
     names = [f"{m.replace('-', '-' + chr(10))}\nb{b}" for m, b in zip(table["mode"], table["batch"])]

@@ -109,3 +109,21 @@ def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
     assert "env.json" in names and "launch-probe/log" in names
     rc, log = _gpu_run(tmp_path)
     assert rc == 0 and "every part passed" in log
+
+
+def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
+    import agreement
+    h200 = ROOT / "profiles" / "h200"
+    argv = ["--profile", str(h200 / "profile" / "summary.csv"), "--nsys",
+            *(str(h200 / d / "summary.csv") for d in ("nsys-graph", "nsys-node1", "nsys-node16"))]
+    assert agreement.main(argv) == 0
+    text = capsys.readouterr().out
+    table = agreement.tables(argv[1], argv[3:]).set_index(["mode", "batch"])
+    assert set(table.index) == {(m, b) for m in ("eager", "forward-graph", "step-graph") for b in (1, 16)}
+    assert table.loc[("step-graph", 16), "busy_trace"] == "node" and table.loc[("eager", 1), "busy_trace"] == "graph"
+    for mode in ("forward-graph", "step-graph"):   # the same kernels timed twice: within 1%
+        assert (table.loc[mode, "busy_ratio"] - 1).abs().max() < 0.01
+    assert "| step-graph | 16 |" in text and "within 10% of nsys for" in text
+    with pytest.raises(SystemExit, match="the nsys table lacks \\['trace'\\]"):
+        agreement.main(["--profile", str(h200 / "profile" / "summary.csv"), "--nsys",
+                        str(ROOT / "profiles" / "sweeps" / "llama-1b_geom128.csv")])
