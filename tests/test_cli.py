@@ -3,6 +3,7 @@ the same option names and list syntax, help with a default on every option, this
 one-line errors with exit 2 for bad values, a progress bar on stderr, --json."""
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -10,11 +11,8 @@ import torch
 
 from gdtool import __main__ as entry
 from gdtool import bench, cli, options, profile_cli
-from gdtool import sweep as _sweep_function  # noqa: F401  (import gdtool.sweep, the module, below)
 
-import importlib
-
-sweep_module = importlib.import_module("gdtool.sweep")
+sweep_module = importlib.import_module("gdtool.sweep")  # gdtool.sweep is also the function
 
 PARSERS = {"run": cli.parser, "bench": bench.parser, "profile": profile_cli.parser, "sweep": sweep_module.parser}
 MAINS = {"run": cli.main, "bench": bench.main, "profile": profile_cli.main, "sweep": sweep_module.main}
