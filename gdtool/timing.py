@@ -381,7 +381,7 @@ def _kernel_pass(run, device, unit: str = ranges.STEP) -> tuple[dict, float, int
 
 def _is_kernel(e, gpu, annotations: set) -> bool:
     """A device-side record of a kernel (not a copy, a memset, a sync or a user annotation's GPU span);
-    `annotations`: the names of the host-side events."""
+    `annotations`: the names of the host-side user annotations."""
     if e.device_type != gpu:
         return False
     kind = getattr(e, "activity_type", None)
@@ -413,9 +413,9 @@ def busy_per_step(events) -> tuple[dict, float]:
                    for e in events if e.device_type == cpu and e.name.startswith(_MARK))
     starts = [m[0] for m in marks]
     busy = {m[2]: 0.0 for m in marks}
-    # where torch does not say what a record is: a device record named as a host event is a GPU copy of a host
-    # range (a kernel is named for its code: no host event has its name)
-    annotations = {e.name for e in events if e.device_type == cpu}
+    # where torch does not say what a device record is: one named as a host-side user annotation is its GPU copy
+    # (not every host event: inductor names a host-side range after the kernel it launches)
+    annotations = {e.name for e in events if e.device_type == cpu and getattr(e, "is_user_annotation", False)}
     # launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...): their id is the CUPTI correlation
     # id. Only launches: a device-side record correlated with a synchronizing call (CUPTI's synchronization
     # activity lasts as long as the host waited) is not work the step gave the GPU.

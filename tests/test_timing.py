@@ -154,14 +154,18 @@ def test_busy_per_step_ignores_the_gpu_copies_of_user_annotations():
     ]
     busy, outside = timing.busy_per_step(events)
     assert busy == {1: 2, 2: 2} and outside == 0
-    # torch without activity_type: the marks' names and is_user_annotation still tell the spans apart
+    # torch without activity_type: is_user_annotation, or the name of a host-side annotation, tells the spans apart
     for e in events:
         del e.activity_type
     assert timing.busy_per_step(events) == ({1: 2, 2: 2}, 0)
-    for e in events:       # nor is_user_annotation: names alone (marks, and any annotation seen on the host)
+    region = [_event("my_region", 30, 40, id=12, is_user_annotation=True),
+              _event("my_region", 37, 39, id=4, gpu=True, is_user_annotation=False)]   # copy not flagged
+    inductor = [_event("triton_poi_fused_add_0", 35.2, 35.8, id=13, is_user_annotation=False),  # host range named
+                _event("cudaLaunchKernel", 35.3, 35.4, id=14, is_user_annotation=False),         # after its kernel
+                _event("triton_poi_fused_add_0", 38, 38.5, id=14, gpu=True, is_user_annotation=False)]
+    assert timing.busy_per_step(events + region + inductor) == ({1: 2, 2: 2.5}, 0)
+    for e in events:       # nor is_user_annotation: gdtool's marks are still known by their names
         del e.is_user_annotation
-    events.append(_event("my_region", 30, 40, id=12))
-    events.append(_event("my_region", 37, 39, id=4, gpu=True))
     assert timing.busy_per_step(events) == ({1: 2, 2: 2}, 0)
 
 
