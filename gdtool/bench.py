@@ -614,7 +614,7 @@ def parser() -> options.Parser:
     p.add_argument("--fuse-projections", action="store_true",
                    help="fuse each layer's q/k/v and gate/up weights first (gdtool.fast_fuse): the compiled "
                         "step then runs one matmul per group; HF's kernels and the peers are unchanged")
-    p.add_argument("--device", default=None, help="cuda or cpu (none given: cuda where there is one)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     p.add_seed()
     p.add_out("profiles/bench", "folder for <config>.csv and <config>.json")
     p.add_common()

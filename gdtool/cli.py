@@ -39,6 +39,9 @@ def _prompt_lengths(text: str) -> tuple[int, int]:
     return lo, hi
 
 
+_FROM_MODEL = "(default: the model's generation config, as generate() reads it)"
+
+
 def parser() -> options.Parser:
     p = options.Parser("python -m gdtool run", __doc__)
     p.add_model()
@@ -52,18 +55,18 @@ def parser() -> options.Parser:
                    help="prompt text, repeatable (needs a local checkpoint with a tokenizer; presets have none)")
     p.add_max_new_tokens(32)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    p.add_argument("--temperature", type=float, help="sampling temperature (with --do-sample)")
-    p.add_argument("--top-k", type=int, help="top-k (with --do-sample)")
-    p.add_argument("--top-p", type=float, help="nucleus top-p (with --do-sample)")
-    p.add_argument("--repetition-penalty", type=float, help="repetition penalty")
+    p.add_argument("--temperature", type=float, help=f"sampling temperature (with --do-sample) {_FROM_MODEL}")
+    p.add_argument("--top-k", type=int, help=f"top-k (with --do-sample) {_FROM_MODEL}")
+    p.add_argument("--top-p", type=float, help=f"nucleus top-p (with --do-sample) {_FROM_MODEL}")
+    p.add_argument("--repetition-penalty", type=float, help=f"repetition penalty {_FROM_MODEL}")
     p.list_option("--eos-token-id", item=options.int_item("eos token id", 0), default=[],
-                  help="EOS token ids (none given: the model's)")
+                  help="EOS token ids (default: the model's)")
     p.add_argument("--no-eos", action="store_true", help="disable EOS: every row runs to --max-new-tokens")
-    p.add_argument("--pad-token-id", type=int, help="pad token id (none given: the model's)")
+    p.add_argument("--pad-token-id", type=int, help="pad token id (default: the model's)")
     p.add_seed()
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
-                   help="weights' dtype (none given: bf16 on a GPU, fp32 on a CPU)")
-    p.add_argument("--device", default=None, help="cuda or cpu (none given: cuda where there is one)")
+                   help="weights' dtype (default: bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     p.add_int("--warmup", default=1, help="untimed decodes of each run before the reported one")
     p.add_argument("--show-tokens", action="store_true", help="print the generated token ids")
     p.add_argument("--deterministic", action="store_true",

@@ -100,8 +100,8 @@ class Parser(argparse.ArgumentParser):
         here = default_models(cuda)[0]
         from .models import PRESETS
         return self.list_option("--model", "--models", item=model_item, default=[],
-                                help=f"presets ({', '.join(PRESETS)}) or local checkpoint folders; default "
-                                     f"llama-1b on a CUDA GPU, tiny-llama on a CPU (here: {here})")
+                                help=f"presets ({', '.join(PRESETS)}) or local checkpoint folders (default: "
+                                     f"llama-1b on a CUDA GPU, tiny-llama on a CPU; here {here})")
 
     def add_mode(self, default, choices=None, extra_help=""):
         from .decode import MODES

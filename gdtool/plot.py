@@ -290,7 +290,8 @@ def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, tit
     device = device or _device_column(df)
     for col in (host, device):
         if col not in df.columns:
-            raise ValueError(f"column {col!r} is missing; it comes from gdtool.timing.per_token(...) or an nsys summary")
+            raise ValueError(f"column {col!r} is missing; it comes from gdtool.timing.per_token(...) or an nsys "
+                             "summary")
     if "batch" in df.columns:
         batch = int(df["batch"].min()) if batch is None else batch
         df = df[df["batch"] == batch]
