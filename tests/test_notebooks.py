@@ -92,3 +92,22 @@ def test_cpu_fallback_overrides_gpu_parameters(name, tmp_path, monkeypatch):
     assert "tiny-llama" in line and "not the ones given" in line and "llama-1b" in line
     assert "llama-1b:" not in text   # notebook 00 names the model it loaded: tiny-llama
     assert seconds < 300
+
+
+def test_setup_keeps_gpu_parameters_on_a_gpu_and_replaces_them_on_a_cpu():
+    from gdtool import notebook
+    said = []
+    given = dict(models=None, batches=[1, 16, 64])
+    on_gpu = notebook.setup(given, cpu=dict(models=["tiny-llama"], batches=[1]), gpu=dict(models=["llama-1b"]),
+                            cuda=True, echo=said.append)
+    assert on_gpu.models == ["llama-1b"] and on_gpu.batches == [1, 16, 64] and not on_gpu.on_cpu
+    assert said[0].startswith("Environment: ") and len(said) == 1
+    said.clear()
+    on_cpu = notebook.setup(given, cpu=dict(models=["tiny-llama"], batches=[1]), gpu=dict(models=["llama-1b"]),
+                            cuda=False, echo=said.append)
+    assert on_cpu.models == ["tiny-llama"] and on_cpu.batches == [1] and on_cpu.on_cpu
+    assert said[1].startswith(FALLBACK) and "batches=1, 16, 64" in said[1]
+    said.clear()
+    forced = notebook.setup(given, cpu=dict(models=["tiny-llama"], batches=[1]), gpu=dict(models=["llama-1b"]),
+                            cuda=False, cpu_fallback=False, echo=said.append)
+    assert forced.batches == [1, 16, 64] and forced.models == ["tiny-llama"] and "cpu_fallback=False" in said[1]
