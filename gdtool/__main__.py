@@ -1,26 +1,32 @@
 """`python -m gdtool <command> ...`
 
-    run       decode in one or all modes, summary + JSON line      (gdtool.cli)
+    run       decode in one or all modes and compare them            (gdtool.cli)
     bench     gdtool's modes against generate() and a gpt-fast-style step (gdtool.bench)
-    profile   per-step host vs device time; --nsys records Nsight Systems sessions (gdtool.timing, gdtool.nsys)
-    sweep     EOS-polling x batch-size grids to CSV                (gdtool.sweep)
+    profile   per-step host vs device time, in-process or under Nsight Systems (--nsys, --read)
+                                                                     (gdtool.profile_cli)
+    sweep     EOS-polling x batch-size grids to CSV                  (gdtool.sweep)
+
+Every command takes --help, and the same options (gdtool.options): --model, --mode, --batch,
+--poll, --kernels, --prompt-len, --max-new-tokens, --out, --redo, --json, --no-progress; lists
+with spaces or commas (--batch 1 4 16 or --batch 1,4,16).
 """
 import importlib
 import sys
 
-COMMANDS = {"run": "gdtool.cli", "bench": "gdtool.bench", "sweep": "gdtool.sweep", "profile": None}
+COMMANDS = {"run": "gdtool.cli", "bench": "gdtool.bench", "profile": "gdtool.profile_cli", "sweep": "gdtool.sweep"}
 
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+    if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
-        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+        return 0
     command, rest = argv[0], argv[1:]
-    module = COMMANDS[command]
-    if command == "profile":
-        module = "gdtool.nsys" if "--nsys" in rest else "gdtool.timing"
-    return importlib.import_module(module).main(rest) or 0
+    if command not in COMMANDS:
+        print(f"python -m gdtool: error: unknown command {command!r}; use one of {', '.join(COMMANDS)} "
+              "(python -m gdtool --help)", file=sys.stderr)
+        return 2
+    return importlib.import_module(COMMANDS[command]).main(rest) or 0
 
 
 if __name__ == "__main__":

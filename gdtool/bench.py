@@ -46,16 +46,10 @@ the config; the summary), written after every config. The last stdout line is on
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import datetime
 import gc
-import hashlib
 import json
 import math
-import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -63,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from . import options, record
 
 PEERS = ("generate", "generate-static", "gpt-fast")
 COMPILED_PEERS = ("generate-static", "gpt-fast")
@@ -79,8 +75,9 @@ GPTFAST_WARMUP_STEPS = 3
 
 
 @dataclass(frozen=True)
-class BenchConfig:
-    """One benchmark point; every runner is measured on it in the same process."""
+class BenchConfig(record.Config):
+    """One benchmark point; every runner is measured on it in the same process. ``name`` and ``hash``
+    (also ``config_hash``) as every run config has them (`gdtool.record.Config`)."""
 
     model: str
     batch: int
@@ -93,21 +90,15 @@ class BenchConfig:
     seed: int = 0
     fused_projections: bool = False   # gdtool.fast_fuse.fuse_projections(model) before anything runs
 
-    @property
-    def name(self) -> str:
-        model = Path(self.model).name if os.sep in self.model else self.model
-        name = f"{model}_b{self.batch}_p{self.prompt_len}_n{self.max_new_tokens}"
+    def name_parts(self) -> list:
+        parts = [Path(self.model).name or self.model, f"b{self.batch}", f"p{self.prompt_len}",
+                 f"n{self.max_new_tokens}"]
         kernels = list(dict.fromkeys(k for _, k in runners(self.modes, self.kernels)))
         if kernels and kernels != [DEFAULT_KERNELS]:
-            name += "_k" + "+".join(kernels)
+            parts.append("k" + "+".join(kernels))
         if self.fused_projections:
-            name += "_fused"
-        return name
-
-    @property
-    def config_hash(self) -> str:
-        blob = json.dumps(dataclasses.asdict(self), sort_keys=True)
-        return hashlib.sha1(blob.encode()).hexdigest()[:10]
+            parts.append("fused")
+        return parts
 
     @property
     def steps(self) -> int:
@@ -403,8 +394,9 @@ def _plan(model, prompt, cfg: BenchConfig, device: torch.device) -> list[_Planne
     return plan
 
 
-def run_config(model, cfg: BenchConfig, log=print) -> list[RunnerResult]:
-    """Run every gdtool mode and peer of one config on `model`; returns one result per runner."""
+def run_config(model, cfg: BenchConfig, log=print, on_runner=None) -> list[RunnerResult]:
+    """Run every gdtool mode and peer of one config on `model`; returns one result per runner
+    (`on_runner(result)` is called after each)."""
     import gdtool
 
     device = next(model.parameters()).device
@@ -429,6 +421,8 @@ def run_config(model, cfg: BenchConfig, log=print) -> list[RunnerResult]:
             ms = _median([s.decode_s for s in result.samples]) * 1e3 / cfg.steps
             timing = f", median {ms:.3f} ms/step, warm-up {result.warmup_s:.1f} s, {result.compile['graphs']} graph(s)"
         log(f"[bench] {cfg.name} {result.label}: {result.status}{timing}")
+        if on_runner is not None:
+            on_runner(result)
     return results
 
 
@@ -545,172 +539,190 @@ def format_table(summary, header: str) -> str:
     return "\n".join(lines)
 
 
-def environment(device: torch.device) -> dict:
-    """Where the numbers came from: GPU, driver, library versions, git commit, date."""
-    import transformers
-
-    env = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cuda": torch.version.cuda,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
-        "driver": None,
-        "git_commit": None,
-        "host_cpus": os.cpu_count(),
-    }
-    try:
-        import gdtool
-
-        env["gdtool"] = getattr(gdtool, "__version__", None)
-    except ImportError:
-        pass
-    if device.type == "cuda":
-        try:
-            env["driver"] = subprocess.run(
-                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
-        except (OSError, subprocess.SubprocessError, IndexError):
-            pass
-    repo = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True,
-                                text=True, timeout=20)
-        if commit.returncode == 0:
-            dirty = subprocess.run(["git", "-C", str(repo), "status", "--porcelain", "--untracked-files=no"],
-                                   capture_output=True, text=True, timeout=20).stdout.strip()
-            env["git_commit"] = commit.stdout.strip() + ("+dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return env
+def environment(device: torch.device | None = None) -> dict:
+    """Where the numbers came from: the environment record of `gdtool.record` (GPU, driver, library
+    versions, git commit, date; ``device_name`` is the GPU's or the CPU's name)."""
+    return record.environment(device)
 
 
 def save(df, summary, cfg: BenchConfig, env: dict, out_dir: Path) -> list[str]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+    """<out>/<config name>.csv (the tidy rows) and .json (name, hash, config, environment, summary)."""
+    out_dir = Path(out_dir)
     csv_path, json_path = out_dir / f"{cfg.name}.csv", out_dir / f"{cfg.name}.json"
-    df.to_csv(csv_path, index=False)
-    meta = {"name": cfg.name, "config_hash": cfg.config_hash, "config": dataclasses.asdict(cfg),
-            "environment": env, "summary": json.loads(summary.to_json(orient="records"))}
-    json_path.write_text(json.dumps(meta, indent=2) + "\n")
+    record.save_csv(df, csv_path, first=("config", "config_hash", "runner", "repeat"))
+    record.write_sidecar(json_path, env, name=cfg.name, config_hash=cfg.config_hash, config=dataclasses.asdict(cfg),
+                         summary=json.loads(summary.to_json(orient="records")))
     return [str(csv_path), str(json_path)]
+
+
+def saved(cfg: BenchConfig, out_dir: Path):
+    """(rows, summary) of `cfg` from an earlier run into `out_dir`, or None: resuming skips a config
+    whose files hold the same config hash and no runner that failed."""
+    import pandas as pd
+    out_dir = Path(out_dir)
+    meta = record.read_sidecar(out_dir / f"{cfg.name}.json")
+    csv_path = out_dir / f"{cfg.name}.csv"
+    if meta.get("config_hash") != cfg.config_hash or not csv_path.exists():
+        return None
+    summary = pd.DataFrame(meta.get("summary", []))
+    if summary.empty or summary["status"].astype(str).str.startswith("error").any():
+        return None
+    for column in ("dynamo_graphs", "dynamo_recompiles"):
+        if column in summary:
+            summary[column] = summary[column].astype("Int64")
+    return pd.read_csv(csv_path), summary
 
 
 # ----------------------------------------------------------------------------- command line
 
-def _csv_list(text: str, allowed: tuple[str, ...] | None, what: str) -> tuple[str, ...]:
-    items = tuple(x.strip() for x in text.split(",") if x.strip())
-    if items == ("none",):
-        return ()
-    if allowed is not None:
-        unknown = [x for x in items if x not in allowed]
-        if unknown:
-            raise ValueError(f"unknown {what} {unknown}; choose from {', '.join(allowed)} (comma-separated) or 'none'")
-    return items
+def _mode_item(value: str) -> str:
+    from .decode import MODES
+    from .fast import KERNELS
+    if value in ("none", "all"):
+        return value
+    mode, plus, kernels = value.partition("+")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {value!r}; choose from {', '.join(MODES)}, each optionally as mode+kernels "
+                         f"(step-graph+compiled), or all, or none")
+    if plus and kernels not in KERNELS:
+        raise ValueError(f"unknown kernels {kernels!r} in {value!r}; choose from {', '.join(KERNELS)}")
+    return value
+
+
+def _peer_item(value: str) -> str:
+    if value != "none" and value not in PEERS:
+        raise ValueError(f"unknown peer {value!r}; choose from {', '.join(PEERS)}, or none")
+    return value
+
+
+def _none_or_list(values) -> tuple[str, ...]:
+    return () if list(values) == ["none"] else tuple(v for v in values if v != "none")
+
+
+def parser() -> options.Parser:
+    p = options.Parser("python -m gdtool bench", __doc__.split("\n\n")[0] + "\n\n" + _EXAMPLES)
+    p.add_model()
+    p.add_batch([1])
+    p.add_prompt_len(128)
+    p.add_max_new_tokens(256, minimum=2, help="tokens per row (the first comes from the prefill: 2 or more)")
+    p.add_int("--repeats", default=3, minimum=1, help="timed runs per runner after one warm-up run")
+    p.list_option("--mode", "--modes", item=_mode_item, default=["all"],
+                  help="gdtool modes, all, or none; an entry mode+kernels (step-graph+compiled) runs with those "
+                       "kernels only")
+    p.list_option("--peers", item=_peer_item, default=list(PEERS), help=f"peers: {', '.join(PEERS)}, or none")
+    p.add_kernels()
+    p.add_argument("--fuse-projections", action="store_true",
+                   help="fuse each layer's q/k/v and gate/up weights first (gdtool.fast_fuse): the compiled "
+                        "step then runs one matmul per group; HF's kernels and the peers are unchanged")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    p.add_seed()
+    p.add_out("profiles/bench", "folder for <config>.csv and <config>.json")
+    p.add_common()
+    return p
+
+
+_EXAMPLES = "\n".join(line for line in __doc__.splitlines() if line.startswith("    python -m gdtool bench"))
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="python -m gdtool bench", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None,
-                        help="preset or local checkpoint (default: llama-1b on CUDA, tiny-llama on CPU)")
-    parser.add_argument("--batch", default="1", help="batch size, or a comma list: 1,64")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per runner after one warm-up run")
-    parser.add_argument("--modes", default=None,
-                        help="gdtool modes, comma list (default: all) or 'none'; an entry mode+kernels "
-                             "(step-graph+compiled) runs with those kernels only")
-    parser.add_argument("--peers", default=",".join(PEERS), help=f"subset of {','.join(PEERS)}, or 'none'")
-    parser.add_argument("--kernels", default=None,
-                        help="decode(kernels=...) for gdtool's modes, comma list (default: hf, HF's own kernels)")
-    parser.add_argument("--fuse-projections", action="store_true",
-                        help="fuse each layer's q/k/v and gate/up weights first (gdtool.fast_fuse): the compiled "
-                             "step then runs one matmul per group; HF's kernels and the peers are unchanged")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="profiles/bench", help="folder for <config>.csv and <config>.json")
-    return parser.parse_args(argv)
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(sys.argv[1:] if argv is None else argv)
-    import gdtool
+    p = parser()
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    modes = tuple(options.expand_modes(_none_or_list(args.mode)))
+    peers = _none_or_list(args.peers)
+    if not modes and not peers:
+        p.error("--mode none with --peers none leaves nothing to measure; name a mode or a peer")
+    return options.run(p, lambda a: _main(a, modes, peers), args)
+
+
+def _main(args, modes, peers) -> int:
+    import pandas as pd
     import transformers
 
+    import gdtool
     transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the table
-    modes = _csv_list(args.modes, None, "mode") if args.modes else tuple(gdtool.MODES)
-    peers = _csv_list(args.peers, PEERS, "peer")
-    kernels = _csv_list(args.kernels, None, "kernels") if args.kernels else (DEFAULT_KERNELS,)
-    unknown = [m for m in modes if m.split("+", 1)[0] not in gdtool.MODES]
-    if unknown:
-        raise ValueError(f"unknown mode {unknown}; choose from {', '.join(gdtool.MODES)}, each optionally "
-                         f"as mode+kernels (step-graph+compiled), comma-separated, or 'none'")
-    from .fast import KERNELS
-    bad = sorted({k for _, k in runners(modes, kernels)} - set(KERNELS))
-    if bad:
-        raise ValueError(f"unknown kernels {bad} (in --kernels or a mode+kernels entry); choose from "
-                         f"{', '.join(KERNELS)}")
-    if not modes and not peers:
-        raise ValueError("--modes none with --peers none leaves nothing to measure; name a mode or a peer")
-    batches = [int(b) for b in _csv_list(args.batch, None, "batch")]
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batch {args.batch!r} needs positive integers, e.g. --batch 1,64")
-    if args.max_new_tokens < 2:
-        raise ValueError(f"--max-new-tokens {args.max_new_tokens} leaves no decode step; use 2 or more")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats {args.repeats} times nothing; use 1 or more")
+    out = options.Output(args.json)
+    kernels = tuple(dict.fromkeys(args.kernels))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model_name = args.model or ("llama-1b" if device.type == "cuda" else "tiny-llama")
+    names = args.model or options.default_models(device.type == "cuda")
+    n_runners = len(runners(modes, kernels)) + len(peers)
+    bar = options.progress(len(names) * len(args.batch) * n_runners, "bench", not args.no_progress, unit="runner")
 
     def log(message):
-        print(message, file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    model = gdtool.load_model(model_name, seed=args.seed, device=device)
-    log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
-    if args.fuse_projections:
-        from .fast_fuse import fuse_projections
-        fused = fuse_projections(model)
-        if not fused:
-            raise ValueError(f"--fuse-projections found no q/k/v or gate/up nn.Linear groups in {model_name}; "
-                             "drop the flag for this model")
-        log(f"[bench] fused {fused} projection groups (q/k/v, gate/up)")
-    copy_bytes_s = copy_bandwidth(device)
-    env = environment(device)
-    env["copy_gb_s"] = copy_bytes_s / 1e9
-    log(f"[bench] {env['device_name']}: copy bandwidth {copy_bytes_s / 1e9:.0f} GB/s (read + write)")
+        bar.write(message, file=sys.stderr)
 
     files, summaries, failed = [], [], False
-    for batch in batches:
-        cfg = BenchConfig(model=model_name, batch=batch, prompt_len=args.prompt_len,
-                          max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=modes,
-                          peers=peers, kernels=kernels, seed=args.seed, fused_projections=args.fuse_projections)
-        results = run_config(model, cfg, log=log)
-        failed |= any(r.status.startswith("error") for r in results)
-        bytes_info = step_bytes(model, batch, cfg.prompt_len, cfg.max_new_tokens)
-        df = tidy_rows(cfg, results, bytes_info, copy_bytes_s, env["device_name"])
-        summary = summarize(df)
-        files += save(df, summary, cfg, env, Path(args.out))
-        floor_ms = bytes_info["bytes_per_step"] / copy_bytes_s * 1e3
-        header = (f"\n{cfg.name}: {env['device_name']}, {env['torch']}, copy {copy_bytes_s / 1e9:.0f} GB/s, "
-                  f"{bytes_info['bytes_per_step'] / 1e9:.3f} GB/step -> floor {floor_ms:.3f} ms/step "
-                  f"({batch * 1e3 / floor_ms:.0f} tok/s); greedy, EOS off, median of {cfg.repeats}; "
-                  f"agree = share of tokens equal to {df.agree_with.iloc[0] or '-'}'s")
-        print(format_table(summary, header), flush=True)
-        summaries.append(summary)
-
-    import pandas as pd
-
+    env, copy_bytes_s = None, None
+    try:
+        for model_name in names:
+            configs = [BenchConfig(model=model_name, batch=batch, prompt_len=args.prompt_len,
+                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats, modes=modes,
+                                   peers=peers, kernels=kernels, seed=args.seed,
+                                   fused_projections=args.fuse_projections) for batch in args.batch]
+            previous = {cfg.name: None if args.redo else saved(cfg, Path(args.out)) for cfg in configs}
+            model = None
+            for cfg in configs:
+                if previous[cfg.name] is not None:
+                    df, summary = previous[cfg.name]
+                    log(f"[bench] {cfg.name}: already in {args.out} (same config hash), skipped; --redo measures "
+                        "it again")
+                    bar.update(n_runners)
+                    files += [str(Path(args.out) / f"{cfg.name}.csv"), str(Path(args.out) / f"{cfg.name}.json")]
+                    out.say(format_table(summary, f"\n{cfg.name} (from {args.out})"))
+                    if device.type != "cuda" and modes:
+                        out.say(options.UNCAPTURED)
+                    summaries.append(summary)
+                    continue
+                if model is None:
+                    t0 = time.perf_counter()
+                    model = gdtool.load_model(model_name, seed=args.seed, device=device)
+                    log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
+                    if args.fuse_projections:
+                        from .fast_fuse import fuse_projections
+                        fused = fuse_projections(model)
+                        if not fused:
+                            raise ValueError(f"--fuse-projections found no q/k/v or gate/up nn.Linear groups in "
+                                             f"{model_name}; drop the flag for this model")
+                        log(f"[bench] fused {fused} projection groups (q/k/v, gate/up)")
+                if env is None:
+                    copy_bytes_s = copy_bandwidth(device)
+                    env = environment(device)
+                    env["copy_gb_s"] = copy_bytes_s / 1e9
+                    log(f"[bench] {env['device_name']}: copy bandwidth {copy_bytes_s / 1e9:.0f} GB/s (read + write)")
+                results = run_config(model, cfg, log=log, on_runner=lambda result: bar.update(1))
+                failed |= any(r.status.startswith("error") for r in results)
+                bytes_info = step_bytes(model, cfg.batch, cfg.prompt_len, cfg.max_new_tokens)
+                df = tidy_rows(cfg, results, bytes_info, copy_bytes_s, env["device_name"])
+                summary = summarize(df)
+                files += save(df, summary, cfg, env, Path(args.out))
+                floor_ms = bytes_info["bytes_per_step"] / copy_bytes_s * 1e3
+                header = (f"\n{cfg.name}: {env['device_name']}, {env['torch']}, copy {copy_bytes_s / 1e9:.0f} GB/s, "
+                          f"{bytes_info['bytes_per_step'] / 1e9:.3f} GB/step -> floor {floor_ms:.3f} ms/step "
+                          f"({cfg.batch * 1e3 / floor_ms:.0f} tok/s); greedy, EOS off, median of {cfg.repeats}; "
+                          f"agree = share of tokens equal to {df.agree_with.iloc[0] or '-'}'s")
+                out.say(format_table(summary, header))
+                if device.type != "cuda" and modes:
+                    out.say(options.UNCAPTURED)
+                summaries.append(summary)
+            del model
+            gc.collect()
+    finally:
+        bar.close()
     everything = pd.concat(summaries, ignore_index=True)
-    keep = ["config", "batch", "runner", "status", "tok_s", "ms_per_step", "gb_s", "floor_pct", "warmup_s",
-            "dynamo_graphs", "dynamo_recompiles"] + [c for c in everything.columns if c.startswith("x_")]
-    print(json.dumps({
-        "bench": model_name, "device": env["device_name"], "copy_gb_s": round(copy_bytes_s / 1e9, 1),
+    keep = [c for c in ["config", "batch", "runner", "status", "tok_s", "ms_per_step", "gb_s", "floor_pct", "warmup_s",
+                        "dynamo_graphs", "dynamo_recompiles"] if c in everything.columns]
+    keep += [c for c in everything.columns if c.startswith("x_")]
+    env = env or environment(device)
+    out.document({
+        "bench": names, "device": env["device_name"], "captured": device.type == "cuda",
+        "copy_gb_s": round(copy_bytes_s / 1e9, 1) if copy_bytes_s else None,
         "torch": env["torch"], "transformers": env["transformers"], "files": files,
         "results": json.loads(everything[keep].to_json(orient="records", double_precision=6)),
-    }))
+        "environment": env,
+    })
     return 1 if failed else 0
 
 

@@ -52,7 +52,7 @@ import numpy as np
 import pandas as pd
 
 from . import workloads
-from .sweep import poll_label, poll_order
+from .polls import poll_label, poll_order
 
 __all__ = [
     "INTERVALS",

@@ -42,23 +42,20 @@ thread (it is not attributed to a step).
 
     python -m gdtool profile --nsys --model llama-1b --batch 1,16 --modes eager,forward-graph,step-graph \\
         --trace graph --max-new-tokens 48 --no-eos --out my-session
-    python -m gdtool profile --nsys --read my-session/llama-1b_b1_step-graph_graph_noeos.sqlite.gz
+    python -m gdtool profile --read my-session/llama-1b_b1_step-graph_graph_noeos.sqlite.gz
 
     df = gdtool.nsys.read("my-session/llama-1b_b1_eager_graph_noeos.sqlite.gz")
     gdtool.nsys.summary(df); fig, axes = gdtool.nsys.plot_steps(df)
 
-(``python -m gdtool.nsys ...`` takes the same arguments.)
+(The command is `gdtool.profile_cli`; `python -m gdtool profile --help` lists every option.)
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
-import datetime
 import glob
 import gzip
-import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -74,6 +71,7 @@ import numpy as np
 import pandas as pd
 
 from . import ranges
+from . import record as results  # `record` is this module's recording function
 
 MODES = ("eager", "forward-graph", "step-graph")  # gdtool.MODES, without importing torch to read an export
 TRACES = ("graph", "node")
@@ -545,6 +543,109 @@ def summary(df: pd.DataFrame, decode: str = "last") -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def per_token(table: pd.DataFrame) -> pd.DataFrame:
+    """`summary` rows with the per-token columns `gdtool.timing.per_token` gives, so the two plot and
+    compare alike: ``<metric>_per_token`` (the total over steps / (steps x batch), as in the summary) and
+    ``<metric>_median_per_token``, ``_p20_per_token``, ``_p80_per_token`` (a step's median and band / batch)."""
+    out = table.copy()
+    for metric in _BANDS:
+        for stat, column in (("median", metric), ("p20", f"{metric}_p20"), ("p80", f"{metric}_p80")):
+            if column in out.columns:
+                out[f"{metric}_{stat}_per_token"] = out[column] / out["batch"]
+    return out
+
+
+def load_sessions(folders) -> pd.DataFrame:
+    """The per-token table (`per_token`) of every config in the session folders (as `session` writes
+    them): an export in the folder is read again here (``source`` 'export'); a config whose export was
+    not kept keeps the row of the folder's summary.csv (``source`` 'summary.csv'). Columns ``folder``,
+    ``config``, ``implementation`` ('hf' or 'compiled') come first."""
+    frames = []
+    for folder in map(Path, folders):
+        exports = sorted(folder.glob("*.sqlite.gz")) + sorted(folder.glob("*.sqlite"))
+        fresh = summarize_exports(exports).assign(source="export") if exports else pd.DataFrame()
+        frames.append(fresh.assign(folder=folder.name) if len(fresh) else fresh)
+        table = folder / "summary.csv"
+        if not table.exists():
+            continue
+        kept = pd.read_csv(table)
+        if not {"batch", "mode", "trace"} <= set(kept.columns):
+            continue  # not an nsys session's summary
+        settings = kept["settings"].fillna("") if "settings" in kept.columns else pd.Series("", index=kept.index)
+        kept["implementation"] = ["compiled" if "kernels=compiled" in str(x) else "hf" for x in settings]
+        have = set(zip(fresh["batch"], fresh["mode"], fresh["trace"], fresh["implementation"])) if len(fresh) else set()
+        missing = [(b, m, t, i) not in have for b, m, t, i in
+                   zip(kept["batch"], kept["mode"], kept["trace"], kept["implementation"])]
+        kept = kept[missing]
+        if len(kept):
+            name = [f"{m}_b{b}_{mode}_{t}" + ("_noeos" if "eos_token_id=None" in str(x) else "")
+                    for m, b, mode, t, x in zip(kept.get("model", "?"), kept["batch"], kept["mode"], kept["trace"],
+                                                settings[missing])]
+            frames.append(kept.assign(source="summary.csv", folder=folder.name, config=name))
+    frames = [f for f in frames if len(f)]
+    if not frames:
+        return pd.DataFrame()
+    out = per_token(pd.concat(frames, ignore_index=True))
+    first = ["folder", "config", "source", "model", "batch", "mode", "trace", "implementation"]
+    return out[[c for c in first if c in out.columns] + [c for c in out.columns if c not in first + ["settings"]]]
+
+
+def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, model: str | None = None) -> pd.DataFrame:
+    """In-process figures against Nsight Systems', per mode and batch size of one model (default: the first
+    in both), HF's kernels: device busy per token (the mean: total / (steps x batch)) against the node-level
+    trace (graph-level for eager, which replays no graph, or where no node trace was kept), host work of
+    the median step against the graph-level trace, and both ratios (in-process / nsys).
+
+    ``inproc``: rows of `gdtool.timing.per_token` (or `timing.per_token_table`) with model, mode, batch;
+    ``traced``: rows of `per_token` (or `load_sessions`) with model, mode, batch, trace. Modes and batch
+    sizes nsys did not record are left out."""
+    for what, table, need in (("in-process", inproc, {"model", "mode", "batch"}),
+                              ("nsys", traced, {"model", "mode", "batch", "trace"})):
+        if not need <= set(table.columns):
+            raise ValueError(f"the {what} table lacks {sorted(need - set(table.columns))}: pass "
+                             + ("rows of gdtool.timing.per_token" if what == "in-process" else
+                                "an nsys session's summary.csv, or gdtool.nsys.load_sessions(...)"))
+    model = model or next((m for m in dict.fromkeys(inproc["model"]) if m in set(traced["model"])), None)
+    if model is None:
+        raise ValueError("no model is in both tables: the comparison needs an in-process profile of a model that "
+                         f"an nsys session recorded ({sorted(set(traced['model']))})")
+    mine = inproc[inproc["model"] == model]
+    theirs = traced[traced["model"] == model]
+    if "implementation" in theirs.columns:
+        theirs = theirs[theirs["implementation"] == "hf"]
+    busy_column = next((c for c in ("device_busy_us_per_token", "device_us_per_token") if c in mine.columns), None)
+    rows = []
+    for (mode, batch), g in mine.groupby(["mode", "batch"], sort=False):
+        if mode not in set(theirs["mode"]):
+            continue  # a mode nsys did not record (device-loop): nothing to set beside it
+
+        def pick(trace, column):
+            t = theirs[(theirs["mode"] == mode) & (theirs["batch"] == batch) & (theirs["trace"] == trace)]
+            return float(t[column].iloc[-1]) if len(t) and column in t else np.nan
+        busy_trace = "graph" if mode == "eager" else "node"
+        busy_nsys = pick(busy_trace, "device_busy_us_per_token")
+        if busy_nsys != busy_nsys and mode != "eager":
+            busy_trace, busy_nsys = "graph", pick("graph", "device_busy_us_per_token")
+        host = g["host_us_median_per_token"] if "host_us_median_per_token" in g else pd.Series([np.nan])
+        rows.append(dict(mode=mode, batch=int(batch),
+                         busy_in_process=float(g[busy_column].iloc[0]) if busy_column else np.nan,
+                         busy_nsys=busy_nsys, busy_trace=busy_trace, host_in_process=float(host.iloc[0]) * batch,
+                         host_nsys=pick("graph", "host_us_median_per_token") * batch))
+    table = pd.DataFrame(rows)
+    if len(table):   # a batch size nsys did not record: nothing to set beside it
+        table = table.dropna(subset=["busy_nsys", "host_nsys"], how="all").reset_index(drop=True)
+    if table.empty:
+        raise ValueError(f"nsys recorded none of the modes and batch sizes profiled in-process for {model}")
+    table["busy_ratio"] = table["busy_in_process"] / table["busy_nsys"]
+    table["host_ratio"] = table["host_in_process"] / table["host_nsys"]
+    table["busy_within_10pct"] = [abs(r - 1) <= 0.10 if r == r else None for r in table["busy_ratio"]]
+    order = list(MODES) + ["device-loop"]
+    table = table.sort_values(["batch", "mode"], key=lambda c: c.map(order.index) if c.name == "mode" else c)
+    table = table.reset_index(drop=True)
+    table.attrs["model"] = model
+    return table
+
+
 def timeline(path, decode: int = -1, first_step: int = 1, steps: int = 4, domain: str = ranges.DOMAIN) -> pd.DataFrame:
     """Intervals of a few steps for a picture: lane ('host' for ranges, 'gpu' for device work), name, step,
     start_us and end_us relative to the first step's start."""
@@ -592,7 +693,8 @@ def plot_steps(df: pd.DataFrame, decode: str = "last", axes=None):
         df = df[df["decode"] == df.groupby("mode")["decode"].transform("max")]
     modes = [m for m in MODES if m in set(df["mode"])] or sorted(df["mode"].dropna().unique())
     if axes is None:
-        fig, axes = plt.subplots(len(modes), 1, figsize=(9, 2.4 * len(modes)), sharex=True, squeeze=False)
+        fig, axes = plt.subplots(len(modes), 1, figsize=(10.5, 2.4 * len(modes)), sharex=True, squeeze=False,
+                                 layout="constrained")
         axes = axes[:, 0]
     else:
         axes = np.atleast_1d(axes)
@@ -611,9 +713,12 @@ def plot_steps(df: pd.DataFrame, decode: str = "last", axes=None):
         a.set_ylabel("µs / step")
         a.set_title(f"{m} (batch {g['batch'].iloc[0]}, --cuda-graph-trace={g['trace'].iloc[0]})", fontsize=9)
         a.grid(alpha=0.3)
-    axes[0].legend(fontsize=8, loc="upper right", title="per decode step", title_fontsize=8)
+    # outside the axes, clear of the bars
+    axes[0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="per decode step",
+                   title_fontsize=8, borderaxespad=0.0)
     axes[-1].set_xlabel("decode step (dotted: the host polls EOS)")
-    fig.tight_layout()
+    if fig.get_layout_engine() is None:
+        fig.tight_layout()
     return fig, axes
 
 
@@ -680,14 +785,15 @@ def plot_timelines(paths, first_step: int = 20, steps: int = 3):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
-    """One profiled decode: its name (``llama-1b_b1_eager_graph``) names the files it writes."""
+class RunConfig(results.Config):
+    """One profiled decode: its name (``llama-1b_b1_eager_graph``) names the files it writes; ``hash``
+    as every run config has it (`gdtool.record.Config`)."""
     model: str
     batch: int
     mode: str
     trace: str
     max_new_tokens: int = 48
-    prompt_length: int = 128
+    prompt_len: int = 128
     repeat: int = 2
     seed: int = 0
     eos: bool = True  # False: eos_token_id=None, every decode runs max_new_tokens - 1 steps (polls still happen)
@@ -702,17 +808,10 @@ class RunConfig:
             raise ValueError(f"batch={self.batch}, max_new_tokens={self.max_new_tokens}, repeat={self.repeat}: need "
                              f"batch >= 1, max_new_tokens >= 2 (one decode step at least) and repeat >= 1")
 
-    @property
-    def name(self) -> str:
+    def name_parts(self) -> list:
         model = re.sub(r"[^A-Za-z0-9.-]+", "-", Path(self.model).name or self.model)
-        extra = ("" if self.eos else "_noeos") + "".join(f"_{k}{v}" for k, v in self.settings)
-        return re.sub(r"[^A-Za-z0-9._-]+", "-", f"{model}_b{self.batch}_{self.mode}_{self.trace}{extra}")
-
-    @property
-    def hash(self) -> str:
-        """Stable across runs and machines: the same fields give the same hash."""
-        fields = json.dumps(dataclasses.asdict(self), sort_keys=True, default=str)
-        return hashlib.sha1(fields.encode()).hexdigest()[:10]
+        return [model, f"b{self.batch}", self.mode, self.trace, "" if self.eos else "noeos",
+                *(f"{k}{v}" for k, v in self.settings)]
 
     @property
     def settings_label(self) -> str:
@@ -758,7 +857,7 @@ def _nsys_env(nsys: str) -> dict:
 def target_command(cfg: RunConfig) -> list[str]:
     """The profiled program: `repeat` decodes of one config in a fresh Python (the last is the one to read)."""
     args = ["--model", cfg.model, "--mode", cfg.mode, "--batch", str(cfg.batch), "--max-new-tokens",
-            str(cfg.max_new_tokens), "--prompt-length", str(cfg.prompt_length), "--repeat", str(cfg.repeat),
+            str(cfg.max_new_tokens), "--prompt-len", str(cfg.prompt_len), "--repeat", str(cfg.repeat),
             "--seed", str(cfg.seed)] + ([] if cfg.eos else ["--no-eos"])
     for k, v in cfg.settings:
         args += ["--set", f"{k}={json.dumps(v) if not isinstance(v, str) else v}"]
@@ -782,7 +881,7 @@ def target(argv: list[str]) -> int:
     p.add_argument("--mode", required=True, choices=MODES)
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--max-new-tokens", type=int, required=True)
-    p.add_argument("--prompt-length", type=int, default=128)
+    p.add_argument("--prompt-len", "--prompt-length", type=int, default=128)
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-eos", action="store_true")
@@ -798,7 +897,7 @@ def target(argv: list[str]) -> int:
     if settings.pop("fuse_projections", False) and not gdtool.fast_fuse.fuse_projections(model):
         # not a decode argument: the bench's --fuse-projections
         raise SystemExit(f"fuse_projections=true: {a.model} has no q/k/v or gate/up projections to fuse; drop it")
-    prompt = gdtool.random_prompts(model, batch=a.batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
+    prompt = gdtool.random_prompts(model, batch=a.batch, lengths=(a.prompt_len, a.prompt_len), seed=a.seed)
     results = []
     for r in range(a.repeat):
         out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=a.mode,
@@ -825,21 +924,8 @@ def _parse_settings(pairs) -> dict:
 
 
 def environment(nsys: str | None = None) -> dict:
-    """GPU, driver, torch, transformers, nsys, git commit, date: the sidecar of every result file."""
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": sys.version.split()[0]}
-    for pkg in ("torch", "transformers", "nvtx"):
-        try:
-            env[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            env[pkg] = None
-    gpus = _run_text(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"]).splitlines()
-    env["gpu"], _, env["driver"] = gpus[0].partition(", ") if gpus else (None, None, None)
-    root = Path(__file__).resolve().parent.parent
-    env["git_commit"] = _run_text(["git", "-C", str(root), "rev-parse", "HEAD"]) or None
-    env["git_dirty"] = bool(_run_text(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
-    env["nsys"] = _run_text([nsys, "--version"]) if nsys else None
-    return env
+    """The sidecar of every result file: the environment record of `gdtool.record`, with nsys's version."""
+    return results.environment(nsys=nsys)
 
 
 def _run_text(cmd) -> str:
@@ -921,25 +1007,62 @@ def _tail(proc, n: int = 30) -> str:
 
 
 def session(configs, out, nsys: str | None = None, keep_report: bool = False, fixture: bool = False,
-            echo=print) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Record every config, writing after each one: steps.csv (one row per step), summary.csv, env.json."""
+            echo=print, redo: bool = False, progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Record every config, writing after each one: steps.csv (one row per step), summary.csv, env.json.
+
+    A config whose export is in `out` and whose steps are in its steps.csv (same config hash) is not
+    recorded again unless `redo`: rerun a session to finish it."""
     configs = list(configs)
     if not configs:
         raise ValueError("no configs to record; give at least one batch, mode and trace")
     out = Path(out)
     nsys = nsys or find_nsys()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "env.json").write_text(json.dumps(environment(nsys), indent=2) + "\n")
-    frames = []
-    for cfg in configs:
-        echo(f"# {cfg.name}: nsys profile --cuda-graph-trace={cfg.trace} ...")
-        df, _ = record(cfg, out, nsys=nsys, keep_report=keep_report, fixture=fixture)
-        frames.append(df)
-        steps = pd.concat(frames, ignore_index=True)
-        steps.to_csv(out / "steps.csv", index=False)
-        table = summary(steps)
-        table.to_csv(out / "summary.csv", index=False)
-    return steps, table
+    results.write_sidecar(out / "env.json", environment(nsys), session=dict(configs=[c.name for c in configs]))
+    steps_file = results.Results(out / "steps.csv", dtype={"model": str, "mode": str, "trace": str, "settings": str},
+                                 first=())
+    from .options import progress as bar_for
+    bar = bar_for(len(configs), "nsys", progress, unit="config")
+    try:
+        for cfg in configs:
+            if not redo and steps_file.count(cfg)[0] and (out / f"{cfg.name}.sqlite.gz").exists():
+                echo(f"# {cfg.name}: already in {out} (same config hash), skipped")
+                bar.update(1)
+                continue
+            echo(f"# {cfg.name}: nsys profile --cuda-graph-trace={cfg.trace} ...")
+            df, _ = record(cfg, out, nsys=nsys, keep_report=keep_report, fixture=fixture)
+            steps_file.replace(cfg, df)
+            steps_file.save()
+            summary(steps_file.df).to_csv(out / "summary.csv", index=False)
+            bar.update(1)
+    finally:
+        bar.close()
+    mine = steps_file.df[steps_file.df["config_hash"].isin({c.hash for c in configs})].reset_index(drop=True)
+    return mine, summary(mine)
+
+
+def summarize_exports(paths) -> pd.DataFrame:
+    """`summary` of each export, one row per export, with the columns its name gives (``file``, ``config``,
+    ``model``, ``batch``, ``mode``, ``trace``, and ``implementation``: decode's kernels, 'compiled' where the
+    recording's settings said so, else 'hf'); an export not named as `RunConfig.name` names them gets
+    ``model`` '?'."""
+    rows = []
+    for path in paths:
+        path = Path(path)
+        df = read(path)
+        try:
+            named = parse_name(path.name)
+        except ValueError:
+            named = {}
+        config = path.name.split(".sqlite")[0]
+        df = df.assign(file=path.name, model=named.get("model", "?"), settings=config)
+        rows.append(summary(df).assign(file=path.name, config=config,
+                                       implementation="compiled" if "kernelscompiled" in config else "hf"))
+    if not rows:
+        return pd.DataFrame()
+    out = pd.concat(rows, ignore_index=True)
+    first = ["config", "model", "batch", "mode", "trace", "implementation"]
+    return out[first + [c for c in out.columns if c not in first + ["settings"]]]
 
 
 TABLE_COLUMNS = ("model", "batch", "mode", "trace", "steps", "wall_us", "host_us", "sync_us", "device_busy_us",
@@ -949,61 +1072,3 @@ TABLE_COLUMNS = ("model", "batch", "mode", "trace", "steps", "wall_us", "host_us
 def format_table(table: pd.DataFrame) -> str:
     cols = [c for c in TABLE_COLUMNS if c in table.columns]
     return table[cols].to_string(index=False, float_format=lambda x: f"{x:.1f}")
-
-
-def _csv_list(text: str, kind=str) -> list:
-    return [kind(x) for x in text.split(",") if x.strip()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m gdtool profile --nsys",
-        description="Decode under Nsight Systems per mode, export sqlite, and print the per-step table. "
-                    "Writes <out>/<config>.sqlite.gz, steps.csv, summary.csv, env.json.")
-    p.add_argument("--nsys", action="store_true", help="profile under Nsight Systems (this path); accepted for the "
-                   "`profile` dispatcher")
-    p.add_argument("--model", default="llama-1b")
-    p.add_argument("--batch", default="1", help="comma list, e.g. 1,16")
-    p.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
-    p.add_argument("--trace", default="graph", help="graph (host time), node (kernel detail), or graph,node")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--repeat", type=int, default=2, help="decodes per process; the summary uses the last")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps "
-                   "(the host still polls on schedule)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16; also "
-                   "fuse_projections=true (fuse the model's projections first, as bench --fuse-projections; "
-                   "used with kernels=compiled)")
-    p.add_argument("--out", default="nsys-profiles")
-    p.add_argument("--keep-report", action="store_true", help="also keep the .nsys-rep files (to open in the GUI)")
-    p.add_argument("--fixture", action="store_true", help="write slimmed exports (test fixtures)")
-    p.add_argument("--read", nargs="+", metavar="EXPORT", help="read existing exports instead of recording")
-    a = p.parse_args(argv)
-
-    if a.read:
-        frames = []
-        for path in a.read:
-            df = read(path)
-            check_totals(df, path)
-            frames.append(df.assign(file=Path(path).name))
-        steps = pd.concat(frames, ignore_index=True)
-        table = summary(steps)
-    else:
-        modes = _csv_list(a.modes)
-        bad = [m for m in modes if m not in MODES]
-        if bad:
-            p.error(f"unknown mode(s) {bad}; use a comma list of {', '.join(MODES)}")
-        settings = tuple(sorted(_parse_settings(a.set).items()))
-        configs = [RunConfig(a.model, b, m, t, a.max_new_tokens, a.prompt_length, a.repeat, a.seed, not a.no_eos,
-                             settings)
-                   for t in _csv_list(a.trace) for b in _csv_list(a.batch, int) for m in modes]
-        steps, table = session(configs, a.out, keep_report=a.keep_report, fixture=a.fixture)
-    print(format_table(table))
-    print(json.dumps({"out": None if a.read else str(a.out), "rows": json.loads(table.to_json(orient="records"))}))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,17 @@
-"""Plots of sweep and profile results: a DataFrame in, ``(fig, ax)`` out.
+"""Plots of sweep and profile results, in one style: a DataFrame in, ``(fig, ax)`` out.
+
+The style, the same in every notebook:
+
+- each mode has one colour and one marker everywhere (`MODE_STYLE`: eager orange circles,
+  forward-graph green squares, step-graph blue triangles, device-loop purple diamonds); batch sizes
+  and other knobs take fixed colours from one sequential map, so batch 16 is the same colour in
+  every figure;
+- lines that lie on top of each other (within `OVERLAP` of each other at every point) are named in
+  the caption, so no line is hidden without a word;
+- a log axis only when every value is positive and they span more than 8x: zeros go on a linear axis;
+- the legend sits outside the axes, to the right, clear of the data;
+- the caption under the figure says what the lines and bands are (median and p20-p80 of how many
+  repetitions; for curves divided by their best, why a band can pass 1.0).
 
 Raw sweep rows (one per repetition) are reduced here to medians with a p20-p80 band; summaries
 that already hold one row per config plot as they are.
@@ -7,20 +20,27 @@ that already hold one row per config plot as they are.
     fig, ax = plot.throughput_vs_interval(df)                    # tokens/s vs polling policy, per batch
     fig, ax = plot.throughput_vs_interval(df, prediction=costmodel.predict(params, "geom:128:512"))
     fig, ax = plot.throughput_vs_batch(df, hue="mode")           # modes side by side
-    fig, ax = plot.per_token_vs_batch(summary)                   # host vs device µs/token per mode
+    fig, ax = plot.per_token_vs_batch(timing)                    # host vs device µs/token per mode
+    fig, axes = plot.agreement(timing, traced)                   # in-process against Nsight Systems
     fig, ax = plot.prediction_vs_measurement(costmodel.predict_runs(df, params))
 """
 from __future__ import annotations
 
 import math
+import textwrap
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .sweep import poll_label, poll_order
+from .polls import poll_label, poll_order
 
 __all__ = [
+    "MODE_STYLE",
+    "OVERLAP",
+    "agreement",
+    "caption",
+    "hue_style",
     "host_device_bars",
     "median_band",
     "per_token_vs_batch",
@@ -29,13 +49,38 @@ __all__ = [
     "throughput_vs_interval",
 ]
 
+MODE_STYLE = {
+    "eager": dict(color="tab:orange", marker="o"),
+    "forward-graph": dict(color="tab:green", marker="s"),
+    "step-graph": dict(color="tab:blue", marker="^"),
+    "device-loop": dict(color="tab:purple", marker="D"),
+}
+OVERLAP = 0.02          # lines within 2% of each other at every point are named in the caption
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 _LABELS = {"tokens_per_s": "useful tokens/s", "steps_per_s": "steps/s", "us_per_token": "µs/token",
-           "wasted_steps": "wasted steps per batch", "host_syncs": "host syncs per decode",
+           "wasted_steps": "wasted steps per decode", "host_syncs": "host syncs per decode",
            "polls": "EOS polls per decode", "host_us_per_token": "host µs/token",
            "device_us_per_token": "device µs/token"}
+_BAND = "bands: p20-p80 (20th to 80th percentile) of the repetitions"
 
 
-def _new(ax, figsize=(6.4, 4.0)):
+def hue_style(hue: str, value, index: int = 0) -> dict:
+    """Colour and marker of one line: a mode's own (`MODE_STYLE`); for a batch size, a colour fixed by
+    log2(batch) on one sequential map (batch 16 looks the same in every figure); else by position."""
+    if hue == "mode" and str(value).split("+")[0] in MODE_STYLE:
+        return dict(MODE_STYLE[str(value).split("+")[0]])
+    cmap = plt.get_cmap("viridis")
+    if hue == "batch":
+        try:
+            position = min(math.log2(max(float(value), 1.0)) / 8.0, 1.0)   # batch 1 .. 256
+            return dict(color=cmap(0.05 + 0.85 * position), marker=_MARKERS[int(math.log2(max(float(value), 1))) % 8])
+        except (TypeError, ValueError):
+            pass
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    return dict(color=colors[index % len(colors)], marker=_MARKERS[index % len(_MARKERS)])
+
+
+def _new(ax, figsize=(7.2, 4.0)):
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize, layout="constrained")
     else:
@@ -43,13 +88,83 @@ def _new(ax, figsize=(6.4, 4.0)):
     return fig, ax
 
 
+def _legend(ax, title=None):
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(title=title, fontsize="small", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
 def _finish(ax, xlabel, ylabel, legend_title=None):
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.grid(alpha=0.15, which="minor")
-    if legend_title is not None and ax.get_legend_handles_labels()[0]:
-        ax.legend(title=legend_title, fontsize="small")
+    _legend(ax, legend_title)
+
+
+def caption(fig, text: str) -> None:
+    """Write `text` under the figure (wrapped), where the layout leaves room for it."""
+    fig.supxlabel(textwrap.fill(text, 110), fontsize="small", x=0.01, ha="left", linespacing=1.2)
+
+
+def _yscale(ax, values, prefer_log: bool = True) -> str:
+    """log only when every value is positive and they span more than 8x; zeros never go on a log axis:
+    counts with zeros that span as much get a symlog axis, linear from 0 to 1 and log above."""
+    values = np.asarray([v for v in np.ravel(values) if v == v], dtype=float)
+    positive = values[values > 0] if len(values) else values
+    if prefer_log and len(values) and (values > 0).all() and values.max() > 8 * values.min():
+        ax.set_yscale("log")
+        return "log"
+    if (prefer_log and len(positive) and (values >= 0).all() and (values == 0).any() and positive.min() >= 1
+            and values.max() > 8 * positive.min()):
+        ax.set_yscale("symlog", linthresh=1.0, linscale=0.5)
+        ax.set_ylim(bottom=0)
+        return "symlog"
+    ax.set_yscale("linear")
+    return "linear"
+
+
+_SYMLOG = " The y axis is linear from 0 to 1 and logarithmic above (zeros stay on the axis)."
+
+
+def _size(i: int) -> float:
+    """Marker size of the i-th line drawn: each smaller than the last, so markers on top of each other nest."""
+    return max(9.0 - 1.6 * i, 3.0)
+
+
+def overlapping(lines: dict, tolerance: float = OVERLAP) -> list[tuple[str, str]]:
+    """Pairs of labels whose lines {label: (x, y)} share their x and lie within `tolerance` of each other
+    (relative to the larger value) at every point."""
+    pairs = []
+    labels = list(lines)
+    for i, a in enumerate(labels):
+        for b in labels[i + 1:]:
+            xa, ya = lines[a]
+            xb, yb = lines[b]
+            if len(xa) != len(xb) or not len(xa) or not np.allclose(np.asarray(xa, float), np.asarray(xb, float)):
+                continue
+            ya, yb = np.asarray(ya, float), np.asarray(yb, float)
+            scale = np.maximum(np.abs(ya), np.abs(yb))
+            close = np.abs(ya - yb) <= tolerance * np.where(scale > 0, scale, 1.0)
+            if close.all():
+                pairs.append((a, b))
+    return pairs
+
+
+def _overlap_note(lines: dict) -> str:
+    pairs = overlapping(lines)
+    if not pairs:
+        return ""
+    groups: list[set] = []
+    for a, b in pairs:
+        for g in groups:
+            if a in g or b in g:
+                g.update((a, b))
+                break
+        else:
+            groups.append({a, b})
+    order = list(lines)
+    text = "; ".join(" and ".join(sorted(g, key=order.index)) for g in groups)
+    return f" Lines that lie on top of each other (within {OVERLAP:.0%} at every point): {text}."
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
@@ -70,6 +185,14 @@ def median_band(df: pd.DataFrame, by: list[str], metric: str) -> pd.DataFrame:
     g = df.groupby(by, sort=True, dropna=False)[metric]
     return pd.DataFrame({"median": g.median(), "p20": g.quantile(0.2), "p80": g.quantile(0.8),
                          "n": g.size()}).reset_index()
+
+
+def _repetitions(stats: pd.DataFrame) -> str:
+    n = sorted(set(stats["n"]))
+    if n == [1]:
+        return "One value per point, so no band"
+    count = f"{n[0]}" if len(n) == 1 else f"{n[0]}-{n[-1]}"
+    return f"Lines: the median of {count} repetitions; {_BAND}"
 
 
 def _poll_positions(labels) -> tuple[dict, float]:
@@ -94,25 +217,35 @@ def throughput_vs_interval(df: pd.DataFrame, *, prediction: pd.DataFrame | None 
                                           else set()), key=poll_order)
     xpos, _ = _poll_positions(labels)
     fig, ax = _new(ax)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    lines, drawn = {}, []
     for i, (value, g) in enumerate(stats.groupby(hue, sort=True)):
         g = g.assign(x=g["poll"].map(xpos)).sort_values("x")
         scale = g["median"].max() if normalize else 1.0
-        color = colors[i % len(colors)]
-        ax.plot(g["x"], g["median"] / scale, "o-", color=color, label=f"{value}")
-        ax.fill_between(g["x"], g["p20"] / scale, g["p80"] / scale, color=color, alpha=0.2, linewidth=0)
+        style = hue_style(hue, value, i)
+        ax.plot(g["x"], g["median"] / scale, "-", label=f"{value}", markersize=_size(i), **style)
+        ax.fill_between(g["x"], g["p20"] / scale, g["p80"] / scale, color=style["color"], alpha=0.2, linewidth=0)
+        lines[f"{hue} {value}"] = (g["x"].to_numpy(), (g["median"] / scale).to_numpy())
+        drawn.append((g["median"] / scale).to_numpy())
         if prediction is not None and hue in prediction.columns:
             p = prediction[prediction[hue] == value].assign(poll=lambda d: d["poll"].map(poll_label))
             p = p.assign(x=p["poll"].map(xpos)).sort_values("x")
-            ax.plot(p["x"], p[metric] / scale, "--", color=color, alpha=0.8,
+            ax.plot(p["x"], p[metric] / scale, "--", color=style["color"], alpha=0.8,
                     label="predicted" if i == 0 else None)
     ax.set_xscale("log", base=2)
     ax.set_xticks([xpos[p] for p in labels], labels)
     ax.minorticks_off()
-    if not normalize and stats["median"].max() > 8 * max(stats["median"].min(), 1e-12):
-        ax.set_yscale("log")
-    ylabel = f"{_LABELS.get(metric, metric)} / best" if normalize else _LABELS.get(metric, metric)
+    scale_kind = _yscale(ax, np.concatenate(drawn) if drawn else [], prefer_log=not normalize)
+    ylabel = f"{_LABELS.get(metric, metric)} / best median" if normalize else _LABELS.get(metric, metric)
     _finish(ax, "EOS polling interval (steps; async = one step late, never = run to max_new_tokens)", ylabel, hue)
+    text = _repetitions(stats) + "."
+    if normalize:
+        text += (" Each line is divided by its own best median, so its peak is 1.0; a band can pass 1.0 where "
+                 "some repetitions beat that median.")
+    if prediction is not None:
+        text += " Dashed: the cost model's prediction."
+    if scale_kind == "symlog":
+        text += _SYMLOG
+    caption(fig, text + _overlap_note(lines))
     if title:
         ax.set_title(title)
     return fig, ax
@@ -124,67 +257,158 @@ def throughput_vs_batch(df: pd.DataFrame, *, hue: str = "mode", metric: str = "t
     df = _ok(df)
     stats = median_band(df, [hue, "batch"], metric)
     fig, ax = _new(ax)
-    for value, g in stats.groupby(hue, sort=False):
-        g = g.sort_values("batch")
-        (line,) = ax.plot(g["batch"], g["median"], "o-", label=f"{value}")
-        ax.fill_between(g["batch"], g["p20"], g["p80"], color=line.get_color(), alpha=0.2, linewidth=0)
+    lines = {}
+    order = list(dict.fromkeys(df[hue]))
+    if hue == "mode":
+        order = sorted(order, key=lambda m: list(MODE_STYLE).index(m) if m in MODE_STYLE else len(MODE_STYLE))
+    for i, value in enumerate(order):
+        g = stats[stats[hue] == value].sort_values("batch")
+        style = hue_style(hue, value, i)
+        ax.plot(g["batch"], g["median"], "-", label=f"{value}", markersize=_size(i), **style)
+        ax.fill_between(g["batch"], g["p20"], g["p80"], color=style["color"], alpha=0.2, linewidth=0)
+        lines[f"{value}"] = (g["batch"].to_numpy(), g["median"].to_numpy())
     ax.set_xscale("log", base=2)
     batches = sorted(stats["batch"].unique())
     ax.set_xticks(batches, [str(int(b)) for b in batches])
     ax.minorticks_off()
-    if stats["median"].max() > 8 * max(stats["median"].min(), 1e-12):
-        ax.set_yscale("log")
+    scale_kind = _yscale(ax, stats["median"])
     _finish(ax, "batch size (rows)", _LABELS.get(metric, metric), hue)
+    caption(fig, _repetitions(stats) + "." + (_SYMLOG if scale_kind == "symlog" else "") + _overlap_note(lines))
     if title:
         ax.set_title(title)
     return fig, ax
 
 
-def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, title: str | None = None):
+def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, title: str | None = None,
+                     host: str = "host_us_per_token", device: str | None = None):
     """Host vs device time per token, two bars per mode, at one batch size (default: the smallest).
 
-    ``df``: rows with ``mode``, ``host_us_per_token``, ``device_us_per_token`` (and ``batch``); several
-    rows per mode are reduced to their median."""
+    ``df``: rows with ``mode``, `host` and a device column (``device_busy_us_per_token`` or
+    ``device_us_per_token``), and ``batch``; several rows per mode are reduced to their median. The
+    host bar has the mode's colour, the device bar the same colour hatched."""
     df = _ok(df)
-    for col in ("host_us_per_token", "device_us_per_token"):
+    device = device or _device_column(df)
+    for col in (host, device):
         if col not in df.columns:
-            raise ValueError(f"column {col!r} is missing; it comes from gdtool.profile(...).summary or an nsys export")
+            raise ValueError(f"column {col!r} is missing; it comes from gdtool.timing.per_token(...) or an nsys "
+                             "summary")
     if "batch" in df.columns:
         batch = int(df["batch"].min()) if batch is None else batch
         df = df[df["batch"] == batch]
     modes = list(dict.fromkeys(df["mode"]))
-    host = [df.loc[df["mode"] == m, "host_us_per_token"].median() for m in modes]
-    device = [df.loc[df["mode"] == m, "device_us_per_token"].median() for m in modes]
     fig, ax = _new(ax)
     x = np.arange(len(modes))
-    ax.bar(x - 0.2, host, width=0.4, label="host")
-    ax.bar(x + 0.2, device, width=0.4, label="device (busy)")
+    for i, m in enumerate(modes):
+        color = hue_style("mode", m, i)["color"]
+        ax.bar(x[i] - 0.2, df.loc[df["mode"] == m, host].median(), width=0.4, color=color,
+               label="host" if i == 0 else None)
+        ax.bar(x[i] + 0.2, df.loc[df["mode"] == m, device].median(), width=0.4, color=color, alpha=0.45,
+               hatch="//", edgecolor="0.3", label="device (busy)" if i == 0 else None)
     ax.set_xticks(x, modes)
+    _yscale(ax, df[[host, device]].to_numpy())
     _finish(ax, "mode", "µs/token", "time spent on")
     ax.set_title(title or (f"batch {batch}" if batch is not None else "time per token"))
+    caption(fig, "Solid: host time per token; hatched: device busy time per token, each mode in its colour.")
     return fig, ax
 
 
-def per_token_vs_batch(df: pd.DataFrame, *, ax=None, title: str | None = None):
+def _device_column(df: pd.DataFrame, stat: str = "") -> str:
+    for name in (f"device_busy_us{stat}_per_token", f"device_us{stat}_per_token"):
+        if name in df.columns:
+            return name
+    return f"device_busy_us{stat}_per_token"
+
+
+def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title: str | None = None):
     """Host (solid) and device busy (dashed) µs per token against batch size, one colour per mode.
 
-    Where the host line lies above the device line, the GPU waits for the host (host-bound)."""
+    ``stat="median"`` plots the typical step (``<metric>_median_per_token``: the median step over the
+    batch size) with its p20-p80 band; ``stat="mean"`` plots ``<metric>_per_token`` (the total over
+    steps / (steps x batch): first step and polls included). Where the host line lies above the
+    device line, the GPU waits for the host (host-bound)."""
     df = _ok(df)
+    suffix = "_median" if stat == "median" else ""
+    host, device = f"host_us{suffix}_per_token", _device_column(df, suffix)
+    if host not in df.columns:
+        raise ValueError(f"column {host!r} is missing; per_token_vs_batch(stat={stat!r}) reads what "
+                         "gdtool.timing.per_token gives (or pass stat='mean')")
     fig, ax = _new(ax)
-    for mode, g in df.groupby("mode", sort=False):
-        g = g.groupby("batch")[["host_us_per_token", "device_us_per_token"]].median().reset_index()
-        (line,) = ax.plot(g["batch"], g["host_us_per_token"], "o-", label=f"{mode}: host")
-        if g["device_us_per_token"].notna().any():  # NaN on a CPU device: no GPU clock to read
-            ax.plot(g["batch"], g["device_us_per_token"], "s--", color=line.get_color(), label=f"{mode}: device")
+    values, lines = [], {}
+    order = sorted(dict.fromkeys(df["mode"]), key=lambda m: list(MODE_STYLE).index(m) if m in MODE_STYLE else 9)
+    for i, mode in enumerate(order):
+        g = df[df["mode"] == mode]
+        bands = [c.replace("median", q) for c in (host, device) for q in ("p20", "p80")] if stat == "median" else []
+        cols = list(dict.fromkeys(c for c in (host, device, *bands) if c in g.columns))
+        g = g.groupby("batch")[cols].median().reset_index().sort_values("batch")
+        style = hue_style("mode", mode, i)
+        ax.plot(g["batch"], g[host], "-", label=f"{mode}: host", markersize=_size(i), **style)
+        values.append(g[host].to_numpy())
+        lines[f"{mode} host"] = (g["batch"].to_numpy(), g[host].to_numpy())
+        if stat == "median" and host.replace("median", "p20") in g:
+            ax.fill_between(g["batch"], g[host.replace("median", "p20")], g[host.replace("median", "p80")],
+                            color=style["color"], alpha=0.15, linewidth=0)
+        if device in g and g[device].notna().any():  # NaN on a CPU device: no GPU clock to read
+            ax.plot(g["batch"], g[device], "--", label=f"{mode}: device", markerfacecolor="none",
+                    markersize=_size(i), **style)
+            values.append(g[device].to_numpy())
+            lines[f"{mode} device"] = (g["batch"].to_numpy(), g[device].to_numpy())
     ax.set_xscale("log", base=2)
     batches = sorted(df["batch"].unique())
     ax.set_xticks(batches, [str(int(b)) for b in batches])
     ax.minorticks_off()
-    ax.set_yscale("log")
+    _yscale(ax, np.concatenate(values) if values else [])
     _finish(ax, "batch size (rows)", "µs/token", "mode: time on")
+    what = ("the median step's time over the batch size; bands: p20-p80 of the steps" if stat == "median" else
+            "the total over all steps / (steps x batch), first step and polls included")
+    if not any(k.endswith("device") for k in lines):
+        what += "; no device line: there was no GPU clock to read"
+    caption(fig, f"Solid: host work, dashed (hollow markers): device busy time, per token: {what}."
+            + _overlap_note(lines))
     if title:
         ax.set_title(title)
     return fig, ax
+
+
+def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None = None, title: str | None = None):
+    """In-process (`gdtool.timing`) against Nsight Systems (`gdtool.nsys`), per mode and batch size.
+
+    Left: device busy time per token (the mean: total / (steps x batch)), in-process against nsys's
+    node-level trace (graph-level for eager, which replays no graph), with their ratio. Right: host
+    work of the median step, in-process against nsys's graph-level trace (its launch tracing costs the
+    host; the ratio says how much). The table is `gdtool.nsys.agreement(inproc, traced)`; it is also
+    in ``fig.gdtool_table``. Returns (fig, axes)."""
+    from .nsys import agreement as compare
+    table = compare(_ok(inproc), _ok(traced), model=model)
+    model = table.attrs["model"]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
+    x = np.arange(len(table))
+    names = [f"{m.replace('-', '-' + chr(10))}\nb{b}" for m, b in zip(table["mode"], table["batch"])]
+    for ax, a, b, ratio, ylabel in ((axes[0], "busy_in_process", "busy_nsys", "busy_ratio", "device busy µs/token"),
+                                    (axes[1], "host_in_process", "host_nsys", "host_ratio",
+                                     "host work, median step (µs)")):
+        for i, mode in enumerate(table["mode"]):
+            color = MODE_STYLE.get(mode, {}).get("color", "0.5")
+            ax.bar(x[i] - 0.2, table[a][i], width=0.4, color=color, label="in-process" if i == 0 else None)
+            ax.bar(x[i] + 0.2, table[b][i], width=0.4, color=color, alpha=0.45, hatch="//", edgecolor="0.3",
+                   label="nsys" if i == 0 else None)
+            if table[ratio][i] == table[ratio][i]:
+                top = np.nanmax([table[a][i], table[b][i]])
+                ax.annotate(f"{table[ratio][i]:.2f}x", (x[i], top), ha="center", va="bottom", fontsize="x-small",
+                            xytext=(0, 2), textcoords="offset points")
+        ax.set_xticks(x, names, fontsize="x-small")
+        _yscale(ax, table[[a, b]].to_numpy())
+        _finish(ax, "mode, batch size", ylabel)
+    axes[0].get_legend().remove()   # one legend, right of both panels
+    _legend(axes[1], "measured by")
+    axes[0].set_title("device busy per token (mean)", fontsize="medium")
+    axes[1].set_title("host work per step (median)", fontsize="medium")
+    fig.suptitle(title or f"{model}: in-process against Nsight Systems")
+    caption(fig, "Solid: in-process (gdtool.timing, no profiler attached); hatched: Nsight Systems; labels: "
+                 "in-process / nsys. Busy time from nsys's node-level trace (graph-level for eager). Host time from "
+                 "nsys's graph-level trace, whose tracing of each launch call costs the host far more than the "
+                 "launch itself: a graph mode's host ratio is that cost, not a disagreement.")
+    fig.gdtool_table = table
+    return fig, axes
 
 
 def prediction_vs_measurement(runs: pd.DataFrame, *, tolerance: float = 0.15, hue: str = "batch", ax=None,
@@ -194,15 +418,15 @@ def prediction_vs_measurement(runs: pd.DataFrame, *, tolerance: float = 0.15, hu
     Filled markers: out-of-sample runs (not used by the fit); hollow: calibration runs. The shaded
     band is +-``tolerance`` around y = x."""
     runs = _ok(runs)
-    fig, ax = _new(ax, figsize=(5.2, 5.0))
+    fig, ax = _new(ax, figsize=(6.4, 5.0))
     calib = runs["calibration"] if "calibration" in runs.columns else pd.Series(False, index=runs.index)
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, (value, g) in enumerate(runs.groupby(hue, sort=True)):
-        color = colors[i % len(colors)]
+        style = hue_style(hue, value, i)
         c = calib.loc[g.index]
-        ax.scatter(g.loc[~c, "pred_tokens_per_s"], g.loc[~c, "tokens_per_s"], color=color, label=f"{value}", s=22)
-        ax.scatter(g.loc[c, "pred_tokens_per_s"], g.loc[c, "tokens_per_s"], facecolors="none", edgecolors=color,
-                   s=22, label=None if (~c).any() else f"{value}")
+        ax.scatter(g.loc[~c, "pred_tokens_per_s"], g.loc[~c, "tokens_per_s"], color=style["color"],
+                   marker=style["marker"], label=f"{value}", s=22)
+        ax.scatter(g.loc[c, "pred_tokens_per_s"], g.loc[c, "tokens_per_s"], facecolors="none",
+                   edgecolors=style["color"], marker=style["marker"], s=22, label=None if (~c).any() else f"{value}")
     lo = float(np.nanmin(runs[["pred_tokens_per_s", "tokens_per_s"]].to_numpy())) * 0.8
     hi = float(np.nanmax(runs[["pred_tokens_per_s", "tokens_per_s"]].to_numpy())) * 1.25
     line = np.geomspace(max(lo, 1e-9), hi, 50)
@@ -216,4 +440,6 @@ def prediction_vs_measurement(runs: pd.DataFrame, *, tolerance: float = 0.15, hu
     _finish(ax, "predicted useful tokens/s", "measured useful tokens/s", hue)
     ax.set_title(title or f"cost model: median |error| {err.median():.1%}, max {err.max():.1%}"
                  f" ({'out-of-sample' if len(out) else 'all'} runs)")
+    caption(fig, f"One point per run. Filled: out-of-sample runs (not used by the fit); hollow: the calibration "
+                 f"runs the fit used. Line: y = x; grey band: ±{tolerance:.0%}.")
     return fig, ax

@@ -42,14 +42,8 @@ step-token, wasted steps included; ``profile_runs`` says how many).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import gc
-import hashlib
-import json
 import os
-import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -60,12 +54,12 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import workloads
+from . import record, workloads
+from .polls import POLL_ORDER, poll_label, poll_order, poll_value
 
 __all__ = [
     "POLL_ORDER",
     "RunConfig",
-    "environment",
     "grid",
     "load",
     "main",
@@ -84,61 +78,11 @@ METRICS = ["tokens", "tokens_per_s", "steps", "steps_per_s", "wasted_steps", "ho
 
 
 # ---------------------------------------------------------------------------------------------
-# polling policies
-def poll_label(poll) -> str:
-    """Canonical label of a polling policy: '1', '16', 'never', 'async' (or 'default')."""
-    if poll is None:
-        return "default"
-    if isinstance(poll, str):
-        p = poll.strip().lower()
-        if p in ("never", "async", "default"):
-            return p
-        if p.lstrip("-").isdigit():
-            poll = int(p)
-        else:
-            try:
-                poll = float(p)
-            except ValueError:
-                raise ValueError(f"polling policy {poll!r} is not an interval (1, 2, 4, ...), 'never', "
-                                 f"'async' or 'default'") from None
-    if isinstance(poll, float):
-        if not poll.is_integer():
-            raise ValueError(f"polling interval {poll} must be a whole number of steps")
-        poll = int(poll)
-    if isinstance(poll, int) and not isinstance(poll, bool):
-        if poll == 0:
-            return "never"
-        if poll >= 1:
-            return str(poll)
-    raise ValueError(f"polling policy {poll!r} is not an interval k >= 1, 0 / 'never', 'async' or 'default'")
-
-
-def poll_value(label):
-    """What `gdtool.decode(eos_poll_interval=...)` takes for a label: int k, 0 (never), 'async', None."""
-    label = poll_label(label)
-    if label == "never":
-        return 0
-    if label in ("async",):
-        return "async"
-    if label == "default":
-        return None
-    return int(label)
-
-
-def poll_order(label) -> float:
-    """Sort key and plot position: async first (0.5), then k, then never (1e9)."""
-    label = poll_label(label)
-    return {"async": 0.5, "never": 1e9, "default": 1e10}.get(label, float(label) if label.isdigit() else 1e11)
-
-
-POLL_ORDER = ("async", "1", "2", "4", "8", "16", "32", "64", "128", "never")
-
-
-# ---------------------------------------------------------------------------------------------
 # run configs
 @dataclass(frozen=True)
-class RunConfig:
-    """One point of a sweep. Its `name` derives from its fields, its `hash` is stable across runs."""
+class RunConfig(record.Config):
+    """One point of a sweep. Its `name` derives from its fields, its `hash` is stable across runs
+    (`gdtool.record.Config`)."""
 
     model: str
     mode: str
@@ -167,8 +111,7 @@ class RunConfig:
     def dist(self) -> workloads.LengthDist:
         return workloads.parse(self.lengths)
 
-    @property
-    def name(self) -> str:
+    def name_parts(self) -> list:
         """e.g. ``llama-1b_b16_poll16_step-graph_geom128cap512``; fields at their usual values are left out."""
         parts = [self.model, f"b{self.batch}", f"poll{self.poll}", self.mode, self.lengths]
         if self.max_new_tokens != (self.dist.max_length or -1):
@@ -179,12 +122,7 @@ class RunConfig:
             parts.append("sample")
         if self.seed:
             parts.append(f"seed{self.seed}")
-        return "_".join(parts)
-
-    @property
-    def hash(self) -> str:
-        blob = json.dumps(asdict(self), sort_keys=True)
-        return hashlib.sha1(blob.encode()).hexdigest()[:12]
+        return parts
 
     def lengths_for(self, repeat: int) -> torch.LongTensor | None:
         """Target lengths of a repetition (None with EOS off), capped at max_new_tokens."""
@@ -329,7 +267,7 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
                target_max=int(targets.max()) if targets is not None else cfg.max_new_tokens,
                target_sum=int(targets.sum()) if targets is not None else cfg.batch * cfg.max_new_tokens,
                early_rows=early, device=str(out.device), error="",
-               timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+               timestamp=record.now())
     for key in ("decode_s", "prefill_s", "warmup_s", "capture_s", "total_s"):
         row[key] = float(t[key]) if key in t else float("nan")
     for key, value in t.items():           # timings the core adds later still land in the CSV
@@ -338,7 +276,7 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
     return row
 
 
-def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool, warmup: int = 1):
+def _profiled_runs(model, cfg: RunConfig, prompt, repeats, busy: bool, warmup: int = 1):
     """One extra run under `gdtool.timing.profile` per repetition, each with that repetition's lengths."""
     from .timing import profile
     for repeat in repeats:
@@ -347,7 +285,7 @@ def _profiled_runs(model, cfg: RunConfig, prompt, repeats, kernels: bool, warmup
             kwargs["eos_poll_interval"] = poll_value(cfg.poll)
         if targets is not None:
             kwargs["target_lengths"] = targets
-        yield profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, kernels=kernels, warmup=warmup,
+        yield profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, busy=busy, warmup=warmup,
                       **kwargs)
 
 
@@ -370,12 +308,8 @@ def _profile_columns(model, cfg: RunConfig, prompt, repeats) -> dict:
     """Host time, wall time and device span per token, pooled over one profiled run per repetition. No
     kernel pass here: torch.profiler leaves CUPTI attached, which would tax every later run's launches;
     `_busy_columns` adds device busy time once every config of the sweep has been timed."""
-    try:
-        from . import timing  # noqa: F401
-    except ImportError:
-        return {}
     host = {m: c for m, c in PROFILE_COLUMNS.items() if m not in ("device_busy_us", "gpu_idle_us")}
-    runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=False))
+    runs = list(_profiled_runs(model, cfg, prompt, repeats, busy=False))
     pooled = _pooled(runs, host)
     return {**pooled, "profile_runs": len(runs)} if pooled else {}
 
@@ -388,7 +322,7 @@ def _busy_columns(model, cfg: RunConfig, repeats) -> dict:
     with warnings.catch_warnings():  # only the kernel pass's figures are used: the timed pass may be tainted
         warnings.simplefilter("ignore")
         # no warm-up decode: the timed pass before each kernel pass already warms it up
-        runs = list(_profiled_runs(model, cfg, prompt, repeats, kernels=True, warmup=0))
+        runs = list(_profiled_runs(model, cfg, prompt, repeats, busy=True, warmup=0))
     busy = {m: c for m, c in PROFILE_COLUMNS.items() if m in ("device_busy_us", "gpu_idle_us")}
     return _pooled(runs, busy)
 
@@ -444,74 +378,18 @@ def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, star
 
 # ---------------------------------------------------------------------------------------------
 # results files
+_DTYPES = {"poll": str, "lengths": str, "error": str, "model": str, "mode": str}
+_FIRST = tuple(CONFIG_FIELDS) + ("name", "config_hash", "repeat")
+
+
 def load(path) -> pd.DataFrame:
     """A sweep CSV with its column types (polls and length names stay strings)."""
-    df = pd.read_csv(path, dtype={"poll": str, "lengths": str, "error": str, "model": str, "mode": str},
-                     keep_default_na=False, na_values=[""])
-    if "error" in df.columns:
-        df["error"] = df["error"].fillna("")
-    return df
-
-
-def _save(df: pd.DataFrame, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    first = [c for c in CONFIG_FIELDS + ["name", "config_hash", "repeat"] if c in df.columns]
-    df = df[first + [c for c in df.columns if c not in first]]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    df.to_csv(tmp, index=False)
-    os.replace(tmp, path)
-
-
-def _git_commit() -> tuple[str | None, bool | None]:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=root, capture_output=True,
-                              text=True, timeout=10)
-        commit = head.stdout.strip() if head.returncode == 0 else None
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip() != ""
-        return commit, dirty if commit else None
-    except (OSError, subprocess.SubprocessError):
-        return None, None
-
-
-def environment() -> dict:
-    """GPU, driver, CUDA, torch, transformers, Python, git commit and date: the JSON sidecar."""
-    import transformers
-    env = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "cuda": torch.version.cuda, "gpu": None, "gpu_count": 0,
-           "driver": None, "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpu_count"] = torch.cuda.device_count()
-        try:
-            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                           capture_output=True, text=True, timeout=20).stdout.split("\n")[0].strip() or None
-        except (OSError, subprocess.SubprocessError):
-            pass
-    env["git_commit"], env["git_dirty"] = _git_commit()
-    return env
+    return record.Results(path, dtype=_DTYPES).df
 
 
 def _write_sidecar(path: Path, configs: list[RunConfig], repeats: int, warmup: int) -> None:
-    sidecar = path.with_suffix(".json")
-    sidecar.parent.mkdir(parents=True, exist_ok=True)
-    previous = {}
-    if sidecar.exists():
-        try:
-            previous = json.loads(sidecar.read_text())
-        except ValueError:
-            previous = {}
-    env = environment()
-    sessions = previous.get("sessions", [])
-    sessions.append({"date": env["date"], "git_commit": env["git_commit"], "configs": len(configs),
-                     "repeats": repeats, "warmup": warmup})
-    doc = {"environment": env, "sessions": sessions, "columns_doc": __doc__.split("Metrics:")[1].strip()}
-    if previous.get("environment") and {k: v for k, v in previous["environment"].items() if k not in ("date", "git_commit", "git_dirty")} \
-            != {k: v for k, v in env.items() if k not in ("date", "git_commit", "git_dirty")}:
-        doc["earlier_environments"] = previous.get("earlier_environments", []) + [previous["environment"]]
-    sidecar.write_text(json.dumps(doc, indent=2) + "\n")
+    record.write_sidecar(path.with_suffix(".json"), session=dict(configs=len(configs), repeats=repeats, warmup=warmup),
+                         columns_doc=__doc__.split("Metrics:")[1].strip())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -520,14 +398,15 @@ def sweep(models, modes=("step-graph",), batches=(1, 4, 16, 64), polls=(1, 4, 16
           lengths=("geom:128:512",), *, repeats: int = 3, warmup: int = 1, out: str | os.PathLike | None = None,
           max_new_tokens: int | None = None, prompt_len: int = 128, sample: bool = False, seed: int = 0,
           configs: list[RunConfig] | None = None, max_seconds: float | None = None, retry_failed: bool = False,
-          profile: bool = False, progress: bool = True, device=None, dtype=None) -> pd.DataFrame:
+          profile: bool = False, progress: bool = True, device=None, dtype=None, redo: bool = False) -> pd.DataFrame:
     """Run a grid (or the given ``configs``) and return its repetitions as a tidy DataFrame (rows
 already in ``out`` for these configs included; the CSV keeps every config it ever held).
 
     ``models``: preset names / checkpoint paths (loaded one at a time) or loaded models (named by
     ``model.gdtool_name``). With ``out`` the CSV is rewritten after every config, configs already in
-    it are skipped (done = ``repeats`` rows without error; failed ones too unless ``retry_failed``),
-    and ``<out>.json`` gets the environment. ``max_seconds`` stops before starting a config past that
+    it are skipped (done = ``repeats`` rows without error; failed ones too unless ``retry_failed``;
+    ``redo=True`` measures the grid's configs again), and ``<out>.json`` gets the environment
+    (`gdtool.record`). ``max_seconds`` stops before starting a config past that
     budget (``df.attrs["complete"]`` says whether the grid is done)."""
     import gdtool
     loaded = {_model_name(m): m for m in _as_list(models) if not isinstance(m, str)}
@@ -539,20 +418,16 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
         if known and cfg.mode not in known:
             raise ValueError(f"mode {cfg.mode!r} is not one of gdtool.MODES {tuple(known)}")
     path = Path(out) if out is not None else None
-    df = load(path) if path is not None and path.exists() and path.stat().st_size > 0 else pd.DataFrame()
+    results = record.Results(path, dtype=_DTYPES, first=_FIRST)
     if path is not None:
         _write_sidecar(path, configs, repeats, warmup)
-
-    def status(cfg):
-        if df.empty or "config_hash" not in df.columns:
-            return 0, False
-        mine = df[df["config_hash"] == cfg.hash]
-        ok = mine[mine["error"].fillna("") == ""]
-        return len(ok), bool((mine["error"].fillna("") != "").any())
+    if redo:
+        for cfg in configs:
+            results.drop(cfg)
 
     todo = []
     for cfg in configs:
-        n_ok, failed = status(cfg)
+        n_ok, failed = results.count(cfg)
         if n_ok >= repeats or (failed and not retry_failed):
             continue
         todo.append((cfg, n_ok))
@@ -580,8 +455,8 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
             bar.set_postfix_str(cfg.name, refresh=False)
-            if retry_failed and not df.empty:
-                df = df[~((df["config_hash"] == cfg.hash) & (df["error"].fillna("") != ""))]
+            if retry_failed:
+                results.drop(cfg, errors_only=True)
             rows = []
             try:
                 model = model_for(cfg)
@@ -592,19 +467,15 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             except Exception as err:  # one failed config must not end the sweep: record it
                 line = traceback.format_exception_only(type(err), err)[-1].strip()
                 row = asdict(cfg)
-                row.update(name=cfg.name, config_hash=cfg.hash, repeat=n_ok, error=line[:500],
-                           timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                row.update(name=cfg.name, config_hash=cfg.hash, repeat=n_ok, error=line[:500], timestamp=record.now())
                 rows.append(row)
                 engines.close()  # a failed run may leave the engine's buffers half-written
                 if isinstance(err, torch.cuda.OutOfMemoryError) or "out of memory" in line:
                     _free()
                 if current["name"] == cfg.model and current["model"] is None:
                     current["name"] = None
-            df = pd.concat([df, pd.DataFrame(rows)], ignore_index=True) if not df.empty else pd.DataFrame(rows)
-            if "error" in df.columns:
-                df["error"] = df["error"].fillna("")
-            if path is not None:
-                _save(df, path)
+            results.add(rows)
+            results.save()
             done += 1
             bar.update(1)
             ok = [r for r in rows if not r.get("error")]
@@ -620,14 +491,16 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
                 warnings.warn(f"sweep: the kernel pass of {cfg.name} failed ({line[:300]}); its device_us_per_token "
                               "is left empty", stacklevel=2)
                 continue
+            df = results.df
             mine = (df["config_hash"] == cfg.hash) & df["repeat"].isin(list(runs))
             for column, value in busy.items():
                 df.loc[mine, column] = value
-            if busy and path is not None:
-                _save(df, path)
+            if busy:
+                results.save()
     finally:
         engines.close()
         bar.close()
+    df = results.df
     if not df.empty:
         df = df[df["config_hash"].isin({cfg.hash for cfg in configs})].reset_index(drop=True)
     df.attrs.update(complete=done == len(todo), configs=len(configs), ran=done, remaining=len(todo) - done,
@@ -669,55 +542,69 @@ def summarize(df: pd.DataFrame, by: list[str] | None = None, metrics: list[str] 
 # ---------------------------------------------------------------------------------------------
 # command line
 def _split(values, cast=str):
-    items = []
-    for v in values or []:
-        items += [x for x in str(v).replace(",", " ").split() if x]
-    return [cast(x) for x in items]
+    from .options import split
+    return [cast(x) for x in split(values or [])]
+
+
+def parser():
+    from . import options
+    examples = __doc__[__doc__.index("    python -m gdtool sweep"):__doc__.index("Polling policies")].rstrip()
+    p = options.Parser("python -m gdtool sweep", __doc__.split("\n\n")[0] + "\n\n" + examples)
+    p.add_model()
+    p.add_mode(["step-graph"])
+    p.add_batch([1, 4, 16, 64])
+    p.add_poll(["1", "4", "16", "64", "never", "async"])
+    p.add_lengths(["geom:128:512"])
+    p.add_argument("--max-new-tokens", type=options.int_type("--max-new-tokens", 1), default=None, metavar="N",
+                   help="tokens per row at most (default: the distribution's cap, 256 with eos-off)")
+    p.add_prompt_len(128)
+    p.add_argument("--sample", action="store_true", help="sample (temperature 1, top-k 50) instead of greedy")
+    p.add_seed()
+    p.add_int("--repeats", default=3, minimum=1, help="timed repetitions per config")
+    p.add_int("--warmup", default=1, help="untimed decodes per captured graph")
+    p.add_out("profiles/sweeps/sweep.csv", "the results CSV (its sidecar: the same name, .json)")
+    p.add_argument("--max-seconds", type=float, default=None, metavar="S",
+                   help="start no config after this many seconds; run the command again to resume "
+                        "(default: no limit)")
+    p.add_argument("--retry-failed", action="store_true", help="run again configs that failed before")
+    p.add_argument("--profile", action="store_true",
+                   help="add host and device time per token (gdtool.profile), kernel passes last")
+    p.add_common()
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m gdtool sweep", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="example: python -m gdtool sweep --models llama-1b --modes step-graph --batches 1 4 16 64 "
-               "--polls 1 4 16 64 never async --lengths geom:128:512 --out profiles/sweeps/x.csv")
-    parser.add_argument("--models", nargs="+", default=None, help="presets or checkpoint paths (default: "
-                        "llama-1b on a GPU, tiny-llama on CPU)")
-    parser.add_argument("--modes", nargs="+", default=["step-graph"])
-    parser.add_argument("--batches", nargs="+", default=["1", "4", "16", "64"])
-    parser.add_argument("--polls", nargs="+", default=["1", "4", "16", "64", "never", "async"],
-                        help="intervals k, 'never' (or 0), 'async'")
-    parser.add_argument("--lengths", nargs="+", default=["geom:128:512"],
-                        help="fixed:N, uniform:LO:HI, geom:MEAN:CAP, list:A,B,C, emp:A,B,C, eos-off")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="default: the distribution's cap (256 with eos-off)")
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--sample", action="store_true", help="sample (temperature 1, top-k 50) instead of greedy")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="profiles/sweeps/sweep.csv")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="start no config after this many seconds; run again to resume")
-    parser.add_argument("--retry-failed", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="add host/device time per token (gdtool.profile)")
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    models = _split(args.models) or ["llama-1b" if torch.cuda.is_available() else "tiny-llama"]
-    lengths = [x for v in args.lengths for x in str(v).split()]
-    df = sweep(models, _split(args.modes), _split(args.batches, int), _split(args.polls), lengths,
+    from . import options
+    p = parser()
+    args = p.parse_args(argv)
+    return options.run(p, _main, args)
+
+
+def _main(args) -> int:
+    from . import options
+    out = options.Output(args.json)
+    models = args.model or options.default_models()
+    df = sweep(models, options.expand_modes(args.mode), args.batch, args.poll, args.lengths,
                repeats=args.repeats, warmup=args.warmup, out=args.out, max_new_tokens=args.max_new_tokens,
                prompt_len=args.prompt_len, sample=args.sample, seed=args.seed, max_seconds=args.max_seconds,
-               retry_failed=args.retry_failed, profile=args.profile, progress=not args.no_progress)
+               retry_failed=args.retry_failed, profile=args.profile, progress=not args.no_progress,
+               redo=args.redo)
     failed = int((df["error"] != "").sum()) if "error" in df.columns and not df.empty else 0
     doc = {"out": str(args.out), "sidecar": str(Path(args.out).with_suffix(".json")), "rows": len(df),
            "failed_rows": failed, **{k: df.attrs.get(k) for k in ("configs", "ran", "remaining", "complete")},
-           "seconds": round(df.attrs.get("seconds", 0.0), 1)}
+           "seconds": round(df.attrs.get("seconds", 0.0), 1), "captured": bool(torch.cuda.is_available())}
     best = summarize(df)
     if not best.empty and "tokens_per_s" in best.columns:
         top = best.sort_values("tokens_per_s", ascending=False).iloc[0]
         doc["best"] = {"name": top["name"], "tokens_per_s": round(float(top["tokens_per_s"]), 1)}
-    print(json.dumps(doc))
+        cols = [c for c in ("name", "tokens_per_s", "tokens_per_s_p20", "tokens_per_s_p80", "wasted_steps", "polls",
+                            "n") if c in best.columns]
+        out.say(best[cols].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
+    out.say(f"{doc['rows']} rows in {args.out} ({failed} failed); {doc['ran']} of {doc['configs']} configs run now"
+            + ("" if doc["complete"] else "; not complete: run the same command again to go on"))
+    if not torch.cuda.is_available() and any(m != "eager" for m in options.expand_modes(args.mode)):
+        out.say(options.UNCAPTURED)
+    out.document(doc)
     return 0 if failed == 0 or failed < len(df) else 1
 
 

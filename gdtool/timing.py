@@ -48,7 +48,7 @@ Columns, how each is measured, and what it cannot see:
 The kernel pass leaves a cost behind: a torch.profiler session keeps CUPTI attached for the rest of
 the process (Kineto finalizes it only with ``TEARDOWN_CUPTI=1``), and every later CUDA launch pays for
 it on the host (an H200 step-graph replay: ~7-20 µs before, ~185 µs after). So when timing several
-configs, run them all with ``kernels=False`` first and call `add_device_busy` on each result last, as
+configs, run them all with ``busy=False`` first and call `add_device_busy` on each result last, as
 ``python -m gdtool profile`` and ``sweep(profile=True)`` do; a timed pass that runs after a kernel
 pass in the same process says so in ``notes`` and warns. A profiler session started outside gdtool
 cannot be seen.
@@ -59,17 +59,13 @@ the total over steps divided by steps x batch (each step makes one token per row
 """
 from __future__ import annotations
 
-import argparse
 import bisect
 import ctypes
-import json
 import math
-import sys
 import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pandas as pd
 import torch
@@ -102,23 +98,32 @@ class ProfileResult:
 
 
 def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, warmup: int = 1,
-            kernels: bool | None = None, blocking_sync: bool = True, **decode_kwargs) -> ProfileResult:
+            busy: bool | None = None, blocking_sync: bool = True, **decode_kwargs) -> ProfileResult:
     """Decode with `gdtool.decode(model, input_ids, attention_mask, mode=mode, **decode_kwargs)` and
     time every decode step; see the module docstring for what each column measures.
 
-    `warmup` untimed decodes run first (lazy initialisation, allocator, cuBLAS). `kernels` (default:
-    on where CUDA is) runs one more decode under torch.profiler for ``device_busy_us``.
+    `warmup` untimed decodes run first (lazy initialisation, allocator, cuBLAS). `busy` (default:
+    on where CUDA is) runs one more decode under torch.profiler for ``device_busy_us``; when timing
+    several configs, pass ``busy=False`` and call `add_device_busy` on each result last.
     `blocking_sync=False` keeps the driver's spin-waits, which then count in ``host_us``.
+    ``kernels="compiled"`` (like every other decode argument) goes to `gdtool.decode`; a bool
+    ``kernels=`` is the old name of `busy` and is taken as such, with a DeprecationWarning.
     """
     from .decode import decode
 
+    if isinstance(decode_kwargs.get("kernels"), bool):
+        warnings.warn("profile(kernels=True/False) is now profile(busy=...): `kernels` is decode's "
+                      "'hf' / 'compiled' choice", DeprecationWarning, stacklevel=2)
+        old = decode_kwargs.pop("kernels")
+        busy = old if busy is None else busy
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
         raise ValueError(f"warmup={warmup!r} must be an int >= 0 (untimed decodes before the timed one)")
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    if kernels and not cuda:
-        raise ValueError(f"kernels=True needs a CUDA device and the model is on {device}; leave kernels=None")
-    kernels = cuda if kernels is None else bool(kernels)
+    if busy and not cuda:
+        raise ValueError(f"busy=True needs a CUDA device and the model is on {device}: there are no kernel "
+                         "records to read; leave busy=None")
+    busy = cuda if busy is None else bool(busy)
     notes: list[str] = []
 
     def run():
@@ -156,42 +161,38 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         notes.append(f"device columns are NaN: the model is on {device}, there is no CUDA device to time")
     result = ProfileResult(steps=steps, summary=None, output=out, notes=notes)
     result._pass = dict(run=run, device=device, unit=unit, expected=expected, mode=mode)
-    if cuda and not kernels:
-        notes.append("device_busy_us is NaN: kernels=False (add_device_busy(result) runs the kernel pass later)")
-    return add_device_busy(result) if kernels else _finish(result)
+    if cuda and not busy:
+        notes.append("device_busy_us is NaN: busy=False (add_device_busy(result) runs the kernel pass later)")
+    return add_device_busy(result) if busy else _finish(result)
 
 
 # CUPTI stays attached after a torch.profiler session (Kineto does not finalize it unless TEARDOWN_CUPTI=1):
 # on the H200 every later CUDA launch in the process paid for it (launch_probe.py, 2026-11-30).
 TAINTED = ("host_us and wall_us were measured after a torch.profiler pass ran in this process: CUPTI stays "
            "attached and taxes every CUDA launch (on an H200 a step-graph replay went from ~7-20 µs to ~185 µs of "
-           "host time). Time every config first with kernels=False, then call add_device_busy() on each result "
+           "host time). Time every config first with busy=False, then call add_device_busy() on each result "
            "(the profile CLI, sweep(profile=True) and notebook 01 do so)")
 _PROFILER_SESSIONS = [0]  # torch.profiler passes run by this module in this process
 
 
-def _has_kernels(model) -> bool:
-    return next(model.parameters()).device.type == "cuda"
-
-
 def add_device_busy(result: ProfileResult) -> ProfileResult:
     """Run the kernel pass (a second, identical decode under torch.profiler) for a result timed with
-    ``kernels=False``, and fill ``device_busy_us`` / ``gpu_idle_us``. Returns the result, updated.
+    ``busy=False``, and fill ``device_busy_us`` / ``gpu_idle_us``. Returns the result, updated.
 
     torch.profiler leaves CUPTI attached for the rest of the process, which slows every later CUDA
     launch on the host: when profiling several configs, time them all first, then add busy time."""
     info = getattr(result, "_pass", None)
     if info is None:
-        raise ValueError("this result was not made by gdtool.profile; pass what profile(..., kernels=False) "
+        raise ValueError("this result was not made by gdtool.profile; pass what profile(..., busy=False) "
                          "returned")
     if info.get("run") is None:
         raise ValueError("this result already has its device busy time (add_device_busy ran, or profile was "
-                         "called with kernels on)")
+                         "called with busy on)")
     steps, notes, device, unit = result.steps, result.notes, info["device"], info["unit"]
     if device.type != "cuda":
         raise ValueError(f"add_device_busy needs a CUDA device and the model is on {device}: there are no kernel "
                          "records to read")
-    notes[:] = [n for n in notes if not n.startswith("device_busy_us is NaN: kernels=False")]
+    notes[:] = [n for n in notes if not n.startswith("device_busy_us is NaN: busy=False")]
     if unit == ranges.REPLAY:
         # No kernel pass for device-loop. torch.profiler records no kernel of a WHILE-node launch made through
         # cuda.bindings (H200, torch 2.11), so busy time is unknown, not zero; and on the H200 a device-loop
@@ -212,9 +213,10 @@ def add_device_busy(result: ProfileResult) -> ProfileResult:
                          "device_busy_us is NaN where a step has no counterpart (the two decodes diverged; pass a seed)")
         over = steps["device_busy_us"] > 1.1 * steps["device_span_us"]
         if over.any():
-            # seen on an H200 (eager, batch 1): 7 of 47 steps with 30-70 ms of kernel records, median 2.2 ms
+            # Seen on an H200 before busy_per_step left out the GPU copies of user annotations (eager, batch 1:
+            # 7 of 47 steps with 30-70 ms of "kernels"); kept as a check that the records can all be right.
             notes.append(f"{int(over.sum())} of {len(steps)} steps record more kernel time than their device span "
-                         "(kernel records that cannot all be right: overlapping or mis-timed); per_token and mean "
+                         "(kernel records that cannot all be right: overlapping or mis-attributed); per_token and mean "
                          "busy include them, the median does not")
         notes.append("device_busy_us: kernel records of torch.profiler (CUPTI) from a second identical decode")
     info["run"] = None  # let go of the model and inputs
@@ -248,7 +250,7 @@ def summarize(steps: pd.DataFrame, batch: int, decode_steps: int | None = None, 
                             "mean": values.mean(), "total": total,
                             "per_token": total / (count * batch) if count else math.nan})
     summary.index.name = "metric"
-    summary.attrs.update(attrs, steps=len(values), batch=batch)
+    summary.attrs.update(attrs, steps=len(values), batch=batch, decode_steps=count)
     return summary
 
 
@@ -377,6 +379,19 @@ def _kernel_pass(run, device, unit: str = ranges.STEP) -> tuple[dict, float, int
     return busy, outside, marks.steps
 
 
+def _is_kernel(e, gpu, annotations: set) -> bool:
+    """A device-side record of a kernel (not a copy, a memset, a sync or a user annotation's GPU span);
+    `annotations`: the names of the host-side user annotations."""
+    if e.device_type != gpu:
+        return False
+    kind = getattr(e, "activity_type", None)
+    if isinstance(kind, str) and kind:          # torch >= 2.x exposes Kineto's activity type
+        return kind in ("kernel", "concurrent_kernel")
+    if getattr(e, "is_user_annotation", False) or e.name in annotations or e.name.startswith(_MARK):
+        return False
+    return not e.name.startswith(("Memcpy", "Memset")) and not e.name.endswith(" Sync")
+
+
 def busy_per_step(events) -> tuple[dict, float]:
     """Kernel time per step (µs) from torch.profiler FunctionEvents with ``gdtool.step#<j>`` marks.
 
@@ -384,12 +399,23 @@ def busy_per_step(events) -> tuple[dict, float]:
     (cudaLaunchKernel, cudaGraphLaunch for every kernel of a replay, ...); the kernel belongs to the
     step whose mark encloses that call on the host. (torch's own kernel-to-op links skip graph
     replays, which run inside no op.) Returns ({step: busy_us}, kernel µs launched outside any step).
+
+    Only kernel records count, and only host-side marks are marks. Kineto also reports a GPU-side
+    copy of every user annotation (``gpu_user_annotation``: the GPU span of the kernels launched
+    inside the mark), on the device, under the mark's name; its id is the annotation's, from torch's
+    own op counter, not a CUPTI correlation id. Counted as a kernel, such a span lands on whichever
+    step made the launch whose CUPTI id happens to equal it: on an H200 (eager, batch 1, the first
+    kernel pass of the process, where both counters are small) 6-7 early steps got 30-70 ms each,
+    one or more whole step spans, and every config had about a second of them "outside" any step.
     """
+    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
     marks = sorted((e.time_range.start, e.time_range.end, int(e.name[len(_MARK):]))
-                   for e in events if e.name.startswith(_MARK))
+                   for e in events if e.device_type == cpu and e.name.startswith(_MARK))
     starts = [m[0] for m in marks]
     busy = {m[2]: 0.0 for m in marks}
-    cpu, gpu = torch.autograd.DeviceType.CPU, torch.autograd.DeviceType.CUDA
+    # where torch does not say what a device record is: one named as a host-side user annotation is its GPU copy
+    # (not every host event: inductor names a host-side range after the kernel it launches)
+    annotations = {e.name for e in events if e.device_type == cpu and getattr(e, "is_user_annotation", False)}
     # launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...): their id is the CUPTI correlation
     # id. Only launches: a device-side record correlated with a synchronizing call (CUPTI's synchronization
     # activity lasts as long as the host waited) is not work the step gave the GPU.
@@ -397,7 +423,7 @@ def busy_per_step(events) -> tuple[dict, float]:
                 if e.device_type == cpu and e.name.startswith("cu") and "Launch" in e.name and "::" not in e.name}
     outside = 0.0
     for e in events:
-        if e.device_type != gpu or e.name.startswith(("Memcpy", "Memset")):
+        if not _is_kernel(e, gpu, annotations):
             continue
         duration = e.time_range.end - e.time_range.start
         launched = launches.get(e.id)
@@ -445,71 +471,48 @@ def _sched_blocking_sync(device: torch.device, wanted: bool, notes: list):
         set_flags(ctypes.c_uint(flags.value))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Profile each (batch, mode) in-process; write steps.csv, summary.csv and env.json under --out."""
-    p = argparse.ArgumentParser(prog="python -m gdtool profile", description=main.__doc__)
-    p.add_argument("--model", default="llama-1b")
-    p.add_argument("--batch", default="1", help="comma list, e.g. 1,16")
-    p.add_argument("--modes", default="eager,forward-graph,step-graph", help="comma list")
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--prompt-length", type=int, default=128)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=1, help="untimed decodes before the timed one")
-    p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps")
-    p.add_argument("--no-kernels", action="store_true", help="skip the torch.profiler pass (device_busy_us NaN)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra gdtool.decode argument, e.g. --set eos_poll_interval=16")
-    p.add_argument("--out", default="timing-profiles")
-    a = p.parse_args(argv)
-    from .models import load_model, random_prompts
-    from .sweep import environment
+def per_token(result: ProfileResult) -> dict:
+    """Per generated token, for each metric: ``<metric>_per_token`` (the total over steps / (steps x
+    batch): the mean, first step and polls included) and ``<metric>_median_per_token`` with its
+    ``_p20_per_token`` / ``_p80_per_token`` band (a typical step / batch).
 
-    settings = {}
-    for pair in a.set:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            p.error(f"--set {pair!r}: use KEY=VALUE, e.g. --set eos_poll_interval=16")
-        try:
-            settings[key] = json.loads(value)
-        except json.JSONDecodeError:
-            settings[key] = value
-    if a.no_eos:
-        settings["eos_token_id"] = None
-    out_dir = Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "env.json").write_text(json.dumps(environment(), indent=2) + "\n")
-    model = load_model(a.model, seed=0)
-    # Every config is timed before any kernel pass: torch.profiler leaves CUPTI attached, which would tax the
-    # host side of every later config (see TAINTED).
-    results = []
-
-    def write():  # after every config and every kernel pass: a crash keeps what was measured
-        steps = [res.steps.assign(**config) for config, res in results]
-        summaries = [res.summary.reset_index().assign(**config, notes=" | ".join(res.notes)) for config, res in results]
-        pd.concat(steps, ignore_index=True).to_csv(out_dir / "steps.csv", index=False)
-        pd.concat(summaries, ignore_index=True).to_csv(out_dir / "summary.csv", index=False)
-        return summaries
-
-    for batch in [int(b) for b in a.batch.split(",")]:
-        prompt = random_prompts(model, batch=batch, lengths=(a.prompt_length, a.prompt_length), seed=a.seed)
-        for mode in a.modes.split(","):
-            res = profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, warmup=a.warmup,
-                          kernels=False, max_new_tokens=a.max_new_tokens, seed=a.seed, **settings)
-            results.append(({"model": a.model, "batch": batch, "mode": mode, "max_new_tokens": a.max_new_tokens,
-                             "prompt_length": a.prompt_length, "eos": not a.no_eos,
-                             "settings": json.dumps(settings, sort_keys=True)}, res))
-            all_summaries = write()
-    if not a.no_kernels and _has_kernels(model):
-        for _, res in results:
-            add_device_busy(res)
-            all_summaries = write()
-    table = pd.concat(all_summaries, ignore_index=True).pivot_table(index=["batch", "mode"], columns="metric",
-                                                                     values="per_token", sort=False, dropna=False)
-    print("per token (µs; syncs per token):")
-    print(table[list(METRICS)].round(2).to_string())
-    print(json.dumps({"out": str(out_dir), "per_token": json.loads(table.reset_index().to_json(orient="records"))}))
-    return 0
+    The two differ where a few steps cost far more than the rest: a step-graph decode's first step
+    replays a graph fresh from capture (about 1.2 ms of host time for llama-1b's 837-node step on an
+    H200, against 13-15 µs for a later replay), and a poll step wakes from a wait. Over 31 steps that
+    first step alone makes the mean per token 3-4x the median (47 against 14.6 µs at batch 1)."""
+    summary = result.summary
+    batch = summary.attrs.get("batch") or result.output.batch
+    # device-loop rows are launches, not steps: a typical launch / (steps per launch x batch)
+    rows, steps = summary.attrs.get("steps"), summary.attrs.get("decode_steps")
+    scale = rows / steps if rows and steps else 1.0
+    out = {}
+    for metric in METRICS:
+        if metric not in summary.index:
+            continue
+        name = metric[:-3] if metric.endswith("_us") else metric
+        out[f"{name}_us_per_token" if metric.endswith("_us") else f"{name}_per_token"] = float(
+            summary.loc[metric, "per_token"])
+        for stat in ("median", "p20", "p80"):
+            key = f"{name}_us_{stat}_per_token" if metric.endswith("_us") else f"{name}_{stat}_per_token"
+            out[key] = float(summary.loc[metric, stat]) * scale / batch
+    return out
 
 
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+def per_token_table(summary: pd.DataFrame) -> pd.DataFrame:
+    """`per_token`'s columns, one row per config, from a summary.csv of ``python -m gdtool profile`` (one
+    row per config x metric; config columns model, batch, mode, ...), e.g. a committed one. For
+    device-loop (one row per launch) the typical step is the mean per token."""
+    keys = [c for c in summary.columns if c not in ("metric", "median", "p20", "p80", "mean", "total", "per_token",
+                                                    "notes")]
+    rows = []
+    for values, g in summary.groupby(keys, sort=False, dropna=False):
+        row = dict(zip(keys, values if isinstance(values, tuple) else (values,)))
+        batch = float(row["batch"])
+        for _, m in g.iterrows():
+            name = m["metric"]
+            row[f"{name}_per_token"] = float(m["per_token"])
+            for stat in ("median", "p20", "p80"):
+                typical = m["per_token"] if row.get("mode") == "device-loop" else m[stat] / batch
+                row[f"{name}_{stat}_per_token"] = float(typical)
+        rows.append(row)
+    return pd.DataFrame(rows)

@@ -32,13 +32,15 @@
 # GPU the graph modes run the same step uncaptured, so this notebook runs anywhere.
 
 # %% tags=["parameters"]
-model_name = None          # None: "llama-1b" on a GPU, "tiny-llama" on CPU
+model_name = None          # None: "llama-1b" on a GPU
 batches = [1, 16]          # batch sizes to compare
 max_new_tokens = 128       # tokens per row (EOS is off here: every row runs to the end)
 prompt_len = 128
 repeats = 3
 warmup = 1
 deterministic = None       # None: on with a GPU, for the token check (see below)
+cpu = dict(model_name="tiny-llama", batches=[1, 2], max_new_tokens=8, prompt_len=8, repeats=1, warmup=0)
+cpu_fallback = True        # False: run the parameters above even on a CPU (slow)
 
 # %%
 import os
@@ -46,19 +48,20 @@ import os
 import torch
 
 import gdtool
-from gdtool import plot, widgets
+from gdtool import notebook, plot, widgets
 from gdtool.sweep import summarize, sweep
 
-if model_name is None:
-    model_name = "llama-1b" if torch.cuda.is_available() else "tiny-llama"
+p = notebook.setup(dict(model_name=model_name, batches=batches, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
+                        repeats=repeats, warmup=warmup), cpu=cpu, gpu=dict(model_name="llama-1b"),
+                   cpu_fallback=cpu_fallback)
 if deterministic is None:
-    deterministic = torch.cuda.is_available()
+    deterministic = p.cuda
 if deterministic:  # before the first matmul: cuBLAS reads its workspace setting once
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
-model = gdtool.load_model(model_name, seed=0)
+model = gdtool.load_model(p.model_name, seed=0)
 device = next(model.parameters()).device
-print(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters on {device}, "
+print(f"{p.model_name}: {sum(q.numel() for q in model.parameters()) / 1e6:.1f} M parameters on {device}, "
       f"{next(model.parameters()).dtype}")
 
 # %% [markdown]
@@ -76,9 +79,9 @@ print(f"{model_name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f} M p
 # the timing below.
 
 # %%
-prompt = gdtool.random_prompts(model, batch=batches[-1], lengths=prompt_len, seed=0)
+prompt = gdtool.random_prompts(model, batch=p.batches[-1], lengths=p.prompt_len, seed=0)
 outs = {mode: gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=mode,
-                            max_new_tokens=max_new_tokens, eos_token_id=None, seed=0)
+                            max_new_tokens=p.max_new_tokens, eos_token_id=None, seed=0)
         for mode in gdtool.MODES}
 for mode, out in outs.items():
     same = torch.equal(out.tokens, outs["eager"].tokens)
@@ -92,20 +95,22 @@ torch.use_deterministic_algorithms(False)
 # ## Throughput, side by side
 # `gdtool.sweep` runs each (mode, batch size) with a warm-up and a few repetitions and returns one
 # row per repetition. EOS is off, so there is nothing to poll for (`polls=["never"]`): this is the
-# pure cost of a step. The table shows medians (and the p20-p80 band in the plot). Look at
+# pure cost of a step. The table shows medians; the plot draws them with the p20-p80 band (the
+# 20th to 80th percentile of the repetitions), each mode in the colour it has in every notebook. Look at
 # `us_per_token`: on a GPU the captured step should win most at batch 1, where the eager step is
 # host-bound, and the gap should shrink as the batch grows and the device work per step catches up
-# with the host's launch cost. (On CPU there is no graph to capture and the modes should be close.)
+# with the host's launch cost. (On a CPU nothing is captured: the graph modes run the same step
+# uncaptured, and their speed there says nothing about capture.)
 
 # %%
-df = sweep([model], modes=gdtool.MODES, batches=batches, polls=["never"], lengths=["eos-off"],
-           max_new_tokens=max_new_tokens, prompt_len=prompt_len, repeats=repeats, warmup=warmup)
+df = sweep([model], modes=gdtool.MODES, batches=p.batches, polls=["never"], lengths=["eos-off"],
+           max_new_tokens=p.max_new_tokens, prompt_len=p.prompt_len, repeats=p.repeats, warmup=p.warmup)
 table = summarize(df)[["mode", "batch", "tokens_per_s", "tokens_per_s_p20", "tokens_per_s_p80",
                        "us_per_token", "host_syncs", "replays"]]
 table.round(1)
 
 # %%
-fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{model_name}, {max_new_tokens} tokens per row")
+fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{p.model_name}, {p.max_new_tokens} tokens per row")
 
 # %% [markdown]
 # ## Explore
@@ -113,4 +118,4 @@ fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{model_name}, {max_ne
 # reruns the selected configuration on your machine; pick one value in every filter first.
 
 # %%
-widgets.explorer(df, view="batch", models={model_name: model})
+widgets.explorer(df, view="batch", models={p.model_name: model})

@@ -52,6 +52,9 @@ repeats = 3
 warmup = 1
 prompt_len = 128
 live_out = None             # where a live sweep writes its CSV (None: a temporary folder)
+cpu = dict(model_name="tiny-llama", batches=[1, 2], polls=[1, 2, "never", "async"], lengths="geom:3:6",
+           other_lengths=["fixed:4"], eos_off_tokens=4, repeats=2, warmup=0, prompt_len=8)   # a live sweep on a CPU
+cpu_fallback = True         # False: a live sweep on a CPU runs the parameters above (slow)
 
 # %%
 import json
@@ -62,28 +65,32 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
-from gdtool import costmodel, plot, widgets, workloads
+from gdtool import costmodel, notebook, plot, record, widgets, workloads
 from gdtool.sweep import load, summarize, sweep
 
 root = Path(gdtool.__file__).resolve().parent.parent
 path = root / "profiles" / results
 if live is None:
     live = not path.exists()
+given = dict(model_name=model_name, batches=batches, polls=polls, lengths=lengths, other_lengths=other_lengths,
+             eos_off_tokens=eos_off_tokens, repeats=repeats, warmup=warmup, prompt_len=prompt_len)
+# Reading committed results runs nothing: the CPU-sized parameters only stand in for a live sweep.
+p = notebook.setup(given, cpu=cpu if live else {}, cpu_fallback=cpu_fallback)
 if live:
     path = Path(live_out) if live_out else Path(tempfile.mkdtemp()) / "live.csv"
-    model = gdtool.load_model(model_name, seed=0)
-    common = dict(prompt_len=prompt_len, warmup=warmup, out=path)
-    sweep([model], ["step-graph"], batches, polls, [lengths], repeats=repeats, **common)
-    sweep([model], ["eager", "forward-graph"], batches, [1], [lengths], repeats=1, **common)
-    sweep([model], list(gdtool.MODES), batches, ["never"], ["eos-off"], max_new_tokens=eos_off_tokens, repeats=1,
-          **common)
+    model = gdtool.load_model(p.model_name, seed=0)
+    common = dict(prompt_len=p.prompt_len, warmup=p.warmup, out=path)
+    sweep([model], ["step-graph"], p.batches, p.polls, [p.lengths], repeats=p.repeats, **common)
+    sweep([model], ["eager", "forward-graph"], p.batches, [1], [p.lengths], repeats=1, **common)
+    sweep([model], list(gdtool.MODES), p.batches, ["never"], ["eos-off"], max_new_tokens=p.eos_off_tokens,
+          repeats=1, **common)
 df = load(path)
-dist = workloads.parse(lengths)
-sidecar = path.with_suffix(".json")
-env = json.loads(sidecar.read_text())["environment"] if sidecar.exists() else {}
+dist = workloads.parse(p.lengths)
+sidecar = record.read_sidecar(path.with_suffix(".json"))
 print(f"{len(df)} runs from {'a live sweep' if live else path.relative_to(root)}; failed configs: "
       f"{(df['error'] != '').sum()}")
-print("Environment:", {k: env.get(k) for k in ("gpu", "driver", "torch", "transformers", "git_commit", "date")})
+if sidecar.get("environment"):
+    print(f"Results measured on: {record.describe(sidecar['environment'])}")
 
 # %% [markdown]
 # ## Throughput against the polling interval
@@ -130,7 +137,7 @@ params = costmodel.fit(graph)
 params.round(2)
 
 # %%
-prediction = costmodel.predict(params, dist, polls=polls)
+prediction = costmodel.predict(params, dist, polls=p.polls)
 fig, ax = plot.throughput_vs_interval(graph, hue="batch", prediction=prediction,
                                       title=f"measured (solid) vs cost model (dashed), {dist.name}")
 
@@ -154,7 +161,7 @@ fig, ax = plot.prediction_vs_measurement(runs)
 # Targets: within a factor of 2, within 15 %.
 
 # %%
-check = costmodel.check(df[df["mode"] == "step-graph"], params, dist, polls=polls)  # EOS-off repeats give the noise
+check = costmodel.check(df[df["mode"] == "step-graph"], params, dist, polls=p.polls)  # EOS-off repeats give the noise
 check.drop(columns=[c for c in ("model", "mode", "lengths") if c in check.columns]).round(4)
 
 # %% [markdown]
@@ -184,7 +191,7 @@ if len(loop):
 # lengths favour rarer ones.
 
 # %%
-dists = [dist] + [workloads.parse(d) for d in other_lengths]
+dists = [dist] + [workloads.parse(d) for d in p.other_lengths]
 predicted = pd.concat([costmodel.predict(params, d, polls=costmodel.INTERVALS) for d in dists], ignore_index=True)
 best_by_dist = pd.concat([costmodel.best_interval(params, d).assign(lengths=d.name) for d in dists], ignore_index=True)
 pd.pivot_table(best_by_dist, index="batch", columns="lengths", values="best_poll", aggfunc="first", sort=False)

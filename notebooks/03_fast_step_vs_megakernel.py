@@ -31,6 +31,8 @@
 # %% tags=["parameters"]
 results = "h200/decode-kernels"   # under profiles/: the committed H200 results
 model = "llama-1b"
+cpu = {}                           # nothing here runs a model: the same on a CPU
+cpu_fallback = True
 
 # %%
 import sys
@@ -41,14 +43,16 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
+from gdtool import notebook
 
+notebook.setup(dict(results=results, model=model), cpu=cpu, cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "profiles"))
 import decode_kernels_tables as tables  # noqa: E402
 
 data = tables.load(root / "profiles" / results)
 env = pd.read_json(root / "profiles" / results / "run2" / "env.json", typ="series")
-print("Environment:", {k: env.get(k) for k in ("device_name", "driver", "torch", "transformers", "triton", "commit",
+print("Measured on:", {k: env.get(k) for k in ("device_name", "driver", "torch", "transformers", "triton", "commit",
                                                 "date", "copy_gb_s")})
 
 # %% [markdown]

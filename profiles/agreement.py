@@ -1,70 +1,65 @@
-"""Do the in-process figures (gdtool.profile) and Nsight Systems (gdtool.nsys) agree?
+"""Do the in-process figures (gdtool.profile) and Nsight Systems (gdtool.nsys) agree? A markdown table.
 
-Per mode and batch size, per generated token: device busy time (in-process: torch.profiler kernel
-records; nsys: kernel records of a node-trace session, or of a graph-trace session for eager, which
-has no graphs) and device span (in-process: CUDA events around each step; nsys: first kernel start to
-last kernel end of the step, plus the gap to the next step), and host time per step. Busy time is
-also compared as the median step (per step), which a few steps with outlying kernel records do not
-move. Writes a markdown table.
+Per mode and batch size (`gdtool.nsys.agreement`): device busy time per token, the mean (in-process:
+torch.profiler's kernel records; nsys: kernel records of a node-trace session, or of a graph-trace session
+for eager, which has no graphs, or where no node trace was kept), and host work of the median step (nsys:
+graph-level trace, whose tracing of every launch call costs the host far more than the launch: a graph
+mode's host ratio measures that, not a disagreement).
 
-    python profiles/agreement.py --profile profiles/h200/profile/summary.csv \
-        --nsys profiles/h200/nsys-graph/summary.csv profiles/h200/nsys-node1/summary.csv --out profiles/h200/agreement.md
+    python profiles/agreement.py --profile profiles/h200/profile/summary.csv \\
+        --nsys profiles/h200/nsys-graph/summary.csv profiles/h200/nsys-node1/summary.csv \\
+        profiles/h200/nsys-node16/summary.csv --out profiles/h200/agreement.md
 """
 import argparse
 
 import pandas as pd
 
-
-def in_process(path) -> pd.DataFrame:
-    df = pd.read_csv(path)
-    per_token = df.pivot_table(index=["batch", "mode"], columns="metric", values="per_token").add_suffix("_per_token")
-    median = df.pivot_table(index=["batch", "mode"], columns="metric", values="median").add_suffix("_median")
-    return per_token.join(median)
+from gdtool import nsys, timing
 
 
-def nsys(paths) -> pd.DataFrame:
-    df = pd.concat([pd.read_csv(p) for p in paths], ignore_index=True)
-    return df.set_index(["batch", "mode", "trace"])
+def tables(profile_csv, nsys_csvs) -> pd.DataFrame:
+    inproc = timing.per_token_table(pd.read_csv(profile_csv))
+    traced = pd.concat([pd.read_csv(p) for p in nsys_csvs], ignore_index=True)
+    settings = traced["settings"].fillna("") if "settings" in traced.columns else pd.Series("", index=traced.index)
+    traced["implementation"] = ["compiled" if "kernels=compiled" in str(s) else "hf" for s in settings]
+    return nsys.agreement(inproc, nsys.per_token(traced))
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--profile", required=True)
-    p.add_argument("--nsys", nargs="+", required=True)
-    p.add_argument("--out")
-    a = p.parse_args()
-    mine, theirs = in_process(a.profile), nsys(a.nsys)
-    rows = []
-    for (batch, mode), r in mine.iterrows():
-        def pick(trace, column):
-            key = (batch, mode, trace)
-            return theirs.loc[key, column] if key in theirs.index and column in theirs.columns else float("nan")
-        busy_trace = "graph" if mode == "eager" else "node"
-        row = {"batch": batch, "mode": mode,
-               "busy/token in-process": r.get("device_busy_us_per_token"),
-               "busy/token nsys": pick(busy_trace, "device_busy_us_per_token"), "busy trace": busy_trace,
-               "span/token in-process": r.get("device_span_us_per_token"),
-               "span/token nsys (graph)": pick("graph", "device_span_us_per_token"),
-               "host/step in-process": r.get("host_us_median"), "host/step nsys (graph)": pick("graph", "host_us"),
-               # medians per step: a few steps with outlying kernel records move a mean, not a median
-               "busy/step median in-process": r.get("device_busy_us_median"),
-               "busy/step median nsys": pick(busy_trace, "device_busy_us")}
-        for what, a_key, b_key in (("busy", "busy/token in-process", "busy/token nsys"),
-                                   ("busy median", "busy/step median in-process", "busy/step median nsys"),
-                                   ("span", "span/token in-process", "span/token nsys (graph)")):
-            row[f"{what} ratio"] = row[a_key] / row[b_key] if row[b_key] == row[b_key] and row[b_key] else float("nan")
-            row[f"{what} within 10%"] = abs(row[f"{what} ratio"] - 1) <= 0.10 if row[f"{what} ratio"] == row[
-                f"{what} ratio"] else None
-        rows.append(row)
-    table = pd.DataFrame(rows)
-    text = table.to_markdown(index=False, floatfmt=".3g") if hasattr(table, "to_markdown") else table.to_string()
-    print(text)
+def markdown(df: pd.DataFrame) -> str:
+    """A markdown table (no tabulate needed): numbers to 4 significant digits."""
+    def cell(v):
+        if isinstance(v, float):
+            return "" if v != v else f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+        return "" if v is None else str(v)
+    lines = ["| " + " | ".join(df.columns) + " |", "|" + "---|" * len(df.columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--profile", required=True, help="summary.csv of `python -m gdtool profile`")
+    p.add_argument("--nsys", nargs="+", required=True, help="summary.csv files of nsys sessions")
+    p.add_argument("--out", help="markdown file to write (default: print only)")
+    a = p.parse_args(argv)
+    try:
+        table = tables(a.profile, a.nsys)
+    except ValueError as err:
+        raise SystemExit(f"agreement.py: {err}") from None
+    within = table["busy_within_10pct"].dropna()
+    text = markdown(table)
+    verdict = (f"Device busy per token (mean) within 10% of nsys for {int(within.sum())} of {len(within)} configs"
+               f" ({table.attrs['model']}).")
+    print(text + "\n\n" + verdict)
     if a.out:
         with open(a.out, "w") as f:
             f.write("# In-process vs Nsight Systems, per token (µs)\n\n"
-                    f"From `{a.profile}` and {', '.join(f'`{x}`' for x in a.nsys)}; "
-                    "regenerate with the command in this script's docstring.\n\n" + text + "\n")
+                    f"From `{a.profile}` and {', '.join(f'`{x}`' for x in a.nsys)}, by `profiles/agreement.py` "
+                    "(its docstring gives the command). busy: device busy µs per token, the mean over all steps; "
+                    "host: host work of the median step, µs.\n\n" + text + "\n\n" + verdict + "\n")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -20,9 +20,15 @@
 # (the cuda tests of the compiled step). select-64 reads SELECT_VARIANTS (default: all).
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
+# profile also writes profile/agreement.md (profiles/agreement.py against the committed nsys sessions);
+# notebooks executes the three notebooks in place with their GPU parameters (profiles/regenerate.sh).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
-# so a part cut short by a time limit leaves the others' results. Needs gdtool importable, plus the
-# notebook / nvtx wheels and nsys where those parts run (see profiles/README.md).
+# so a part cut short by a time limit leaves the others' results. The script exits 1 when any part
+# failed or timed out (or was not a part), after running the others, and names them last.
+# PYTHON picks the interpreter (default python3; e.g. PYTHON=.venv/bin/python). Where the checkout
+# has no .git folder, set GDTOOL_COMMIT=<commit> so that every sidecar names the code that ran.
+# Needs gdtool importable, plus the notebook / nvtx wheels and nsys where those parts run
+# (see profiles/README.md).
 set -uo pipefail
 out=${1:?usage: bash profiles/gpu_run.sh OUT_DIR PART...}
 shift
@@ -35,32 +41,30 @@ log="$out/log"
 # bench: every mode with HF's kernels, and the graph modes with the compiled option too
 bench_modes=${BENCH_MODES:-eager,forward-graph,step-graph,device-loop,step-graph+compiled,device-loop+compiled}
 
+failed=()
+
 keep() {  # keep PART: append $work/PART to the results tar
-  [ -e "$work/$1" ] && tar -C "$work" -rf "$out/results.tar" "$1"
+  if [ -e "$work/$1" ]; then tar -C "$work" -rf "$out/results.tar" "$1"; fi
 }
 
 part() {  # part NAME SECONDS COMMAND...
-  local name=$1 seconds=$2
+  local name=$1 seconds=$2 rc
   shift 2
   mkdir -p "$work/$name"
   echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
   timeout "$seconds" "$@" 2>&1 | tee "$work/$name/log" | tail -n 40 >> "$log"
-  echo "=== $name exit ${PIPESTATUS[0]} ($(date -u +%H:%M:%S))" | tee -a "$log"
+  rc=${PIPESTATUS[0]}
+  [ "$rc" = 124 ] && echo "=== $name: stopped by its ${seconds} s time limit" | tee -a "$log"
+  echo "=== $name exit $rc ($(date -u +%H:%M:%S))" | tee -a "$log"
+  [ "$rc" = 0 ] || failed+=("$name")
   keep "$name"
 }
 
-"$py" - > "$work/env.json" <<'PYEOF'
-import json, subprocess, torch, transformers
-gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-try:
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
-except OSError:
-    driver = None
-print(json.dumps({"gpu": gpu, "driver": driver, "torch": torch.__version__, "cuda": torch.version.cuda,
-                  "transformers": transformers.__version__}))
-PYEOF
-cat "$work/env.json" | tee -a "$log"
+if ! "$py" -c "import json, gdtool.record as r; print(json.dumps(r.environment(), indent=2))" > "$work/env.json"; then
+  echo "gdtool is not importable with $py: run from the checkout (or set PYTHON)" | tee -a "$log"
+  exit 1
+fi
+tee -a "$log" < "$work/env.json"
 keep env.json
 
 for p in "$@"; do
@@ -77,10 +81,10 @@ for p in "$@"; do
     devloop-host) part devloop-host 240 "$py" -m gdtool sweep --models llama-1b --modes device-loop \
            --batches 1 4 16 64 --polls never --lengths geom:128:512 --profile --repeats 3 --no-progress \
            --out "$work/devloop-host/llama-1b_geom128_devloop_host.csv" ;;
-    nsys-compiled) part nsys-compiled 300 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
+    nsys-compiled) part nsys-compiled 300 "$py" -m gdtool profile --nsys --model llama-1b --batch 1,16 --trace graph \
            --modes forward-graph,step-graph --set kernels=compiled --max-new-tokens 48 --no-eos \
            --out "$work/nsys-compiled" ;;
-    nsys-compiled-node) part nsys-compiled-node 200 bash -c "$py -m gdtool.nsys --nsys --model llama-1b --batch 1 \
+    nsys-compiled-node) part nsys-compiled-node 200 bash -c "$py -m gdtool profile --nsys --model llama-1b --batch 1 \
            --trace node --modes step-graph --set kernels=compiled --set fuse_projections=true --max-new-tokens 48 \
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
@@ -96,15 +100,16 @@ for p in "$@"; do
     probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
     run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
            --max-new-tokens 256 --no-eos; done" ;;
-    profile) part profile 120 "$py" -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 --no-eos \
-           --modes eager,forward-graph,step-graph,device-loop \
-           --out "$work/profile" ;;
+    profile) part profile 150 bash -c "$py -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 \
+           --no-eos --modes eager,forward-graph,step-graph,device-loop --no-progress --out $work/profile && \
+           $py profiles/agreement.py --profile $work/profile/summary.csv --nsys profiles/h200/nsys-graph/summary.csv \
+           profiles/h200/nsys-node1/summary.csv profiles/h200/nsys-node16/summary.csv --out $work/profile/agreement.md" ;;
     nsys) part nsys 560 bash profiles/nsys_session.sh "$work/nsys" graph node fixtures figures ;;
-    nsys-graph) part nsys-graph 230 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1,16 --trace graph \
+    nsys-graph) part nsys-graph 230 "$py" -m gdtool profile --nsys --model llama-1b --batch 1,16 --trace graph \
            --modes eager,forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-graph" ;;
-    nsys-node1) part nsys-node1 90 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 1 --trace node \
+    nsys-node1) part nsys-node1 90 "$py" -m gdtool profile --nsys --model llama-1b --batch 1 --trace node \
            --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node1" ;;
-    nsys-node16) part nsys-node16 120 "$py" -m gdtool.nsys --nsys --model llama-1b --batch 16 --trace node \
+    nsys-node16) part nsys-node16 120 "$py" -m gdtool profile --nsys --model llama-1b --batch 16 --trace node \
            --modes forward-graph,step-graph --max-new-tokens 48 --no-eos --out "$work/nsys-node16" ;;
     nsys-fixtures) part nsys-fixtures 120 bash profiles/nsys_session.sh "$work/nsys-fixtures" fixtures ;;
     bench-1b) part bench-1b ${BENCH_SECONDS:-480} "$py" -m gdtool bench --model llama-1b --batch ${BENCH_BATCHES:-1,64} --repeats 3 --modes "$bench_modes" ${BENCH_FLAGS:-} \
@@ -127,7 +132,13 @@ for p in "$@"; do
            --out "$work/sort-compile/sort_compile.json" ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
-    *) echo "unknown part $p" | tee -a "$log" ;;
+    *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
+       failed+=("$p") ;;
   esac
 done
 rm -rf "$work"
+if [ ${#failed[@]} -gt 0 ]; then
+  echo "=== failed: ${failed[*]}" | tee -a "$log"
+  exit 1
+fi
+echo "=== every part passed" | tee -a "$log"

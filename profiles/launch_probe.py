@@ -200,7 +200,7 @@ def profile_rows(model, name: str, batch: int, prompt_len: int) -> list[dict]:
     for mode in ("step-graph", "device-loop"):
         for blocking in (True, False):
             res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=48,
-                                 eos_token_id=None, seed=0, kernels=False, blocking_sync=blocking)
+                                 eos_token_id=None, seed=0, busy=False, blocking_sync=blocking)
             host = res.steps["host_us"]
             row = dict(model=name, batch=batch, what=f"gdtool.profile {mode}", blocking_sync=blocking,
                        host_us_median=float(host.median()), host_us=[round(x, 1) for x in host.tolist()[:20]],

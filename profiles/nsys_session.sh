@@ -31,7 +31,7 @@ session() {  # session NAME ARGS...: one `profile --nsys` run into $work/NAME; i
   local name=$1
   shift
   echo "## $name" | tee -a "$out/summary.txt"
-  "$python" -m gdtool.nsys --nsys --out "$work/$name" "$@" | tee -a "$out/summary.txt"
+  "$python" -m gdtool profile --nsys --no-progress --out "$work/$name" "$@" | tee -a "$out/summary.txt"
   tar -C "$work" -cf "$out/$name.tar" "$name"
 }
 

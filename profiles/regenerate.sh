@@ -9,8 +9,10 @@
 #            eager and forward-graph once per batch size (poll 1);
 #            the three modes with EOS off (128 tokens per row, nothing to poll) for the mode comparison.
 #            -> profiles/sweeps/llama-1b_geom128.csv (+ .json: GPU, driver, torch, transformers, commit, date)
-# 2. notebooks executed in place with their GPU defaults (papermill): 00_quickstart (llama-1b),
-#            01_host_vs_device (llama-1b and llama-8b), 02_eos_polling_and_batch (reads the sweep).
+# 2. notebooks executed in place with their GPU defaults (papermill): 00_quickstart (llama-1b, batch 1
+#            and 16), 01_host_vs_device (llama-1b, batch 1, 16, 64, against the committed nsys sessions),
+#            02_eos_polling_and_batch (reads the sweep). Each prints its environment first; on a machine
+#            without a GPU they run tiny models instead and say so (not what to commit).
 # With COPY_TO the results are also copied there (profiles/sweeps/, notebooks/*.ipynb, regenerate.log).
 #
 # The sweep is resumable: a rerun skips configs already in the CSV, so SWEEP_SECONDS (default 300)
@@ -18,7 +20,9 @@
 # (which to execute, default "00 01 02"; "" for none), NOTEBOOK_TIMEOUT (s per notebook, default 240),
 # CSV (default profiles/sweeps/<MODEL>_geom128.csv), NB01_YAML (parameters of notebook 01, e.g.
 # "{models: [llama-1b], batches: [1, 16, 64]}"), EOS_OFF_REPEATS, PYTHON.
-# Needs gdtool importable, and papermill + ipykernel (+ ipywidgets, nvtx) for the notebooks.
+# Needs gdtool importable, and papermill + ipykernel (+ ipywidgets, nvtx) for the notebooks. Exits 1
+# when a sweep command or a notebook failed (a failed notebook keeps its error cell; the others still run).
+# Where the checkout has no .git folder, set GDTOOL_COMMIT=<commit> so the outputs name the code that ran.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 copy_to=${1:-}
@@ -62,16 +66,22 @@ stamp "sweep: EOS off, three modes"
 fi
 
 [[ $parts == *" notebooks "* ]] || notebooks=""
+failed=""
 for nb in $notebooks; do
   path=$(ls notebooks/${nb}_*.ipynb)
   params=()
   [[ $nb == 02 ]] && params=(-p results "sweeps/$(basename "$csv")" -p lengths "$lengths")
   [[ $nb == 01 && -n "${NB01_YAML:-}" ]] && params=(-y "$NB01_YAML")
   stamp "notebook $path"
-  timeout "$nb_timeout" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
-      --execution-timeout "$nb_timeout" --no-progress-bar "${params[@]}" 2>&1 | tail -n 5 || stamp "FAILED: $path (see its error cell)"
+  if ! timeout "$nb_timeout" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
+      --execution-timeout "$nb_timeout" --no-progress-bar "${params[@]}" > "$path.log" 2>&1; then
+    tail -n 5 "$path.log"
+    stamp "FAILED: $path (see its error cell and $path.log)"
+    failed="$failed $path"
+  fi
+  rm -f "$path.log"
 done
-stamp "done"
+stamp "done${failed:+; failed:$failed}"
 
 if [[ -n "$copy_to" ]]; then
   mkdir -p "$copy_to/profiles/sweeps"
@@ -81,3 +91,4 @@ if [[ -n "$copy_to" ]]; then
     cp notebooks/*.ipynb "$copy_to/notebooks/"
   fi
 fi
+[[ -z "$failed" ]]

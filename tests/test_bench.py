@@ -1,5 +1,6 @@
-"""`python -m gdtool bench` on CPU with a tiny model: it runs, prints the table and a JSON line last,
-writes CSV + JSON, and its peers compute the same tokens as generate(). No speed is asserted."""
+"""`python -m gdtool bench` on CPU with a tiny model: it runs, prints the table (and with --json one JSON
+document), writes CSV + JSON, resumes, and its peers compute the same tokens as generate(). No speed is
+asserted."""
 import json
 
 import pandas as pd
@@ -22,9 +23,19 @@ TINY = ["--model", "tiny-llama", "--batch", "2", "--prompt-len", "8", "--max-new
 
 
 def run_main(argv, capsys):
-    rc = bench.main(argv)
-    out = capsys.readouterr().out
-    return rc, out, json.loads(out.strip().splitlines()[-1])
+    rc = bench.main(argv + ["--json", "--no-progress"])
+    captured = capsys.readouterr()
+    return rc, captured.err, json.loads(captured.out)
+
+
+def refused(argv, capsys) -> str:
+    """The one line a bad argument ends bench with (exit 2, as argparse)."""
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("python -m gdtool bench: error:"), err
+    return err.splitlines()[-1]
 
 
 def test_cli_prints_table_and_json(tmp_path, capsys):
@@ -33,6 +44,8 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     for heading in ("runner", "tok/s", "ms/step", "GB/s", "%floor", "x generate", "x gpt-fast"):
         assert heading in out
     assert "gdtool step-graph" in out and "n/a (cpu)" in out
+    assert "ran their step uncaptured" in out  # on a CPU the table says nothing was captured
+    assert doc["captured"] is False
 
     rows = {r["runner"]: r for r in doc["results"]}
     assert set(rows) == {*gdtool.MODES, "generate", "generate-static", "gpt-fast"}
@@ -56,9 +69,16 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     # gdtool keeps generate()'s tokens bit for bit with HF's kernels
     assert (timed.token_agreement == 1.0).all()
     meta = json.loads((tmp_path / f"{name}.json").read_text())
-    for key in ("device_name", "driver", "torch", "transformers", "git_commit", "date", "copy_gb_s"):
-        assert key in meta["environment"]
+    from gdtool import record
+    assert set(record.ENV_KEYS) <= set(meta["environment"]) and "copy_gb_s" in meta["environment"]
     assert meta["config"]["batch"] == 2 and meta["name"] == name
+
+    # the same command again resumes: the config is already there, nothing is measured
+    rc, out, again = run_main(TINY + ["--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert rc == 0 and "skipped" in out
+    assert [r["tok_s"] for r in again["results"]] == [r["tok_s"] for r in doc["results"]]
+    rc, out, redone = run_main(TINY + ["--device", "cpu", "--out", str(tmp_path), "--redo"], capsys)
+    assert rc == 0 and "skipped" not in out
 
 
 def test_batch_list_and_subsets(tmp_path, capsys):
@@ -72,15 +92,13 @@ def test_batch_list_and_subsets(tmp_path, capsys):
                                                          "tiny-llama_b3_p4_n3.csv", "tiny-llama_b3_p4_n3.json"]
 
 
-def test_bad_arguments_say_what_to_do():
-    with pytest.raises(ValueError, match="unknown peer.*choose from"):
-        bench.main(TINY + ["--peers", "vllm"])
-    with pytest.raises(ValueError, match="unknown mode"):
-        bench.main(TINY + ["--modes", "fast"])
-    with pytest.raises(ValueError, match="nothing to measure"):
-        bench.main(TINY + ["--modes", "none", "--peers", "none"])
-    with pytest.raises(ValueError, match="leaves no decode step"):
-        bench.main(["--model", "tiny-llama", "--max-new-tokens", "1"])
+def test_bad_arguments_say_what_to_do(capsys):
+    assert "unknown peer 'vllm'; choose from generate, generate-static, gpt-fast" in refused(
+        TINY + ["--peers", "vllm"], capsys)
+    assert "unknown mode 'fast'" in refused(TINY + ["--modes", "fast"], capsys)
+    assert "nothing to measure" in refused(TINY + ["--modes", "none", "--peers", "none"], capsys)
+    assert "max-new-tokens 1 must be at least 2" in refused(["--model", "tiny-llama", "--max-new-tokens", "1"], capsys)
+    assert "batch 0 must be at least 1" in refused(["--batch", "1,0"], capsys)
 
 
 def test_a_failing_runner_is_reported_and_the_rest_still_run(tmp_path, capsys, monkeypatch):
@@ -114,23 +132,24 @@ def test_modes_pinned_to_kernels_run_once_with_those_kernels():
         "llama-1b_b1_p128_n256_kcompiled"
 
 
-def test_unknown_mode_is_refused_with_the_choices():
-    with pytest.raises(ValueError, match="unknown mode.*step-grph.*mode\\+kernels"):
-        bench.main(["--modes", "step-grph+compiled", "--peers", "none"])
+def test_unknown_mode_is_refused_with_the_choices(capsys):
+    import re
+    assert re.search("unknown mode.*step-grph.*mode\\+kernels", refused(["--modes", "step-grph+compiled", "--peers",
+                                                                       "none"], capsys))
 
 
-def test_unknown_kernels_are_refused_before_anything_runs():
-    with pytest.raises(ValueError, match="unknown kernels.*compild.*choose from hf, compiled"):
-        bench.main(["--modes", "step-graph+compild", "--peers", "none"])
-    with pytest.raises(ValueError, match="unknown kernels.*fused"):
-        bench.main(["--modes", "step-graph", "--kernels", "hf,fused", "--peers", "none"])
+def test_unknown_kernels_are_refused_before_anything_runs(capsys):
+    assert "unknown kernels 'compild'" in refused(["--modes", "step-graph+compild", "--peers", "none"], capsys)
+    assert "choose from hf, compiled" in refused(["--modes", "step-graph", "--kernels", "hf,fused", "--peers", "none"],
+                                                 capsys)
 
 
-def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch):
+def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch, capsys):
     import gdtool.fast_fuse
     monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
-    with pytest.raises(ValueError, match="found no q/k/v or gate/up.*drop the flag"):
-        bench.main(["--model", "tiny-llama", "--device", "cpu", "--fuse-projections", "--peers", "none"])
+    err = refused(["--model", "tiny-llama", "--device", "cpu", "--fuse-projections", "--peers", "none",
+                   "--no-progress", "--out", "/nonexistent-unused"], capsys)
+    assert "found no q/k/v or gate/up" in err and "drop the flag" in err
 
 
 def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):

@@ -565,10 +565,12 @@ def checkpoint(tmp_path):
 def test_cli_text_in_and_out(checkpoint, capsys):
     from gdtool import cli
     code = cli.main(["--model", str(checkpoint), "--prompt", "the cat sat", "--prompt", "a dog", "--mode",
-                     "step-graph", "--max-new-tokens", "5", "--no-eos", "--warmup", "0", "--device", "cpu"])
+                     "step-graph", "--max-new-tokens", "5", "--no-eos", "--warmup", "0", "--device", "cpu", "--json",
+                     "--no-progress"])
     assert code == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    record = json.loads(lines[-1])
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()  # the readable summary: on stderr with --json
+    record = json.loads(captured.out)["runs"][0]
     assert len(record["text"]) == 2 and all(len(text.split()) >= 1 for text in record["text"])
     model = gdtool.load_model(str(checkpoint), device="cpu")
     tokenizer = model.gdtool_tokenizer

@@ -429,13 +429,16 @@ def test_plots_return_figure_and_axes(tmp_path):
     assert len(axes) == 2 and "step-graph" in axes[1].get_title()
 
 
-def test_cli_reads_exports_and_prints_json_last(tmp_path, capsys):
+def test_cli_reads_exports_and_prints_json(tmp_path, capsys):
+    from gdtool import profile_cli
     path = build(tmp_path, "sg.sqlite", step_graph)
-    assert nsys.main(["--nsys", "--read", str(path)]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    doc = json.loads(lines[-1])
+    assert profile_cli.main(["--read", str(path), "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
     assert doc["rows"][0]["mode"] == "step-graph" and doc["rows"][0]["steps"] == 4
-    assert "device_busy_us" in lines[0]
+    assert "device_busy_us" in captured.err.splitlines()[0]  # the readable table, on stderr with --json
+    assert profile_cli.main(["--read", str(path)]) == 0
+    assert "device_busy_us" in capsys.readouterr().out.splitlines()[0]
 
 
 def test_run_config_names_and_commands(tmp_path):
@@ -468,21 +471,29 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
         shutil.copy(source, cmd[cmd.index("-o") + 1])
         return nsys.subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
 
+    from gdtool import profile_cli, record
+    env = record.environment()  # before subprocess.run plays nsys: it runs git and nvidia-smi
     monkeypatch.setattr(nsys.subprocess, "run", fake_run)
-    monkeypatch.setattr(nsys, "environment", lambda nsys_path=None: {"gpu": None})
+    monkeypatch.setattr(nsys, "environment", lambda nsys_path=None: env)
     monkeypatch.setenv("GDTOOL_NSYS", str(tmp_path / "nsys"))
     (tmp_path / "nsys").write_text("#!/bin/sh\n")
     (tmp_path / "nsys").chmod(0o755)
     out = tmp_path / "out"
-    assert nsys.main(["--nsys", "--model", "qwen2.5-0.5b", "--batch", "16", "--modes", "step-graph", "--trace",
-                      "graph", "--repeat", "1", "--out", str(out)]) == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    argv = ["--nsys", "--model", "qwen2.5-0.5b", "--batch", "16", "--modes", "step-graph", "--trace", "graph",
+            "--repeat", "1", "--out", str(out), "--json", "--no-progress"]
+    assert profile_cli.main(argv) == 0
+    doc = json.loads(capsys.readouterr().out)
     assert doc["rows"][0]["mode"] == "step-graph" and doc["rows"][0]["steps"] == 4
     assert sorted(p.name for p in out.iterdir()) == ["env.json", "qwen2.5-0.5b_b16_step-graph_graph.sqlite.gz",
                                                       "steps.csv", "summary.csv"]
     steps = pd.read_csv(out / "steps.csv")
     assert steps["model"].eq("qwen2.5-0.5b").all() and len(steps) == 4
     assert "--cuda-graph-trace=graph" in calls[0] and calls[1][1:4] == ["export", "--type", "sqlite"]
+    # the same session again resumes: nothing is recorded, the rows stay
+    calls.clear()
+    assert profile_cli.main(argv) == 0
+    assert calls == [] and "skipped" in capsys.readouterr().err
+    assert len(pd.read_csv(out / "steps.csv")) == 4
 
     def short_run(cmd, **kwargs):  # the program ran fewer steps than the export holds
         result = fake_run(cmd, **kwargs)
@@ -493,12 +504,18 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
         nsys.record(nsys.RunConfig("tiny-llama", 16, "step-graph", "graph", repeat=1), out)
 
 
-def test_missing_nsys_is_a_clear_error(monkeypatch, tmp_path):
+def test_missing_nsys_is_a_clear_error(monkeypatch, tmp_path, capsys):
+    from gdtool import profile_cli
     monkeypatch.delenv("GDTOOL_NSYS", raising=False)
     monkeypatch.setattr(nsys.shutil, "which", lambda name: None)
     monkeypatch.setattr(nsys.glob, "glob", lambda pattern: [])
     with pytest.raises(FileNotFoundError, match="GDTOOL_NSYS"):
-        nsys.main(["--nsys", "--model", "tiny-llama", "--out", str(tmp_path)])
+        nsys.find_nsys()
+    with pytest.raises(SystemExit) as exit_info:  # the command: one line, exit 2
+        profile_cli.main(["--nsys", "--model", "tiny-llama", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "GDTOOL_NSYS" in err and "Traceback" not in err
 
 
 def test_slim_keeps_what_read_needs(tmp_path):
@@ -558,7 +575,7 @@ def test_session_on_gpu(tmp_path, mode):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    cfg = nsys.RunConfig("tiny-llama", 2, mode, "node", max_new_tokens=6, prompt_length=8, repeat=1, eos=False)
+    cfg = nsys.RunConfig("tiny-llama", 2, mode, "node", max_new_tokens=6, prompt_len=8, repeat=1, eos=False)
     df, ran = nsys.record(cfg, tmp_path, fixture=True)  # record() checks steps and totals itself
     assert len(df) == ran["decodes"][0]["steps"] == 5
     assert (df["mode"] == mode).all() and (df["device_busy_us"] > 0).all()

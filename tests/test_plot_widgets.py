@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import matplotlib
+import matplotlib.colors
 
 matplotlib.use("Agg")
 
@@ -48,6 +49,19 @@ def _house_style(ax, legend_title):
     assert ax.xaxis.get_gridlines()[0].get_alpha() == pytest.approx(0.3)
     assert ax.get_legend() is not None and ax.get_legend().get_title().get_text() == legend_title
     assert ax.get_xlabel() and ax.get_ylabel()
+    _legend_clear_of_the_axes(ax)
+    assert _caption(ax.figure), "every figure says what its lines are"
+
+
+def _legend_clear_of_the_axes(ax):
+    fig = ax.figure
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1, "the legend sits right of the axes, off the data"
+
+
+def _caption(fig) -> str:
+    return fig._supxlabel.get_text() if fig._supxlabel is not None else ""
 
 
 def test_throughput_vs_interval_one_line_per_batch_with_prediction():
@@ -92,9 +106,11 @@ def test_host_device_plots():
     assert len(ax.patches) == 6 and "µs/token" in ax.get_ylabel()
     assert ax.patches[0].get_height() == 900.0  # eager host at the smallest batch
     _house_style(ax, "time spent on")
-    fig, ax = plot.per_token_vs_batch(df)
+    fig, ax = plot.per_token_vs_batch(df, stat="mean")
     assert ax.get_xscale() == "log" and len(ax.get_lines()) == 6
-    with pytest.raises(ValueError, match="device_us_per_token"):
+    with pytest.raises(ValueError, match="host_us_median_per_token"):
+        plot.per_token_vs_batch(df)  # the typical step needs the median columns
+    with pytest.raises(ValueError, match="device_busy_us_per_token"):
         plot.host_device_bars(df.drop(columns="device_us_per_token"))
 
 
@@ -153,3 +169,92 @@ def test_explorer_runs_the_selected_config(load):
     assert len(ex.df) == before + 1
     new = ex.df.iloc[-1]
     assert new["repeat"] == 3 and new["source"] == "explorer" and new["tokens"] == new["target_sum"]
+
+
+# ---------------------------------------------------------------------------------------------
+# one style in every figure
+
+
+def test_each_mode_has_one_colour_and_marker_everywhere():
+    modes = ("device-loop", "eager", "step-graph", "forward-graph")
+    df = sweep_like(polls=("1",), modes=modes)
+    fig, ax = plot.throughput_vs_batch(df, hue="mode")
+    for line in ax.get_lines():
+        style = plot.MODE_STYLE[line.get_label()]
+        assert line.get_color() == style["color"] and line.get_marker() == style["marker"]
+    # the same colours with fewer modes, in another order, in another plot
+    fig, ax = plot.throughput_vs_batch(df[df["mode"].isin(["step-graph", "eager"])], hue="mode")
+    assert {line.get_label(): line.get_color() for line in ax.get_lines()} == {
+        "eager": plot.MODE_STYLE["eager"]["color"], "step-graph": plot.MODE_STYLE["step-graph"]["color"]}
+    timing = pd.DataFrame(dict(mode=["step-graph", "eager"], batch=[1, 1], host_us_per_token=[10.0, 900.0],
+                               device_us_per_token=[300.0, 310.0]))
+    fig, ax = plot.per_token_vs_batch(timing, stat="mean")
+    for line in ax.get_lines():
+        assert line.get_color() == plot.MODE_STYLE[line.get_label().split(":")[0]]["color"]
+    fig, ax = plot.host_device_bars(timing)
+    assert ax.patches[0].get_facecolor()[:3] == pytest.approx(matplotlib.colors.to_rgb(plot.MODE_STYLE["step-graph"]["color"]))
+
+
+def test_a_batch_size_has_one_colour_in_every_figure():
+    one = plot.throughput_vs_interval(sweep_like(batches=(1, 16)))[1]
+    two = plot.throughput_vs_interval(sweep_like(batches=(4, 16, 64)))[1]
+    colour = {ax: {line.get_label(): line.get_color() for line in ax.get_lines()} for ax in (one, two)}
+    assert colour[one]["16"] == colour[two]["16"] and colour[one]["1"] != colour[two]["4"]
+
+
+def test_zeros_never_on_a_log_axis():
+    df = sweep_like()
+    assert (df["wasted_steps"] == 0).any()
+    fig, ax = plot.throughput_vs_interval(df, metric="wasted_steps")
+    assert ax.get_yscale() in ("linear", "symlog") and ax.get_ylim()[0] <= 0   # the zeros are drawn, at 0
+    spread = df.assign(wasted_steps=np.where(df["poll"] == "never", 400, df["wasted_steps"]))
+    fig, ax = plot.throughput_vs_interval(spread, metric="wasted_steps")
+    assert ax.get_yscale() == "symlog" and "linear from 0 to 1" in _caption(fig)
+    wide = sweep_like(batches=(1, 64))
+    wide.loc[wide["batch"] == 64, "tokens_per_s"] *= 40   # all positive, spanning more than 8x
+    assert plot.throughput_vs_interval(wide)[1].get_yscale() == "log"
+
+
+def test_lines_on_top_of_each_other_are_named_in_the_caption():
+    df = sweep_like(polls=("1",), modes=("eager", "forward-graph", "step-graph"))
+    same = df["mode"] != "eager"
+    df.loc[same, "tokens_per_s"] = df.loc[same].groupby(["batch", "repeat"])["tokens_per_s"].transform("first")
+    fig, ax = plot.throughput_vs_batch(df, hue="mode")
+    text = _caption(fig).replace("\n", " ")
+    assert "forward-graph and step-graph" in text and "eager" not in text.split("other")[-1]
+    assert plot.overlapping({"a": ([1, 2], [1.0, 2.0]), "b": ([1, 2], [1.01, 2.0]), "c": ([1, 2], [1.5, 2])}) == \
+        [("a", "b")]
+
+
+def test_captions_explain_the_bands():
+    fig, ax = plot.throughput_vs_interval(sweep_like())
+    assert "median of 3 repetitions" in _caption(fig) and "p20-p80" in _caption(fig)
+    sizes = [line.get_markersize() for line in ax.get_lines()]
+    assert sizes == sorted(sizes, reverse=True) and len(set(sizes)) == len(sizes)   # markers nest, none hidden
+    fig, ax = plot.throughput_vs_interval(sweep_like(), normalize=True)
+    assert "pass 1.0" in _caption(fig).replace("\n", " ")
+    fig, ax = plot.throughput_vs_interval(sweep_like(repeats=1))
+    assert "no band" in _caption(fig)
+
+
+def _per_token(mode, batch, host, busy):
+    return dict(model="llama-1b", mode=mode, batch=batch, host_us_median_per_token=host / batch,
+                device_busy_us_per_token=busy / batch)
+
+
+def test_agreement_pairs_in_process_with_nsys():
+    inproc = pd.DataFrame([_per_token("eager", 1, 23600, 2190), _per_token("step-graph", 1, 14.6, 2256),
+                           _per_token("step-graph", 16, 12.8, 3110)])
+    traced = pd.DataFrame([dict(_per_token("eager", 1, 34700, 2185), trace="graph"),
+                           dict(_per_token("step-graph", 1, 174, 2456), trace="graph"),
+                           dict(_per_token("step-graph", 1, 1500, 2242), trace="node"),
+                           dict(_per_token("step-graph", 16, 127, 3349), trace="graph")])
+    fig, axes = plot.agreement(inproc, traced)
+    table = fig.gdtool_table.set_index(["mode", "batch"])
+    assert table.loc[("eager", 1), "busy_trace"] == "graph" and table.loc[("step-graph", 1), "busy_trace"] == "node"
+    assert table.loc[("step-graph", 1), "busy_ratio"] == pytest.approx(2256 / 2242)
+    assert table.loc[("step-graph", 16), "busy_trace"] == "graph"   # no node trace at batch 16: the graph one
+    assert table.loc[("step-graph", 1), "host_ratio"] == pytest.approx(14.6 / 174)
+    assert len(axes) == 2 and "Nsight Systems" in _caption(fig) and len(axes[0].patches) == 6
+    with pytest.raises(ValueError, match="no model is in both"):
+        plot.agreement(inproc.assign(model="tiny-llama"), traced)

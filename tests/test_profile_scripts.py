@@ -84,3 +84,46 @@ def test_sort_compile_probe_refuses_unknown_variants(tmp_path, capsys):
     with pytest.raises(SystemExit):
         sort_compile_probe.main(["--variants", "bubble", "--out", str(tmp_path / "x.json")])
     assert "choose from counting, two-sorts" in capsys.readouterr().err
+
+
+def _gpu_run(tmp_path, *parts):
+    import os
+    import subprocess
+    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), *parts], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300)
+    return done.returncode, (tmp_path / "out" / "log").read_text()
+
+
+def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
+    """A part that fails (the launch probe refuses a machine without a GPU) or is not a part makes the whole
+    run exit 1, after the other parts ran, and the log names them; the environment sidecar is kept."""
+    rc, log = _gpu_run(tmp_path, "launch-probe", "no-such-part")
+    assert rc == 1, log
+    assert "=== launch-probe exit 1" in log and "unknown part no-such-part" in log
+    assert "=== failed: launch-probe no-such-part" in log
+    import tarfile
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        names = tar.getnames()
+    assert "env.json" in names and "launch-probe/log" in names
+    rc, log = _gpu_run(tmp_path)
+    assert rc == 0 and "every part passed" in log
+
+
+def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
+    import agreement
+    h200 = ROOT / "profiles" / "h200"
+    argv = ["--profile", str(h200 / "profile" / "summary.csv"), "--nsys",
+            *(str(h200 / d / "summary.csv") for d in ("nsys-graph", "nsys-node1", "nsys-node16"))]
+    assert agreement.main(argv) == 0
+    text = capsys.readouterr().out
+    table = agreement.tables(argv[1], argv[3:]).set_index(["mode", "batch"])
+    assert set(table.index) == {(m, b) for m in ("eager", "forward-graph", "step-graph") for b in (1, 16)}
+    assert table.loc[("step-graph", 16), "busy_trace"] == "node" and table.loc[("eager", 1), "busy_trace"] == "graph"
+    for mode in ("forward-graph", "step-graph"):   # the same kernels timed twice: within 1%
+        assert (table.loc[mode, "busy_ratio"] - 1).abs().max() < 0.01
+    assert "| step-graph | 16 |" in text and "within 10% of nsys for" in text
+    with pytest.raises(SystemExit, match="the nsys table lacks \\['trace'\\]"):
+        agreement.main(["--profile", str(h200 / "profile" / "summary.csv"), "--nsys",
+                        str(ROOT / "profiles" / "sweeps" / "llama-1b_geom128.csv")])

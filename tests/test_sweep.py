@@ -190,13 +190,13 @@ def test_eos_off_runs_every_row_to_the_end(load, tmp_path):
     assert (df[df["poll"] == "1"]["polls"] == 4).all()  # a flag that never flips is still read when asked
 
 
-def test_cli_prints_one_json_document_last(tmp_path, capsys):
+def test_cli_prints_one_json_document_with_json(tmp_path, capsys):
     out = tmp_path / "cli.csv"
     code = main(["--models", "tiny-llama", "--modes", "eager,step-graph", "--batches", "1", "--polls", "1", "async",
                  "--lengths", "fixed:3", "--prompt-len", "4", "--repeats", "1", "--warmup", "0", "--out", str(out),
-                 "--no-progress"])
+                 "--no-progress", "--json"])
     assert code == 0
-    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    doc = json.loads(capsys.readouterr().out)
     assert doc["rows"] == 4 and doc["complete"] and doc["failed_rows"] == 0
     assert len(load_csv(out)) == 4
 

@@ -1,0 +1,171 @@
+"""One command-line grammar (gdtool.options) for run, bench, profile (in-process, --nsys, --read) and sweep:
+the same option names and list syntax, help with a default on every option, this machine's default model,
+one-line errors with exit 2 for bad values, a progress bar on stderr, --json."""
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+
+from gdtool import __main__ as entry
+from gdtool import bench, cli, options, profile_cli
+
+sweep_module = importlib.import_module("gdtool.sweep")  # gdtool.sweep is also the function
+
+PARSERS = {"run": cli.parser, "bench": bench.parser, "profile": profile_cli.parser, "sweep": sweep_module.parser}
+MAINS = {"run": cli.main, "bench": bench.main, "profile": profile_cli.main, "sweep": sweep_module.main}
+SHARED = {"--model", "--mode", "--batch", "--max-new-tokens", "--prompt-len", "--seed", "--json", "--no-progress"}
+TINY = {"run": ["--batch", "1", "--max-new-tokens", "3", "--prompt-len", "3", "--mode", "eager", "step-graph",
+                "--warmup", "0"],
+        "bench": ["--batch", "1", "--max-new-tokens", "3", "--prompt-len", "3", "--repeats", "1", "--mode", "eager",
+                  "--peers", "none"],
+        "profile": ["--batch", "1", "--max-new-tokens", "3", "--prompt-len", "3", "--mode", "eager", "step-graph",
+                    "--warmup", "0"],
+        "sweep": ["--batch", "1", "--max-new-tokens", "3", "--prompt-len", "3", "--mode", "step-graph", "--poll", "1",
+                  "--lengths", "fixed:2", "--repeats", "1", "--warmup", "0"]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _options(parser):
+    return {s: a for a in parser._actions for s in a.option_strings}
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_help_shows_a_default_for_every_option(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        MAINS[command](["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert f"python -m gdtool {command}" in text
+    formatter = PARSERS[command]()._get_formatter()
+    for action in PARSERS[command]()._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        help_text = formatter._get_help_string(action)
+        assert action.help, f"{command} {action.option_strings[0]} has no help text"
+        assert "(default" in help_text, f"{command} {action.option_strings[0]}: no default in {help_text!r}"
+    assert "here tiny-llama)" in " ".join(text.split())  # the default model named for this machine (a CPU)
+
+
+def test_profile_help_shows_nsys_and_read(capsys):
+    with pytest.raises(SystemExit):
+        profile_cli.main(["--help"])
+    text = capsys.readouterr().out
+    for flag in ("--nsys", "--read", "--trace", "--keep-report", "--no-busy", "--warmup"):
+        assert flag in text
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_shared_option_names_and_list_syntax(command):
+    parser = PARSERS[command]()
+    names = set(_options(parser))
+    assert SHARED <= names, SHARED - names
+    for alias in ("--models", "--modes", "--batches", "--prompt-length"):
+        assert alias in names, alias
+    if command != "bench":
+        assert {"--poll", "--polls", "--eos-poll-interval"} <= names
+    if command != "sweep":
+        assert "--kernels" in names
+    if command != "run":
+        assert {"--out", "--redo"} <= names
+    spaces = parser.parse_args(["--batch", "1", "4", "--model", "tiny-llama"])
+    commas = parser.parse_args(["--batches", "1,4", "--models", "tiny-llama"])
+    repeated = parser.parse_args(["--batch", "1", "--batch", "4", "--model", "tiny-llama"])
+    assert spaces.batch == commas.batch == repeated.batch == [1, 4]
+    assert spaces.model == ["tiny-llama"]
+
+
+def test_lengths_keep_their_commas():
+    args = sweep_module.parser().parse_args(["--lengths", "list:3,5", "geom:8:32,fixed:4"])
+    assert args.lengths == ["list:3,5", "geom:8:32", "fixed:4"]
+
+
+BAD = [
+    ("run", ["--batch", "0"], "batch 0 must be at least 1"),
+    ("run", ["--model", "gpt5"], "unknown model 'gpt5'; use a preset"),
+    ("run", ["--mode", "fast"], "unknown mode 'fast'; choose from eager"),
+    ("run", ["--poll", "sometimes"], "polling policy 'sometimes' is not an interval"),
+    ("run", ["--kernels", "fused"], "unknown kernels 'fused'; choose from hf, compiled"),
+    ("run", ["--prompt-len", "9,3"], "LO > HI; swap them"),
+    ("run", ["--eos-token-id", "x"], "is not a whole number"),
+    ("bench", ["--peers", "gpt-fst"], "unknown peer 'gpt-fst'; choose from"),
+    ("bench", ["--mode", "step-graph+fused"], "unknown kernels 'fused'"),
+    ("bench", ["--batch", "1,x"], "batch 'x' is not a whole number"),
+    ("bench", ["--model", "gpt5"], "unknown model"),
+    ("bench", ["--kernels", "fused"], "unknown kernels"),
+    ("profile", ["--batch", "-1"], "must be at least 1"),
+    ("profile", ["--mode", "graph"], "unknown mode 'graph'"),
+    ("profile", ["--poll", "-2"], "is not an interval"),
+    ("profile", ["--kernels", "triton"], "unknown kernels"),
+    ("profile", ["--model", "gpt5"], "unknown model"),
+    ("profile", ["--nsys", "--trace", "kernel"], "unknown trace 'kernel'; choose from graph, node"),
+    ("profile", ["--trace", "node"], "--trace is an Nsight Systems option; add --nsys"),
+    ("profile", ["--nsys", "--mode", "device-loop"], "--nsys traces eager, forward-graph, step-graph"),
+    ("profile", ["--nsys", "--warmup", "2"], "--warmup is an in-process option"),
+    ("profile", ["--set", "eos_poll_interval"], "is not KEY=VALUE"),
+    ("sweep", ["--polls", "sometimes"], "polling policy 'sometimes'"),
+    ("sweep", ["--lengths", "zipf:3"], "unknown length distribution 'zipf:3'"),
+    ("sweep", ["--batches", "0"], "must be at least 1"),
+    ("sweep", ["--modes", "eager,fast"], "unknown mode 'fast'"),
+    ("sweep", ["--models", "gpt5"], "unknown model"),
+    ("sweep", ["--repeats", "0"], "repeats 0 must be at least 1"),
+]
+
+
+@pytest.mark.parametrize("command, argv, message", BAD, ids=[f"{c} {' '.join(a)}" for c, a, _ in BAD])
+def test_a_bad_value_is_one_line_and_exit_2(command, argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        MAINS[command](argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith(f"python -m gdtool {command}: error:") and message in err, err
+
+
+def test_a_bad_setting_found_late_is_one_line_too(capsys):
+    """A value only decode can judge (top_p=1.5) still ends the command with one line, exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(TINY["run"] + ["--do-sample", "--top-p", "1.5", "--no-progress"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m gdtool run: error: top_p=1.5 is outside (0, 1]")
+
+
+def test_unknown_command(capsys):
+    assert entry.main(["profil"]) == 2
+    assert "unknown command 'profil'" in capsys.readouterr().err
+    assert entry.main([]) == 0 and "profile" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_default_model_progress_bar_json_and_the_cpu_note(command, tmp_path, capsys):
+    """No --model on a CPU: tiny-llama. Without --no-progress: a tqdm bar on stderr. With --json: one JSON
+    document on stdout and the readable table (with the note that nothing was captured) on stderr."""
+    argv = TINY[command] + (["--out", str(tmp_path / "out.csv" if command == "sweep" else tmp_path)]
+                            if command != "run" else [])
+    assert MAINS[command](argv + ["--json"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert "tiny-llama" in captured.out
+    assert "%|" in captured.err, captured.err            # tqdm's bar
+    assert options.UNCAPTURED in captured.err
+    assert doc.get("captured") is False
+    assert MAINS[command](argv + ["--no-progress", "--redo"] if command != "run" else argv + ["--no-progress"]) == 0
+    captured = capsys.readouterr()
+    assert "%|" not in captured.err and options.UNCAPTURED in captured.out and not captured.out.startswith("{")
+
+
+def test_profile_names_the_model_in_its_table(tmp_path, capsys):
+    assert profile_cli.main(TINY["profile"] + ["--out", str(tmp_path), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "host_us" in line)
+    assert header.split()[:3] == ["model", "batch", "mode"] and "tiny-llama" in out
