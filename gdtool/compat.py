@@ -89,6 +89,9 @@ def rewind(cache, length: int) -> None:
             counter.fill_(length)
         elif counter is not None:
             layer.cumulative_length = length
+        if isinstance(getattr(layer, "indexer_keys", None), torch.Tensor):  # sparse attention's indexer cache
+            layer.indexer_keys[:, length:].zero_()
+            layer.indexer_cumulative_length.fill_(length)
         if sliding:
             layer.cumulative_length_int = 0
         if linear and not length:

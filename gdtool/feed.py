@@ -95,7 +95,7 @@ def check_cache(cache, mode: str, model) -> None:
     if chunked and "chunked_attention" in types:
         raise Unsupported(f"{type(model).__name__} has chunked-attention layers, whose mask depends on the absolute "
                           "position in a way the graph modes' shifted frame does not keep; use mode='eager'")
-    known = ("StaticLayer", "StaticSlidingWindowLayer", "LinearAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer",
+    known = ("StaticLayer", "StaticSlidingWindowLayer", "StaticIndexedLayer", "LinearAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer",
              "LinearAttentionAndStaticSlidingWindowAttentionLayer")
     unknown = sorted(kinds - set(known))
     if unknown:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .feed import Unsupported
+
 UNSET = object()
 
 # Settings gdtool implements: resolved and used.
@@ -120,7 +122,7 @@ def _refuse_unsupported(config, extra: dict) -> None:
         if value is None or any(value == o for o in off if o is not None):
             continue
         source = "given" if name in extra else "set in model.generation_config"
-        raise ValueError(f"{name}={value!r} ({source}) changes generate()'s output and gdtool does not implement "
+        raise Unsupported(f"{name}={value!r} ({source}) changes generate()'s output and gdtool does not implement "
                          f"it; pass {name}={off[-1]!r} to turn it off, or use model.generate() for this setting")
 
 

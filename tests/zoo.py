@@ -101,9 +101,21 @@ def tiny_config(model_type: str, **overrides):
         return cls(**kw)
 
 
+MAX_PARAMS = 5_000_000
+
+
+class NotTiny(Exception):
+    """The shrunk config still has fields this builder does not know: too big for the zoo."""
+
+
 def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, **overrides):
     from transformers import AutoModelForCausalLM
     config = tiny_config(model_type, **overrides)
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    if params > MAX_PARAMS:
+        raise NotTiny(f"{params / 1e6:.0f}M parameters after shrinking")
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
