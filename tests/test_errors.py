@@ -153,24 +153,42 @@ def test_training_mode_is_refused_with_the_fix(prompt):
     run(m, p.input_ids, p.attention_mask, mode="eager")  # no dropout anywhere: eager is exact
 
 
-def test_sliding_window_layers_run_eager_only():
+@pytest.mark.parametrize("window", [4, 10])
+def test_sliding_window_layers_run_in_every_mode(window):
+    # window 4: full after the prompt; window 10: fills while decoding (the graph modes switch graphs there)
     from transformers import MistralConfig
-    m = _tiny(MistralConfig, sliding_window=4)
-    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
-    for mode in ("forward-graph", "step-graph"):
-        with pytest.raises(ValueError, match="full-attention layers only.*use mode='eager'"):
-            run(m, p.input_ids, p.attention_mask, mode=mode, max_new_tokens=8)
     from reference import assert_same, decode, generate
-    ref = generate(m, p.input_ids, p.attention_mask, 8, eos_token_id=None)
-    assert_same(decode(m, p.input_ids, p.attention_mask, 8, eos_token_id=None), *ref)
+    m = _tiny(MistralConfig, sliding_window=window)
+    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
+    ref = generate(m, p.input_ids, p.attention_mask, 12, eos_token_id=None)
+    for mode in gdtool.MODES:
+        assert_same(decode(m, p.input_ids, p.attention_mask, 12, eos_token_id=None, mode=mode), *ref)
 
 
-def test_mixture_of_experts_is_refused_in_graph_modes():
+def test_mixture_of_experts_runs_in_every_mode_and_eager_experts_are_refused_for_capture():
     from transformers import MixtralConfig
+    from reference import assert_same, decode, generate
+    from gdtool import feed
     m = _tiny(MixtralConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
-    with pytest.raises(ValueError, match="mixture-of-experts"):
-        run(m, p.input_ids, p.attention_mask, mode="step-graph")
+    ref = generate(m, p.input_ids, p.attention_mask, 8, eos_token_id=None)
+    for mode in gdtool.MODES:
+        assert_same(decode(m, p.input_ids, p.attention_mask, 8, eos_token_id=None, mode=mode), *ref)
+    assert feed.experts_implementation(m) == "grouped_mm"
+    m.set_experts_implementation("eager")  # loops over the experts hit: a host read per step
+    with pytest.raises(ValueError, match="experts_implementation='eager'.*set_experts_implementation"):
+        feed.check(m, "step-graph", torch.device("cuda"))
+    feed.check(m, "eager", torch.device("cuda"))   # eager mode decodes it as generate() does
+
+
+def test_models_generate_decodes_without_a_static_cache_are_refused_in_every_mode():
+    from transformers import MptConfig
+    m = _tiny(MptConfig, d_model=64, n_heads=4, n_layers=2, vocab_size=512)
+    assert m.generation_config.use_cache is False
+    p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
+    for mode in gdtool.MODES:
+        with pytest.raises(ValueError, match="use_cache=False.*generation_config.use_cache = True"):
+            run(m, p.input_ids, p.attention_mask, mode=mode, max_new_tokens=4)
 
 
 def test_other_attention_kernels_are_refused_in_graph_modes(prompt):
