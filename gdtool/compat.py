@@ -2,11 +2,14 @@
 
 - The cache keyword of a model's forward: `past_key_values` (5.17) or `cache` (later 5.x).
 - The static cache: sized like generate() sizes it, and rewound after warm-up.
+- The eager-attention mask: 5.17 makes its 0.0 with `torch.tensor(0.0, device=...)`, a host-to-device
+  copy that a CUDA graph cannot capture; later releases use `torch.zeros(())` (`capturable_masks`).
 - Whether the repetition penalty sees left pads: up to 5.2x generate() penalizes every id of
   `input_ids`, pads included; later releases skip each row's left padding (`prompt_ignore_length`).
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 
 import torch
@@ -103,3 +106,32 @@ def rewind(cache, length: int) -> None:
             if isinstance(flags, dict):
                 for key in flags:
                     flags[key] = False
+
+
+@contextlib.contextmanager
+def capturable_masks():
+    """While decoding, transformers' eager-attention mask without its host-to-device copy (5.17 builds
+    its 0.0 with `torch.tensor(0.0, device=...)`; later releases with `torch.zeros(())`: same values)."""
+    from transformers import masking_utils
+    mapping = masking_utils.AttentionMaskInterface._global_mapping
+    original = mapping.get("eager")
+    try:
+        copies = original is not None and "torch.tensor(0.0" in inspect.getsource(original)
+    except (OSError, TypeError):
+        copies = False
+    if not copies:
+        yield
+        return
+
+    def eager_mask(*args, dtype=torch.float32, **kwargs):
+        kwargs.pop("allow_is_causal_skip", None)
+        mask = masking_utils.sdpa_mask(*args, allow_is_causal_skip=False, **kwargs)
+        if mask is not None:
+            mask = torch.where(mask, torch.zeros((), device=mask.device, dtype=dtype), torch.finfo(dtype).min)
+        return mask
+
+    mapping["eager"] = eager_mask
+    try:
+        yield
+    finally:
+        mapping["eager"] = original

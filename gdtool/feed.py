@@ -95,7 +95,7 @@ def check_cache(cache, mode: str, model) -> None:
     if chunked and "chunked_attention" in types:
         raise Unsupported(f"{type(model).__name__} has chunked-attention layers, whose mask depends on the absolute "
                           "position in a way the graph modes' shifted frame does not keep; use mode='eager'")
-    known = ("StaticLayer", "StaticSlidingWindowLayer", "StaticIndexedLayer", "LinearAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer",
+    known = ("StaticLayer", "StaticSlidingWindowLayer", "StaticIndexedLayer", "DummyLayer", "LinearAttentionLayer", "LinearAttentionAndStaticFullAttentionLayer",
              "LinearAttentionAndStaticSlidingWindowAttentionLayer")
     unknown = sorted(kinds - set(known))
     if unknown:
@@ -251,12 +251,12 @@ class Feed:
 
     @contextlib.contextmanager
     def decoding(self):
-        """What holds for every decode forward: generate()'s decode-time experts implementation, and
-        the sliding layers' shifted frame."""
+        """What holds for every decode forward: generate()'s decode-time experts implementation, the
+        sliding layers' shifted frame, and masks built without host-to-device copies."""
         optimize = getattr(self.model, "_optimize_model_for_decode", None)
         experts = optimize() if optimize is not None and experts_modules(self.model) else contextlib.nullcontext()
         frame = self.windows.patched(self.cache) if self.windows else contextlib.nullcontext()
-        with experts, frame:
+        with experts, frame, compat.capturable_masks():
             yield
 
     # -- phases of the sliding layers --

@@ -119,7 +119,9 @@ class _Hazards(TorchDispatchMode):
         name = func.overloadpacket.__name__
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         on_cuda = any(t.device.type == "cuda" for t in tensors) or str(kwargs.get("device", "")).startswith("cuda")
-        cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0]
+        # a CPU scalar is a plain number to most ops, but copying one to the GPU is a host-to-device copy
+        copying = name in ("_to_copy", "copy_", "copy", "_copy_from")
+        cpu = [t for t in tensors if t.device.type == "cpu" and (t.dim() > 0 or copying)]
         out = func(*args, **kwargs)
         if len(self.found) < 3:
             if name in _SYNCING and on_cuda:
