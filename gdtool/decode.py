@@ -361,6 +361,7 @@ class Engine:
         fn = self.step.forward if self.mode == "forward-graph" else self.step
         keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
         syncs = 0
+        constants = None
         for phase in dict.fromkeys(p for p, _, _ in self.phases):
             with self.feed.in_phase(phase):
                 t0 = time.perf_counter()
@@ -368,7 +369,7 @@ class Engine:
                     if self.captures_enabled:
                         offset = generator.get_offset()
                         with hidden_waits(self.device, waits):
-                            graphs.warm_up(fn, 1, self.model)
+                            constants = graphs.warm_up(fn, 1, self.model)
                             if self.rng_increment is None:
                                 self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
                             graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)
@@ -386,7 +387,8 @@ class Engine:
                         torch.cuda.empty_cache()
                     reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
                     # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
-                    self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model) \
+                    self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model,
+                                                        constants=constants) \
                         if self.captures_enabled else graphs.Uncaptured(fn, self.feed.frozen_counters())
                     if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
                         self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved

@@ -14,6 +14,7 @@ import traceback
 import warnings
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -43,12 +44,14 @@ class Captured:
     """A CUDA graph of `fn`; `output` holds what `fn` returned during capture (static buffers)."""
     captured = True
 
-    def __init__(self, fn, pool=None, keep_graph: bool = False, model=None):
+    def __init__(self, fn, pool=None, keep_graph: bool = False, model=None, constants: list | None = None):
         # keep_graph: keep the cudaGraph_t after instantiation, for a device loop to embed it
         self.graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
+        # the pinned host copies of the constants the step copies to the GPU: the graph reads them at every replay
+        self.constants = constants or []
         # captured on the warm-up stream: the cuBLAS workspace it made there is reused, not made during capture
         try:
-            with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()):
+            with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()), HostConstants(self.constants):
                 self.output = fn()
         except RuntimeError as error:
             name = type(model).__name__ if model is not None else "the model"
@@ -63,6 +66,7 @@ class Captured:
     def close(self) -> None:
         self.graph.reset()
         self.output = None
+        self.constants = []
 
 
 def can_capture(device: torch.device) -> bool:
@@ -82,22 +86,24 @@ def side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def warm_up(fn, steps: int, model=None) -> None:
+def warm_up(fn, steps: int, model=None) -> list | None:
     """Run `fn` on a side stream, as torch asks before capturing; with `model`, the first run also checks
-    that nothing in it would break the capture (`check_capturable`)."""
+    that nothing in it would break the capture and returns the host constants it copies (`check_capturable`)."""
     side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
+    constants = None
     with torch.cuda.stream(side):
         for i in range(steps):
             if i == 0 and model is not None:
-                check_capturable(fn, model)
+                constants = check_capturable(fn, model)
             else:
                 fn()
     torch.cuda.current_stream().wait_stream(side)
+    return constants
 
 
-def capture(fn, device: torch.device, pool=None, keep_graph: bool = False, model=None):
-    return Captured(fn, pool, keep_graph, model) if can_capture(device) else Uncaptured(fn)
+def capture(fn, device: torch.device, pool=None, keep_graph: bool = False, model=None, constants=None):
+    return Captured(fn, pool, keep_graph, model, constants) if can_capture(device) else Uncaptured(fn)
 
 
 # -- what makes a step uncapturable, found before capture ------------------------------------------
@@ -119,9 +125,9 @@ class _Hazards(TorchDispatchMode):
         name = func.overloadpacket.__name__
         tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         on_cuda = any(t.device.type == "cuda" for t in tensors) or str(kwargs.get("device", "")).startswith("cuda")
-        # a CPU scalar is a plain number to most ops, but copying one to the GPU is a host-to-device copy
-        copying = name in ("_to_copy", "copy_", "copy", "_copy_from")
-        cpu = [t for t in tensors if t.device.type == "cpu" and (t.dim() > 0 or copying)]
+        # copies to the GPU are HostConstants' business (it pins them); a CPU tensor any other op takes is not
+        copying = name in ("_to_copy", "copy_", "copy", "_copy_from", "lift_fresh", "lift_fresh_copy")
+        cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0 and not copying]
         out = func(*args, **kwargs)
         if len(self.found) < 3:
             if name in _SYNCING and on_cuda:
@@ -142,6 +148,62 @@ def _where() -> str:
     return "an unknown place"
 
 
+class HostConstants(TorchFunctionMode):
+    """Constants a forward makes on the host and copies to the GPU at every call (`torch.tensor(0.0,
+    device="cuda")`, `cpu_tensor.to("cuda")`). A graph cannot capture a copy from pageable host memory,
+    but it can capture one from pinned memory, replayed as a memcpy node.
+
+    Recording (`constants=None`, in a warm-up step): each such copy is done as asked and a pinned
+    host copy of its source kept, in call order. Serving (in capture, with the recorded list): the
+    i-th copy is made from the i-th pinned source when it holds the same values; otherwise the copy
+    runs as asked and the capture fails with its own error (the source changes from call to call:
+    no constant).
+    """
+
+    def __init__(self, constants: list | None = None):
+        super().__init__()
+        self.recording = constants is None
+        self.constants = [] if constants is None else constants
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        source = _host_source(func, args, kwargs)
+        if source is None:
+            return func(*args, **kwargs)
+        host, device, dtype = source
+        if self.recording:
+            self.constants.append(host.pin_memory())
+            return func(*args, **kwargs)
+        index, self.calls = self.calls, self.calls + 1
+        pinned = self.constants[index] if index < len(self.constants) else None
+        if pinned is None or pinned.shape != host.shape or pinned.dtype != host.dtype or not torch.equal(pinned, host):
+            return func(*args, **kwargs)
+        return pinned.to(device=device, dtype=dtype or pinned.dtype, non_blocking=True)
+
+
+def _is_cuda(device) -> bool:
+    return device is not None and torch.device(device).type == "cuda"
+
+
+def _host_source(func, args, kwargs):
+    """(CPU source, CUDA device, dtype) when `func` copies host data to the GPU, else None."""
+    if func in (torch.tensor, torch.as_tensor) and args and not isinstance(args[0], torch.Tensor) \
+            and _is_cuda(kwargs.get("device")):
+        return torch.as_tensor(args[0], dtype=kwargs.get("dtype")), kwargs["device"], kwargs.get("dtype")
+    if func in (torch.Tensor.to, torch.Tensor.cuda) and args and isinstance(args[0], torch.Tensor) \
+            and args[0].device.type == "cpu":
+        if func is torch.Tensor.cuda:
+            return args[0], torch.device("cuda", torch.cuda.current_device()), None
+        try:
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+        except (TypeError, RuntimeError):
+            return None
+        if _is_cuda(device):
+            return args[0], device, dtype
+    return None
+
+
 def device_constants(model) -> list[str]:
     """Move the CPU tensors a model keeps as plain attributes onto its device, where its forward would copy
     them at every call (a copy a graph cannot capture). Returns the moved names."""
@@ -156,15 +218,17 @@ def device_constants(model) -> list[str]:
     return moved
 
 
-def check_capturable(fn, model) -> None:
-    """Run `fn` once (a warm-up step) watching for what a graph cannot capture; refuse it with the cause."""
+def check_capturable(fn, model) -> list:
+    """Run `fn` once (a warm-up step) watching for what a graph cannot capture; refuse it with the cause.
+    Returns the host constants the step copies to the GPU (pinned), for the capture to replay."""
     moved = device_constants(model)
     if moved:
         warnings.warn(f"gdtool: moved {len(moved)} CPU tensor(s) {moved[:3]} of {type(model).__name__} to its device "
                       "before capture (its forward copies them there at every call)", stacklevel=3)
-    watch = _Hazards()
-    with watch:
+    watch, constants = _Hazards(), HostConstants()
+    with constants, watch:
         fn()
     if watch.found:
         raise CaptureError(f"{type(model).__name__}'s decode step cannot be captured in a CUDA graph: "
                            f"{'; '.join(watch.found)}; use mode='eager'")
+    return constants.constants

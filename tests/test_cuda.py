@@ -180,3 +180,28 @@ def test_step_graph_syncs_only_at_polls(llama1b):
     eager = decode(llama1b, prompt.input_ids, prompt.attention_mask, 33, mode="eager", eos_token_id=None)
     assert out.polls == 3 and eager.polls == 33
     assert out.host_syncs < eager.host_syncs
+
+
+@pytest.mark.cuda
+def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named():
+    from gdtool import graphs
+    owner = torch.nn.Linear(2, 2).cuda()           # check_capturable reads the model's device
+    x = torch.arange(4.0, device="cuda")
+    table = torch.tensor([10.0, 20.0, 30.0, 40.0])  # a CPU tensor copied to the GPU at every call
+
+    def step():
+        return x + torch.tensor(0.5, device="cuda") + table.to("cuda")
+
+    constants = graphs.warm_up(step, 1, owner)
+    assert len(constants) == 2 and all(c.is_pinned() for c in constants)
+    graph = graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
+    x.add_(1.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph.output, x + 0.5 + table.cuda())
+
+    def reads_host():
+        return x * float(x.sum())
+
+    with pytest.raises(ValueError, match="reads a device value on the host.*test_cuda.py"):
+        graphs.warm_up(reads_host, 1, owner)
