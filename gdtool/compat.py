@@ -1,6 +1,7 @@
 """The few places where supported transformers releases differ (5.17 on the GPU machine, newer on PyPI).
 
-- The cache keyword of a model's forward: `past_key_values` (5.17) or `cache` (later 5.x).
+- The cache keyword of a model's forward: `past_key_values` (5.17; `cache_params` for Mamba-family
+  classes, as 5.17's generate() names it) or `cache` (later 5.x).
 - The static cache: sized like generate() sizes it, and rewound after warm-up.
 - The eager-attention mask: 5.17 makes its 0.0 with `torch.tensor(0.0, device=...)`, a host-to-device
   copy that a CUDA graph cannot capture; later releases use `torch.zeros(())` (`capturable_masks`).
@@ -27,7 +28,12 @@ PENALTY_SEES_LEFT_PADS = penalty_sees_left_pads()
 def forward_kwargs(model) -> tuple[str, bool]:
     """(name of the cache keyword, whether forward accepts logits_to_keep)."""
     params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
+    if "cache" in params:
+        cache_kw = "cache"
+    elif "mamba" in type(model).__name__.lower() and "cache_params" in params:
+        cache_kw = "cache_params"  # 5.17's generate() hands a Mamba-family model its cache under this name
+    else:
+        cache_kw = "past_key_values"
     return cache_kw, "logits_to_keep" in params
 
 
