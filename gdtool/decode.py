@@ -47,6 +47,7 @@ class DecodeOutput:
     captures: int = 0                 # graphs captured by this call
     logprobs: torch.Tensor | None = None  # [B, T] float32 log-probability of each token, with return_logprobs=True
     memory: dict = field(default_factory=dict)  # kv_cache_bytes, graph_pool_bytes, buffer_bytes of the engine
+    experts: str | None = None        # MoE: the experts implementation the decode steps ran (generate()'s choice)
 
     @property
     def new_tokens(self) -> int:
@@ -294,6 +295,7 @@ class Engine:
             timings["prefill_s"] = time.perf_counter() - t0
             trail = {0: generator.get_state()} if settings.do_sample else None
             with self.feed.decoding():
+                experts = feed.experts_implementation(self.model)
                 if self.mode != "eager" and n > 1 and not self.graphs:
                     explicit_waits += self._capture(generator, timings, waits)
                 t0 = time.perf_counter()
@@ -320,7 +322,7 @@ class Engine:
         return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
                             batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
-                            captures=self.captures - captures_before, memory=self.memory(),
+                            captures=self.captures - captures_before, memory=self.memory(), experts=experts,
                             logprobs=logprobs[:used].T.contiguous() if logprobs is not None else None)
 
     def memory(self) -> dict:
@@ -369,7 +371,11 @@ class Engine:
                     if self.captures_enabled:
                         offset = generator.get_offset()
                         with hidden_waits(self.device, waits):
-                            constants = graphs.warm_up(fn, 1, self.model)
+                            # HF's kernels: watch the first step for what a graph cannot hold. A compiled step
+                            # is one dynamo graph already (a host read is a graph break there), and dynamo
+                            # does not compile under the watching dispatch mode
+                            watched = self.model if self.kernels == fast.DEFAULT_KERNELS else None
+                            constants = graphs.warm_up(fn, 1, watched)
                             if self.rng_increment is None:
                                 self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
                             graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)

@@ -129,8 +129,10 @@ class _Hazards(TorchDispatchMode):
         copying = name in ("_to_copy", "copy_", "copy", "_copy_from", "lift_fresh", "lift_fresh_copy")
         cpu = [t for t in tensors if t.device.type == "cpu" and t.dim() > 0 and not copying]
         out = func(*args, **kwargs)
+        to_host = copying and isinstance(out, torch.Tensor) and out.device.type == "cpu" \
+            and any(t.device.type == "cuda" for t in tensors)
         if len(self.found) < 3:
-            if name in _SYNCING and on_cuda:
+            if (name in _SYNCING and on_cuda) or to_host:
                 self.found.append(f"{name} reads a device value on the host, at {_where()}")
             elif on_cuda and cpu:
                 self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "

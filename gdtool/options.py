@@ -8,7 +8,7 @@ way and reads a list the same way, with spaces or commas (``--batch 1 4 16`` is 
     --batch B...          rows per decode                                            (alias --batches)
     --poll P...           EOS polling: k >= 1, never (or 0), async, default         (aliases --polls,
                           --eos-poll-interval)
-    --kernels K...        decode's kernels: hf (HF's own) or compiled
+    --kernels K...        decode's kernels: hf (HF's own), compiled or fast
     --prompt-len N        prompt tokens per row                                      (alias --prompt-length)
     --max-new-tokens N, --seed N, --warmup N, --repeats N, --out PATH
     --redo                measure configs again that --out already holds (default: skip them, resume)
@@ -121,8 +121,9 @@ class Parser(argparse.ArgumentParser):
 
     def add_kernels(self, default=("hf",)):
         return self.list_option("--kernels", item=kernels_item, default=default,
-                                help="decode's kernels: hf (HF's own, bitwise generate()) or compiled "
-                                     "(torch.compile'd, fused)")
+                                help="decode's kernels: hf (HF's own, bitwise generate()), compiled "
+                                     "(torch.compile'd, fused) or fast (compiled plus gdtool's Triton decode "
+                                     "kernels where they apply: Llama, batch <= 4, CUDA)")
 
     def add_int(self, *names, default, minimum=0, help):
         return self.add_argument(*names, type=int_type(names[0], minimum), default=default, help=help,

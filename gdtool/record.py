@@ -22,8 +22,8 @@ the configs already there (``--redo`` measures them again), so a run cut short g
     results.count(cfg)                        # (rows without error, any failed row)
     results.replace(cfg, rows); results.save()
 
-The git commit comes from ``git`` in the checkout, or from ``$GDTOOL_COMMIT`` where the code runs
-from a copy without its git folder (``git_commit_source`` says which).
+The git commit comes from ``$GDTOOL_COMMIT`` where it is set (a copy of a checkout may carry a git
+folder of another commit), else from ``git`` in the checkout (``git_commit_source`` says which).
 """
 from __future__ import annotations
 
@@ -64,14 +64,15 @@ def _run(cmd, cwd=None) -> tuple[int, str]:
 
 
 def git_commit() -> tuple[str | None, bool | None, str | None]:
-    """(commit, dirty, source) of the gdtool checkout: source is 'git', 'GDTOOL_COMMIT' or None."""
+    """(commit, dirty, source) of the gdtool checkout: source is 'GDTOOL_COMMIT', 'git' or None.
+    An explicit $GDTOOL_COMMIT wins: a copy of a checkout can carry a git folder of another commit."""
+    given = os.environ.get("GDTOOL_COMMIT", "").strip()
+    if given:
+        return given, None, "GDTOOL_COMMIT"
     code, commit = _run(["git", "rev-parse", "--verify", "-q", "HEAD"], cwd=_ROOT)
     if code == 0 and re.fullmatch(r"[0-9a-f]{40}", commit):
         _, status = _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=_ROOT)
         return commit, bool(status), "git"
-    given = os.environ.get("GDTOOL_COMMIT", "").strip()
-    if given:
-        return given, None, "GDTOOL_COMMIT"
     return None, None, None
 
 

@@ -2,7 +2,7 @@
 # Set up a virtual environment for gdtool and run the main job or the tests.
 #   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the three modes compared)
 #   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU), then the
-#                                        parity tests again against the oldest supported transformers
+#                                        parity, error and zoo tests again against the oldest supported transformers
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
 # NVIDIA driver, else the CUDA build pip picks.
 set -euo pipefail
@@ -71,7 +71,7 @@ case "$what" in
         "$VENV/bin/python" -m pytest -q -ra "$@"
         echo "== parity against transformers $OLDEST_TRANSFORMERS =="
         setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
-        "$VENV-oldest/bin/python" -m pytest -q -ra tests/test_parity.py tests/test_errors.py
+        "$VENV-oldest/bin/python" -m pytest -q -ra tests/test_parity.py tests/test_errors.py tests/test_zoo.py
         ;;
     *)
         echo "usage: bash scripts/dev.sh run|test [args...]" >&2

@@ -38,6 +38,12 @@ def test_commit_from_the_environment_where_there_is_no_git(monkeypatch):
     assert "commit unknown" in record.describe(dict(record.environment(), git_commit=None))
 
 
+def test_an_explicit_commit_wins_over_the_git_folder_of_a_copy(monkeypatch):
+    # a copy of a checkout can carry the git folder of an older commit: the caller's commit is the true one
+    monkeypatch.setenv("GDTOOL_COMMIT", "fedcba9876543210")
+    assert record.git_commit() == ("fedcba9876543210", None, "GDTOOL_COMMIT")
+
+
 @dataclass(frozen=True)
 class Point(record.Config):
     model: str
