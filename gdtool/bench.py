@@ -166,13 +166,15 @@ def copy_bandwidth(device: torch.device, nbytes: int | None = None, repeats: int
 
 
 def step_bytes(model, batch: int, prompt_len: int, max_new_tokens: int) -> dict:
-    """Bytes one decode step must read: weights once plus the live KV cache at its mean length."""
+    """Bytes one decode step must read: weights once (of a mixture of experts, the experts its tokens hit on
+    average) plus the live KV cache at its mean length."""
     weights = sum(p.numel() * p.element_size() for p in model.parameters())  # tied weights counted once
     emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
     if emb_in is not None and (emb_out is None or emb_in.weight is not emb_out.weight):
         # an untied input embedding is only looked up: one row per sequence
         w = emb_in.weight
         weights += batch * w.shape[1] * w.element_size() - w.numel() * w.element_size()
+    weights -= _idle_expert_bytes(model, batch)
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
@@ -182,6 +184,23 @@ def step_bytes(model, batch: int, prompt_len: int, max_new_tokens: int) -> dict:
     mean_live = prompt_len + max_new_tokens / 2
     kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * mean_live * batch * itemsize
     return {"weight_bytes": int(weights), "kv_bytes": int(kv), "bytes_per_step": int(weights + kv)}
+
+
+def _idle_expert_bytes(model, batch: int) -> float:
+    """Expert weights a step does not read: with k of E experts per token chosen uniformly, a batch of B
+    tokens hits E * (1 - (1 - k/E)^B) experts on average (random weights route close to uniformly)."""
+    from .feed import experts_modules
+    idle = 0.0
+    for module in experts_modules(model):
+        config = getattr(module, "config", None)
+        experts = getattr(module, "num_experts", None) or getattr(config, "num_experts", None) \
+            or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+        top_k = getattr(module, "top_k", None) or getattr(config, "num_experts_per_tok", None)
+        if not experts or not top_k:
+            continue
+        hit = 1 - (1 - top_k / experts) ** batch
+        idle += (1 - hit) * sum(p.numel() * p.element_size() for p in module.parameters())
+    return idle
 
 
 def _dynamo_fresh() -> None:

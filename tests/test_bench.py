@@ -240,3 +240,12 @@ def test_compiled_peers_really_compile_on_cuda(tmp_path, capsys):
         assert rows[runner]["dynamo_graphs"] >= 1
     df = pd.read_csv(tmp_path / "tiny-llama_b2_p8_n16.csv")
     assert (df.groupby("runner").dynamo_graphs_in_timed_runs.max() == 0).all()
+
+
+def test_step_bytes_of_a_mixture_of_experts_count_the_experts_hit():
+    import gdtool
+    from gdtool import bench
+    model = gdtool.load_model("tiny-qwen3-moe")   # 8 experts, 2 per token
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    one, many = bench.step_bytes(model, 1, 8, 8)["weight_bytes"], bench.step_bytes(model, 512, 8, 8)["weight_bytes"]
+    assert one < many <= total and many > 0.99 * total   # batch 1 reads 2 of 8 experts; a big batch all of them
