@@ -365,42 +365,46 @@ class Engine:
         syncs = 0
         constants = None
         for phase in dict.fromkeys(p for p, _, _ in self.phases):
-            with self.feed.in_phase(phase):
-                t0 = time.perf_counter()
-                with ranges.span(ranges.WARMUP):
-                    if self.captures_enabled:
-                        offset = generator.get_offset()
-                        with hidden_waits(self.device, waits):
-                            # HF's kernels: watch the first step for what a graph cannot hold. A compiled step
-                            # is one dynamo graph already (a host read is a graph break there), and dynamo
-                            # does not compile under the watching dispatch mode
-                            watched = self.model if self.kernels == fast.DEFAULT_KERNELS else None
-                            constants = graphs.warm_up(fn, 1, watched)
-                            if self.rng_increment is None:
-                                self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
-                            graphs.warm_up(fn, min(WARMUP_STEPS, self.cache_len - self.width) - 1)
-                        _sync(self.device)
-                        syncs += 1
-                    else:
-                        # the same warm-up steps, run for real and undone below, so a CPU tests the undoing too
-                        for _ in range(min(WARMUP_STEPS, self.cache_len - self.width)):
-                            fn()
-                timings["warmup_s"] += time.perf_counter() - t0
-                t0 = time.perf_counter()
-                with ranges.span(ranges.CAPTURE):
-                    if self.captures_enabled:
-                        # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
-                        torch.cuda.empty_cache()
-                    reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
-                    # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
-                    self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model,
-                                                        constants=constants) \
-                        if self.captures_enabled else graphs.Uncaptured(fn, self.feed.frozen_counters())
-                    if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
-                        self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
-                    self.captures += self.captures_enabled
-                    syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
-                timings["capture_s"] += time.perf_counter() - t0
+            def enter(phase=phase):  # every warm-up step and the capture start in this phase
+                self.feed.enter_phase(phase, layers)
+            steps = min(WARMUP_STEPS, self.cache_len - self.width)
+            t0 = time.perf_counter()
+            with ranges.span(ranges.WARMUP):
+                if self.captures_enabled:
+                    offset = generator.get_offset()
+                    with hidden_waits(self.device, waits):
+                        # HF's kernels: watch the first step for what a graph cannot hold. A compiled step
+                        # is one dynamo graph already (a host read is a graph break there), and dynamo
+                        # does not compile under the watching dispatch mode
+                        watched = self.model if self.kernels == fast.DEFAULT_KERNELS else None
+                        constants = graphs.warm_up(fn, 1, watched, before=enter)
+                        if self.rng_increment is None:
+                            self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
+                        graphs.warm_up(fn, steps - 1, before=enter)
+                    _sync(self.device)
+                    syncs += 1
+                else:
+                    # the same warm-up steps, run for real and undone below, so a CPU tests the undoing too
+                    for _ in range(steps):
+                        enter()
+                        fn()
+            timings["warmup_s"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            with ranges.span(ranges.CAPTURE):
+                enter()
+                if self.captures_enabled:
+                    # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
+                    torch.cuda.empty_cache()
+                reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
+                # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
+                self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model,
+                                                    constants=constants) \
+                    if self.captures_enabled else graphs.Uncaptured(fn, self.feed.frozen_counters())
+                if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
+                    self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
+                self.captures += self.captures_enabled
+                syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
+            timings["capture_s"] += time.perf_counter() - t0
             self.state.restore(snapshot)
             self.feed.restore(layers)
             compat.rewind(self.cache, self.width)

@@ -24,6 +24,10 @@ Three things generate() does with Python values that a captured step cannot, and
 - Layers whose state a warm-up step changes for good (a sliding window that rolls, the conv and
   recurrent states of linear-attention layers) are saved before warm-up and capture and put back
   (`snapshot` / `restore`).
+- Some models keep their recurrent state in plain module attributes and bind a new tensor to them at
+  every forward (RecurrentGemma's conv and recurrent states): a graph would read the tensor bound at
+  capture forever. gdtool gives each such attribute one tensor that every step reads and writes back
+  into (`ModuleState`), and saves it around warm-up like a cache layer.
 
 `check()` refuses, with the reason and what to use instead, the models gdtool cannot decode as
 generate() does; it reads the built model (its modules, cache layers and forward), not config counts.
@@ -214,6 +218,60 @@ def _full_window_update(layer, update):
     return full_update
 
 
+class ModuleState:
+    """State a model keeps in plain module attributes, not in the cache, and rebinds at every forward.
+
+    RecurrentGemma's recurrent blocks do `self.conv1d_state = conv_state[:, :, 1:]`: the next forward
+    reads whatever tensor the attribute holds. Run eagerly that is fine; captured, the graph would read
+    the tensor bound at capture at every replay. The attributes the prefill binds (found by comparing
+    the modules' tensors before and after it) get a slot: a tensor of their own that every later
+    forward copies its new value into, the attribute bound back to it (`settle`, part of the step, so
+    the copy is captured). The values are the model's own: bit for bit what generate() computes.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.slots: dict = {}  # (module, attribute name) -> the tensor every decode step reads and writes
+        self.before: dict | None = None
+
+    def _tensors(self) -> dict:
+        return {(module, name): value for module in self.model.modules()
+                for name, value in vars(module).items() if isinstance(value, torch.Tensor)}
+
+    def watch(self) -> None:
+        """Before the prefill: remember which tensors the modules hold."""
+        self.before = self._tensors()
+
+    def settle(self) -> None:
+        """After a forward: copy what it bound into the slots and bind the slots back."""
+        if self.before is not None:  # the prefill: what it bound becomes a slot, or refills one
+            before, self.before = self.before, None
+            for key, value in self._tensors().items():
+                if key in self.slots or before.get(key) is not value:
+                    self._keep(key, value, prefill=True)
+            return
+        for key in self.slots:
+            self._keep(key, getattr(key[0], key[1]), prefill=False)
+
+    def _keep(self, key, value: torch.Tensor, prefill: bool) -> None:
+        module, name = key
+        slot = self.slots.get(key)
+        if slot is value:
+            return
+        if slot is None or slot.shape != value.shape or slot.dtype != value.dtype or slot.device != value.device:
+            if not prefill:
+                raise Unsupported(f"{type(module).__name__}.{name} (state kept on the module) changed from "
+                                  f"{tuple(slot.shape)} to {tuple(value.shape)} between decode steps, so no graph "
+                                  "can hold it; use mode='eager'")
+            slot = self.slots[key] = value.clone(memory_format=torch.contiguous_format)
+        else:
+            slot.copy_(value)
+        setattr(module, name, slot)
+
+    def snapshot(self) -> list:
+        return [(module, {name: slot.clone()}) for (module, name), slot in self.slots.items()]
+
+
 class Feed:
     """The model inputs of the prefill and of one decode step, as generate() builds them."""
 
@@ -225,6 +283,7 @@ class Feed:
             self.logits_to_keep = bool(supports())
         self.takes_positions = "position_ids" in inspect.signature(model.forward).parameters
         self.windows = Windows(cache, width, cache_len)
+        self.module_state = ModuleState(model)
         layers = compat.cache_layers(cache)
         self.all_linear = bool(layers) and all(compat.is_linear(layer) and not hasattr(layer, "keys") for layer in layers)
 
@@ -238,6 +297,7 @@ class Feed:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
         kwargs = self._common(attention_mask, positions)
+        self.module_state.watch()
         length = None if self.all_linear else input_ids.shape[1]
         return self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=length,
                                                         is_first_iteration=True, **kwargs)
@@ -248,6 +308,10 @@ class Feed:
         kwargs = self._common(mask, positions)
         return self.model.prepare_inputs_for_generation(tokens, next_sequence_length=1, is_first_iteration=False,
                                                         **kwargs)
+
+    def settle(self) -> None:
+        """After each forward (inside the step, so a graph holds it): module-held state back in its slots."""
+        self.module_state.settle()
 
     @contextlib.contextmanager
     def decoding(self):
@@ -276,21 +340,18 @@ class Feed:
                 out.append((phase, step, step))
         return out
 
-    @contextlib.contextmanager
-    def in_phase(self, phase: int):
-        """Set the sliding layers' Python counters as they stand in `phase` (for warm-up and capture)."""
+    def enter_phase(self, phase: int, saved: list) -> None:
+        """Put the sliding layers as they stand at the start of a step of `phase`, for a warm-up step or the
+        capture: the window the prefill left (`saved`, from `snapshot()`), and the Python counters on the
+        phase's side of "full". Each warm-up step advances the counters by one, so without this a
+        phase that starts one or two tokens short of a full window would be warmed up, and captured, in
+        the full phase (its roll branch instead of the slot write)."""
+        self.restore(saved)
         layers = compat.cache_layers(self.cache)
-        saved = {i: layers[i].cumulative_length_int for i in self.windows.layers}
         for g, (size, _, members) in enumerate(self.windows.groups):
             for i in members:
-                full = g < phase
                 count = layers[i].cumulative_length_int
-                layers[i].cumulative_length_int = max(count, size) if full else min(count, size - 1)
-        try:
-            yield
-        finally:
-            for i, count in saved.items():
-                layers[i].cumulative_length_int = count
+                layers[i].cumulative_length_int = max(count, size) if g < phase else min(count, size - 1)
 
     def frozen_counters(self):
         """A function that puts the sliding layers' Python counters back where they stand now: what a
@@ -311,7 +372,7 @@ class Feed:
         for layer in compat.cache_layers(self.cache):
             if compat.is_sliding(layer) or compat.is_linear(layer):
                 saved.append((layer, _layer_state(layer)))
-        return saved
+        return saved + self.module_state.snapshot()
 
     @staticmethod
     def restore(saved: list) -> None:

@@ -86,14 +86,17 @@ def side_stream() -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def warm_up(fn, steps: int, model=None) -> list | None:
+def warm_up(fn, steps: int, model=None, before=None) -> list | None:
     """Run `fn` on a side stream, as torch asks before capturing; with `model`, the first run also checks
-    that nothing in it would break the capture and returns the host constants it copies (`check_capturable`)."""
+    that nothing in it would break the capture and returns the host constants it copies (`check_capturable`).
+    `before` runs ahead of every step (the caller's per-step setup, on the same stream)."""
     side = side_stream()
     side.wait_stream(torch.cuda.current_stream())
     constants = None
     with torch.cuda.stream(side):
         for i in range(steps):
+            if before is not None:
+                before()
             if i == 0 and model is not None:
                 constants = check_capturable(fn, model)
             else:

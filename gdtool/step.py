@@ -108,6 +108,7 @@ class Step:
 
     def logits(self, inputs: dict) -> torch.Tensor:
         out = self.model(**inputs)
+        self.feed.settle()
         return out.logits[:, -1].to(copy=True, dtype=torch.float32)
 
     def forward(self) -> torch.Tensor:
