@@ -11,6 +11,7 @@ environment). Options follow the shared grammar of `gdtool.options`.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -170,7 +171,13 @@ def _report(out, args, name, model, ids, results, device) -> dict:
     if tokenizer is not None:
         doc["text"] = tokenizer.batch_decode(first.tokens, skip_special_tokens=True)
         for row, text in enumerate(doc["text"]):
-            out.say(f"[{row}] {text}")
+            # text that decodes to nothing (ids the tokenizer does not know) is shown as ids
+            out.say(f"[{row}] {text}" if text.strip() else f"[{row}] (no text) token ids {first.tokens[row].tolist()}")
+    elif os.path.isdir(os.path.expanduser(name)):
+        out.say(f"no tokenizer in {name}: the generated tokens as ids")
+        doc["text"] = None
+        for row, ids in enumerate(first.tokens.tolist()):
+            out.say(f"[{row}] {ids}")
     if args.show_tokens:
         doc["tokens"] = {label: o.tokens.tolist() for label, (_, o) in results.items()}
         for label, (_, o) in results.items():

@@ -79,6 +79,31 @@ PRESETS: dict[str, tuple[str, dict]] = {
 }
 
 
+def check_local(name: str) -> bool:
+    """Whether `name` is a local checkpoint folder (True) or not a path at all (False: a preset name, or
+    something unknown); a path that is missing, a file, or a folder without config.json raises ValueError
+    naming it."""
+    if name in PRESETS:
+        return False
+    path = os.path.expanduser(name)
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"model folder {name} has no config.json: not a checkpoint folder; pass the folder "
+                             "that holds config.json and the weights (as save_pretrained writes it)")
+        return True
+    if os.path.exists(path):
+        raise ValueError(f"model {name} is a file, not a checkpoint folder; pass the folder that holds it")
+    if os.path.isabs(path) or name.startswith((".", "~")) or name.endswith(os.sep):
+        shown = "" if os.path.abspath(path) == name else f" ({os.path.abspath(path)})"
+        raise ValueError(f"model folder {name} does not exist{shown}; check the path, or "
+                         f"use a preset ({', '.join(PRESETS)})")
+    if "/" in name:
+        raise ValueError(f"{name!r} is neither a preset ({', '.join(PRESETS)}) nor a local checkpoint folder (no "
+                         f"folder {os.path.abspath(path)}); hub names are not downloaded: download it first and pass "
+                         "its folder")
+    return False
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -144,7 +169,8 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
         if dtype is None:
             raise ValueError("dtype must be one of bf16, fp16, fp32")
     dtype = dtype or default_dtype(device)
-    if os.path.isdir(name_or_path):
+    if check_local(str(name_or_path)):
+        name_or_path = os.path.expanduser(name_or_path)
         if attn_implementation is None:
             from transformers import AutoConfig
             attn_implementation = default_attention(AutoConfig.from_pretrained(name_or_path))
@@ -169,9 +195,10 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
 def _maybe_tokenizer(path: str):
     try:
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path)
     except Exception:  # a checkpoint without tokenizer files decodes token ids only
         return None
+    return tokenizer if len(tokenizer) > 0 else None  # an empty vocabulary would decode every token to ""
 
 
 @dataclass

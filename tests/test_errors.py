@@ -203,3 +203,13 @@ def test_unknown_preset_and_hub_names():
         gdtool.load_model("meta-llama/Llama-3.2-1B")
     with pytest.raises(ValueError, match="batch >= 1"):
         gdtool.random_prompts(gdtool.load_model("tiny-llama"), batch=0)
+
+
+def test_missing_local_model_folders_are_named(tmp_path):
+    with pytest.raises(ValueError, match="model folder /nonexistent/folder does not exist; check the path"):
+        gdtool.load_model("/nonexistent/folder")
+    with pytest.raises(ValueError, match="has no config.json: not a checkpoint folder"):
+        gdtool.load_model(str(tmp_path))
+    (tmp_path / "model.safetensors").write_text("")
+    with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
+        gdtool.load_model(str(tmp_path / "model.safetensors"))
