@@ -37,7 +37,7 @@ rounding), and on a GPU PyTorch's default kernels are not run-to-run reproducibl
 (`--deterministic` in `python -m gdtool run`); the bitwise claims are tested, not read from this column.
 
     python -m gdtool bench --model tiny-llama --batch 2 --prompt-len 8 --max-new-tokens 8   # CPU, seconds
-    python -m gdtool bench --model llama-1b --batch 1,64                    # GPU: table + profiles/bench/
+    python -m gdtool bench --model llama-1b --batch 1,64                    # GPU: table + results/bench/
     python -m gdtool bench --model llama-8b --batch 1 --modes step-graph --peers gpt-fast --kernels hf,compiled
 
 Results go to `<out>/<config name>.csv` (one row per runner x timed repeat, every config field a
@@ -635,7 +635,7 @@ def parser() -> options.Parser:
                         "step then runs one matmul per group; HF's kernels and the peers are unchanged")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     p.add_seed()
-    p.add_out("profiles/bench", "folder for <config>.csv and <config>.json")
+    p.add_out("results/bench", "folder for <config>.csv and <config>.json, made if missing")
     p.add_common()
     return p
 
@@ -654,6 +654,7 @@ def main(argv: list[str] | None = None) -> int:
     peers = _none_or_list(args.peers)
     if not modes and not peers:
         p.error("--mode none with --peers none leaves nothing to measure; name a mode or a peer")
+    args.out = p.out_path(args.out)  # before loading anything: a path it cannot write fails now, not at the end
     return options.run(p, lambda a: _main(a, modes, peers), args)
 
 
@@ -735,6 +736,7 @@ def _main(args, modes, peers) -> int:
                         "dynamo_graphs", "dynamo_recompiles"] if c in everything.columns]
     keep += [c for c in everything.columns if c.startswith("x_")]
     env = env or environment(device)
+    out.say(f"results in {args.out}")
     out.document({
         "bench": names, "device": env["device_name"], "captured": device.type == "cuda",
         "copy_gb_s": round(copy_bytes_s / 1e9, 1) if copy_bytes_s else None,

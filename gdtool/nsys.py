@@ -911,15 +911,14 @@ def target(argv: list[str]) -> int:
 
 
 def _parse_settings(pairs) -> dict:
+    from .options import check_setting
+    from .profile_cli import NSYS_SETTINGS
     settings = {}
     for pair in pairs:
         if "=" not in pair:
             raise ValueError(f"--set {pair!r} is not KEY=VALUE; e.g. --set eos_poll_interval=16")
         k, v = pair.split("=", 1)
-        try:
-            settings[k] = json.loads(v)
-        except json.JSONDecodeError:
-            settings[k] = v
+        settings[k] = check_setting(k.strip(), v.strip(), NSYS_SETTINGS)
     return settings
 
 

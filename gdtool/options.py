@@ -45,6 +45,36 @@ def default_models(cuda: bool | None = None) -> list[str]:
     return ["llama-1b" if cuda else "tiny-llama"]
 
 
+def out_path(path, file: bool = False, error=None) -> str:
+    """The absolute path of a results folder (or, `file=True`, a results file), its folder created and
+    checked writable by writing a scratch file there. A failure calls `error` with one line naming
+    --out (raises ValueError without one)."""
+    import tempfile
+    from pathlib import Path
+    target = Path(path).expanduser().absolute()
+    folder = target.parent if file else target
+    try:
+        if file and target.is_dir():
+            raise IsADirectoryError(21, "is a folder, not a file")
+        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():
+            raise NotADirectoryError(20, "not a folder")
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".gdtool-write-check-"):
+            pass
+        if file and target.exists() and not os.access(target, os.W_OK):
+            raise PermissionError(13, "the file is read-only")
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        scratch = ".gdtool-write-check-" in str(err.filename)
+        where = f" at {err.filename}" if err.filename and not scratch and str(err.filename) != str(path) else ""
+        message = (f"--out {path}: cannot write there ({reason}{where}); pass a {'file' if file else 'folder'} "
+                   "path you can write to")
+        if error is None:
+            raise ValueError(message) from None
+        error(message)
+    return str(target)
+
+
 def split(values) -> list[str]:
     """Items of a list option: each value split on commas and whitespace, empty items dropped."""
     items = []
@@ -142,6 +172,11 @@ class Parser(argparse.ArgumentParser):
     def add_out(self, default, what):
         return self.add_argument("--out", default=default, metavar="PATH", help=what)
 
+    def out_path(self, path, file: bool = False) -> str:
+        """--out made ready before any work: its folder created and written to once, as an absolute path;
+        a path that cannot be written ends the command with one line naming --out (exit 2)."""
+        return out_path(path, file=file, error=self.error)
+
     def add_common(self, redo: bool = True):
         """--redo (where results resume), --json and --no-progress."""
         if redo:
@@ -191,8 +226,8 @@ class ListAction(argparse.Action):
 # item checks: each returns the item (converted) or raises ValueError naming the fix
 
 def model_item(name: str) -> str:
-    from .models import PRESETS
-    if name in PRESETS or os.path.isdir(name):
+    from .models import PRESETS, check_local
+    if name in PRESETS or check_local(name):
         return name
     raise ValueError(f"unknown model {name!r}; use a preset ({', '.join(PRESETS)}) or a local checkpoint folder")
 
@@ -257,17 +292,119 @@ def expand_modes(modes, choices=None) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def settings(pairs, parser: Parser) -> dict:
-    """--set KEY=VALUE pairs as decode arguments (values read as JSON where they parse)."""
+def _number(kind, ok=lambda v: True, nullable=True):
+    """A conversion to a number of `kind` (int or float; an int stays an int) for which `ok` holds."""
+    def convert(text):
+        value = json.loads("null" if text.lower() == "none" else text)
+        if value is None and nullable:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
+            raise ValueError
+        if not ok(value):
+            raise ValueError
+        return value
+    return convert
+
+
+def _flag(text):
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise ValueError
+
+
+def _token_ids(text):
+    if text.strip().lower() in ("null", "none"):
+        return None
+    value = json.loads(text) if text.strip().startswith("[") else [int(x) for x in split(text)]
+    value = value if isinstance(value, list) else [value]
+    if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in value):
+        raise ValueError
+    return value[0] if len(value) == 1 else value
+
+
+def _poll(text):
+    from .polls import poll_value
+    if text.strip().lower() in ("null", "none"):
+        return None
+    return poll_value(text)
+
+
+def _kernels(text):
+    from .fast import KERNELS
+    if text not in KERNELS:
+        raise ValueError
+    return text
+
+
+# The gdtool.decode arguments --set takes: key -> (conversion, the values it accepts). A conversion
+# raises ValueError on a bad value; the command then names the key and these values.
+SET_KEYS = {
+    "do_sample": (_flag, "true or false"),
+    "temperature": (_number(float, lambda v: 0 < v < float("inf")), "a number > 0, or null"),
+    "top_k": (_number(int, lambda v: v >= 0), "a whole number >= 0 (0 is off), or null"),
+    "top_p": (_number(float, lambda v: 0 < v <= 1), "a number in (0, 1] (1.0 is off), or null"),
+    "repetition_penalty": (_number(float, lambda v: 0 < v < float("inf")), "a number > 0 (1.0 is off), or null"),
+    "eos_token_id": (_token_ids, "a token id, ids as 2,7 or [2,7], or null (EOS off)"),
+    "pad_token_id": (_number(int, lambda v: v >= 0), "a token id (a whole number >= 0), or null"),
+    "eos_poll_interval": (_poll, "a whole number k >= 1, never (or 0), async, or null (the mode's own)"),
+    "kernels": (_kernels, "hf, compiled or fast"),
+    "steps_per_launch": (_number(int, lambda v: v >= 1), "a whole number >= 1 (device-loop only), or null"),
+    "num_samples": (_number(int, lambda v: v >= 1, nullable=False), "a whole number >= 1"),
+    "capture": (lambda v: None if v.strip().lower() in ("null", "none") else _flag(v), "true, false or null"),
+    "return_scores": (_flag, "true or false"),
+    "return_logprobs": (_flag, "true or false"),
+}
+# Keys with an option of their own.
+SET_OPTIONS = {"max_new_tokens": "--max-new-tokens", "seed": "--seed", "mode": "--mode", "input_ids": "--prompt-len",
+               "attention_mask": "--prompt-len", "target_lengths": "sweep --lengths"}
+
+
+def check_setting(key: str, value: str, extra: dict | None = None):
+    """The decode argument `key` read from the text `value`, or ValueError naming the key and the values
+    it accepts. `extra` adds keys a command takes besides decode's ({key: (conversion, accepted)})."""
+    from .settings import REFUSED, _refuse_unsupported
+    known = {**SET_KEYS, **(extra or {})}
+    if key in SET_OPTIONS:
+        raise ValueError(f"--set {key}=...: use {SET_OPTIONS[key]} instead")
+    if key in REFUSED:
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        try:
+            _refuse_unsupported(None, {key: parsed})  # raises unless the value means "off"
+        except ValueError as err:
+            raise ValueError(f"--set {err}") from None
+        return parsed
+    if key not in known:
+        import difflib
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}? " if close else ""
+        raise ValueError(f"--set {key}: unknown setting; {hint}--set takes {', '.join(known)}")
+    convert, accepted = known[key]
+    try:
+        return convert(value)
+    except (ValueError, TypeError, json.JSONDecodeError):
+        raise ValueError(f"--set {key}={value!r}: {key} takes {accepted}") from None
+
+
+def settings(pairs, parser: Parser, extra: dict | None = None) -> dict:
+    """--set KEY=VALUE pairs as decode arguments, each checked against the settings gdtool knows
+    (`SET_KEYS`, plus `extra`): an unknown key or a bad value ends the command with one line naming the
+    key and what it accepts, before anything runs."""
     out = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
+        key = key.strip()
         if not sep or not key:
             parser.error(f"--set {pair!r} is not KEY=VALUE; e.g. --set eos_poll_interval=16")
         try:
-            out[key] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key] = value
+            out[key] = check_setting(key, value.strip(), extra)
+        except ValueError as err:
+            parser.error(str(err))
     return out
 
 

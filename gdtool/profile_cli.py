@@ -25,6 +25,8 @@ import pandas as pd
 from . import nsys, options, record
 
 NSYS_ONLY = ("trace", "repeat", "keep_report", "fixture")
+IN_PROCESS_OUT, NSYS_OUT = "results/profile", "results/nsys"
+NSYS_SETTINGS = {"fuse_projections": (options._flag, "true or false (--nsys only)")}
 IN_PROCESS_ONLY = ("warmup", "no_busy")
 
 
@@ -75,9 +77,10 @@ def parser() -> options.Parser:
     p.add_argument("--no-eos", action="store_true", help="eos_token_id=None: every decode runs all its steps "
                    "(the host still polls on schedule)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra gdtool.decode argument, repeatable, e.g. --set repetition_penalty=1.1; with --nsys "
-                        "also fuse_projections=true (fuse q/k/v and gate/up first, as bench --fuse-projections)")
-    p.add_out(None, "results folder (default: timing-profiles in-process, nsys-profiles with --nsys)")
+                   help="extra gdtool.decode argument, repeatable, e.g. --set repetition_penalty=1.1; KEY is one of "
+                        f"{', '.join(options.SET_KEYS)}, or a generate() setting gdtool refuses set to off; with "
+                        "--nsys also fuse_projections=true (fuse q/k/v and gate/up first, as bench --fuse-projections)")
+    p.add_out(None, f"results folder, made if missing (default: {IN_PROCESS_OUT} in-process, {NSYS_OUT} with --nsys)")
     inproc = p.add_argument_group("in-process only")
     inproc.add_argument("--warmup", type=options.int_type("--warmup", 0), default=None, metavar="N",
                         help="untimed decodes before each timed one (default: 1)")
@@ -109,9 +112,14 @@ def main(argv: list[str] | None = None) -> int:
     given = {k for k in IN_PROCESS_ONLY if getattr(args, k) not in (None, False)}
     if given and traced:
         p.error(f"--{sorted(given)[0].replace('_', '-')} is an in-process option; drop it with --nsys / --read")
-    args.settings = options.settings(args.set, p)
+    # fuse_projections is no decode argument: the --nsys target fuses the model before decoding
+    args.settings = options.settings(args.set, p, extra=NSYS_SETTINGS)
+    if "fuse_projections" in args.settings and not traced:
+        p.error("--set fuse_projections is an Nsight Systems setting; add --nsys (or drop it)")
     if args.read:
         return options.run(p, _read, args)
+    # before any work: a path it cannot write fails now
+    args.out = p.out_path(args.out or (NSYS_OUT if args.nsys else IN_PROCESS_OUT))
     if args.nsys:
         modes = options.expand_modes(args.mode, nsys.MODES)
         bad = [m for m in modes if m not in nsys.MODES]
@@ -147,7 +155,7 @@ def _in_process(args) -> int:
     cuda = _cuda()
     models = args.model or options.default_models(cuda)
     configs = list(dict.fromkeys(_configs(args, models)))
-    folder = Path(args.out or "timing-profiles")
+    folder = Path(args.out or IN_PROCESS_OUT)
     folder.mkdir(parents=True, exist_ok=True)
     env = record.environment()
     record.write_sidecar(folder / "env.json", env, session=dict(configs=[c.name for c in configs]))
@@ -210,6 +218,7 @@ def _in_process(args) -> int:
         out.say("device columns are NaN: no CUDA device to time")
         if any(c.mode != "eager" for c in configs):
             out.say(options.UNCAPTURED)
+    out.say(f"results in {folder.absolute()}")
     out.document({"out": str(folder), "captured": cuda, "per_token": json.loads(table.to_json(orient="records")),
                   "environment": env})
     return 0
@@ -254,10 +263,11 @@ def _nsys(args, modes) -> int:
                             configs.append(nsys.RunConfig(model, batch, mode, trace, args.max_new_tokens,
                                                           args.prompt_len, args.repeat or 2, args.seed,
                                                           not args.no_eos, tuple(sorted(extra.items()))))
-    folder = Path(args.out or "nsys-profiles")
+    folder = Path(args.out or NSYS_OUT)
     steps, table = nsys.session(configs, folder, keep_report=args.keep_report, fixture=args.fixture,
                                 echo=lambda m: out.say(m), redo=args.redo, progress=not args.no_progress)
     out.say(nsys.format_table(table))
+    out.say(f"results in {folder.absolute()}")
     out.document({"out": str(folder), "rows": json.loads(table.to_json(orient="records"))})
     return 0
 

@@ -562,7 +562,7 @@ def parser():
     p.add_seed()
     p.add_int("--repeats", default=3, minimum=1, help="timed repetitions per config")
     p.add_int("--warmup", default=1, help="untimed decodes per captured graph")
-    p.add_out("profiles/sweeps/sweep.csv", "the results CSV (its sidecar: the same name, .json)")
+    p.add_out("results/sweep.csv", "the results CSV (its sidecar: the same name, .json), its folder made if missing")
     p.add_argument("--max-seconds", type=float, default=None, metavar="S",
                    help="start no config after this many seconds; run the command again to resume "
                         "(default: no limit)")
@@ -577,6 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     from . import options
     p = parser()
     args = p.parse_args(argv)
+    args.out = p.out_path(args.out, file=True)  # before any work: a path it cannot write fails now
     return options.run(p, _main, args)
 
 
@@ -602,6 +603,7 @@ def _main(args) -> int:
         out.say(best[cols].to_string(index=False, float_format=lambda x: f"{x:.1f}"))
     out.say(f"{doc['rows']} rows in {args.out} ({failed} failed); {doc['ran']} of {doc['configs']} configs run now"
             + ("" if doc["complete"] else "; not complete: run the same command again to go on"))
+    out.say(f"results in {args.out} (environment: {doc['sidecar']})")
     if not torch.cuda.is_available() and any(m != "eager" for m in options.expand_modes(args.mode)):
         out.say(options.UNCAPTURED)
     out.document(doc)

@@ -112,6 +112,25 @@ BAD = [
     ("profile", ["--nsys", "--mode", "device-loop"], "--nsys traces eager, forward-graph, step-graph"),
     ("profile", ["--nsys", "--warmup", "2"], "--warmup is an in-process option"),
     ("profile", ["--set", "eos_poll_interval"], "is not KEY=VALUE"),
+    ("profile", ["--set", "bogus=1"], "--set bogus: unknown setting; --set takes do_sample, temperature"),
+    ("profile", ["--set", "tempreature=0.5"], "did you mean temperature?"),
+    ("profile", ["--set", "repetition_penalty=abc"], "--set repetition_penalty='abc': repetition_penalty takes a "
+                                                     "number > 0"),
+    ("profile", ["--set", "top_p=1.5"], "top_p takes a number in (0, 1]"),
+    ("profile", ["--set", "top_k=2.5"], "top_k takes a whole number >= 0"),
+    ("profile", ["--set", "do_sample=maybe"], "do_sample takes true or false"),
+    ("profile", ["--set", "eos_token_id=x"], "eos_token_id takes a token id"),
+    ("profile", ["--set", "eos_poll_interval=sometimes"], "eos_poll_interval takes a whole number k >= 1"),
+    ("profile", ["--set", "kernels=fused"], "kernels takes hf, compiled or fast"),
+    ("profile", ["--set", "min_p=0.1"], "--set min_p=0.1 (given) changes generate()'s output and gdtool does not "
+                                        "implement it"),
+    ("profile", ["--set", "max_new_tokens=4"], "--set max_new_tokens=...: use --max-new-tokens instead"),
+    ("profile", ["--set", "fuse_projections=true"], "fuse_projections is an Nsight Systems setting; add --nsys"),
+    ("profile", ["--nsys", "--set", "fuse_projections=2"], "fuse_projections takes true or false"),
+    ("run", ["--model", "/nonexistent/folder"], "model folder /nonexistent/folder does not exist"),
+    ("bench", ["--model", "./no-such-checkpoint"], "model folder ./no-such-checkpoint does not exist"),
+    ("profile", ["--model", "~/no-such-checkpoint"], "model folder ~/no-such-checkpoint does not exist"),
+    ("sweep", ["--model", "org/no-such-model"], "is neither a preset"),
     ("sweep", ["--polls", "sometimes"], "polling policy 'sometimes'"),
     ("sweep", ["--lengths", "zipf:3"], "unknown length distribution 'zipf:3'"),
     ("sweep", ["--batches", "0"], "must be at least 1"),
@@ -169,3 +188,71 @@ def test_profile_names_the_model_in_its_table(tmp_path, capsys):
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if "host_us" in line)
     assert header.split()[:3] == ["model", "batch", "mode"] and "tiny-llama" in out
+
+
+def test_set_values_are_converted_before_anything_runs():
+    p = profile_cli.parser()
+    assert options.settings(["repetition_penalty=1.1", "top_k=5", "eos_token_id=2,7", "do_sample=true",
+                             "eos_poll_interval=async", "kernels=compiled", "temperature=null", "min_p=null"], p) == \
+        dict(repetition_penalty=1.1, top_k=5, eos_token_id=[2, 7], do_sample=True, eos_poll_interval="async",
+             kernels="compiled", temperature=None, min_p=None)
+    assert options.settings(["eos_token_id=null", "eos_poll_interval=16"], p) == dict(eos_token_id=None,
+                                                                                    eos_poll_interval=16)
+
+
+@pytest.mark.parametrize("command", ["bench", "profile", "sweep"])
+def test_an_unwritable_out_fails_before_any_work(command, tmp_path, capsys, monkeypatch):
+    """--out under a regular file cannot be made: one line naming --out, exit 2, before any model loads."""
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / ("x.csv" if command == "sweep" else "x")
+    monkeypatch.setattr(options, "run", lambda *a: pytest.fail("the command ran before --out was checked"))
+    with pytest.raises(SystemExit) as exit_info:
+        MAINS[command](TINY[command] + ["--out", str(bad)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"error: --out {bad}: cannot write there" in err, err
+
+
+@pytest.mark.parametrize("command", ["bench", "profile", "sweep"])
+def test_results_go_to_an_ignored_folder_by_default_and_the_command_says_where(command, tmp_path, capsys,
+                                                                                monkeypatch):
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent
+    assert "/results/" in (root / ".gitignore").read_text().splitlines()
+    monkeypatch.chdir(tmp_path)
+    assert MAINS[command](TINY[command] + ["--no-progress"]) == 0
+    out = capsys.readouterr().out
+    where = tmp_path / "results" / {"bench": "bench", "profile": "profile", "sweep": "sweep.csv"}[command]
+    assert where.exists() and [p.name for p in tmp_path.iterdir()] == ["results"]
+    assert f"results in {where}" in out
+
+
+@pytest.fixture(scope="module")
+def checkpoint_without_tokenizer(tmp_path_factory):
+    import gdtool
+    folder = tmp_path_factory.mktemp("checkpoint")
+    gdtool.load_model("tiny-llama", seed=0).save_pretrained(folder)
+    return folder
+
+
+def test_a_checkpoint_without_a_tokenizer_prints_token_ids_and_says_so(checkpoint_without_tokenizer, capsys):
+    argv = ["--model", str(checkpoint_without_tokenizer), "--mode", "eager", "--batch", "2", "--max-new-tokens", "3",
+            "--prompt-len", "3", "--warmup", "0", "--no-progress"]
+    assert cli.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(f"no tokenizer in {checkpoint_without_tokenizer}: the generated tokens as ids")
+    for row in range(2):
+        ids = json.loads(lines[start + 1 + row].split("] ", 1)[1])
+        assert lines[start + 1 + row].startswith(f"[{row}] ") and len(ids) == 3 and all(isinstance(i, int) for i in ids)
+    assert not any(line.strip() in ("", "[0]", "[1]") for line in lines[start:])
+
+
+def test_a_folder_that_is_no_checkpoint_is_named(tmp_path, capsys):
+    (tmp_path / "weights.bin").write_text("")
+    for model, message in ((tmp_path, f"model folder {tmp_path} has no config.json"),
+                           (tmp_path / "weights.bin", f"model {tmp_path / 'weights.bin'} is a file")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--model", str(model)])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and message in err, err
