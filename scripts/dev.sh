@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # Set up a virtual environment for gdtool and run the main job or the tests.
-#   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the three modes compared)
+#   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the four modes compared)
 #   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU), then the
-#                                        parity, error and zoo tests again against the oldest supported transformers
+#                                        parity, error and zoo tests again against the oldest supported
+#                                        transformers, in a second environment (VENV-oldest, ~1.7 GB)
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
 # NVIDIA driver, else the CUDA build pip picks.
+# The tests run on every core (pytest-xdist; TEST_WORKERS=N sets how many, TEST_WORKERS=0 runs them in one
+# process). Run as root where apt-get exists, `test` installs Debian's chromium for the notebook browser
+# test; GDTOOL_NO_BROWSER=1 skips that install and that test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-run}; shift || true
@@ -54,6 +58,9 @@ setup() {  # setup VENV [transformers pin]
 }
 
 browser() {  # Debian's chromium for the notebook browser test (as root, where apt exists)
+    if [ -n "${GDTOOL_NO_BROWSER:-}" ]; then
+        return
+    fi
     if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
         apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null || \
             echo "could not install chromium: the browser test will be skipped" >&2
@@ -68,10 +75,14 @@ case "$what" in
     test)
         setup "$VENV"
         browser
-        "$VENV/bin/python" -m pytest -q -ra "$@"
-        echo "== parity against transformers $OLDEST_TRANSFORMERS =="
+        # one worker per core; --dist loadgroup keeps each xdist_group's tests on one worker
+        parallel=(-n "${TEST_WORKERS:-auto}" --dist loadgroup)
+        if [ "${TEST_WORKERS:-auto}" = 0 ]; then parallel=(-p no:xdist); fi
+        "$VENV/bin/python" -m pytest -q -ra "${parallel[@]}" "$@"
+        echo "== parity, errors and zoo against transformers $OLDEST_TRANSFORMERS (second environment: $VENV-oldest) =="
         setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
-        "$VENV-oldest/bin/python" -m pytest -q -ra tests/test_parity.py tests/test_errors.py tests/test_zoo.py
+        "$VENV-oldest/bin/python" -m pytest -q -ra "${parallel[@]}" tests/test_parity.py tests/test_errors.py \
+            tests/test_zoo.py
         ;;
     *)
         echo "usage: bash scripts/dev.sh run|test [args...]" >&2

@@ -3,7 +3,8 @@ Playwright, Run All Cells, then a matplotlib image and an ipywidgets explorer mu
 
 Needs Debian's ``chromium`` (or $GDTOOL_CHROMIUM) and the PyPI packages ``playwright`` and
 ``jupyterlab``; no browser download (``playwright install`` is not used). Skipped, saying which is
-missing, when they are not installed. The screenshot goes to $GDTOOL_ARTIFACTS (default: pytest's
+missing, when they are not installed, and skipped when $GDTOOL_NO_BROWSER is set (`scripts/dev.sh test`
+then installs no chromium either). The screenshot goes to $GDTOOL_ARTIFACTS (default: pytest's
 temporary folder) as ``browser_00_quickstart.png``.
 """
 from __future__ import annotations
@@ -67,7 +68,13 @@ def _wait_for(url: str, proc: subprocess.Popen, log: Path, seconds: float = 90) 
     raise TimeoutError(f"JupyterLab did not answer at {url} within {seconds} s")
 
 
-@pytest.mark.skipif(bool(_missing()), reason="browser test needs: " + ", ".join(_missing()))
+def _skip_reason() -> str | None:
+    if os.environ.get("GDTOOL_NO_BROWSER"):
+        return "GDTOOL_NO_BROWSER is set: no browser test (unset it to run it)"
+    return "browser test needs: " + ", ".join(_missing()) if _missing() else None
+
+
+@pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
 def test_quickstart_runs_in_jupyterlab(tmp_path):
     import papermill
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
