@@ -11,7 +11,9 @@ The style, the same in every notebook:
 - a log axis only when every value is positive and they span more than 8x: zeros go on a linear axis;
 - the legend sits outside the axes, to the right, clear of the data;
 - the caption under the figure says what the lines and bands are (median and p20-p80 of how many
-  repetitions; for curves divided by their best, why a band can pass 1.0).
+  repetitions; for curves divided by their best, why a band can pass 1.0), and, for a speed figure
+  measured without a CUDA device, that the graph modes ran uncaptured; `caption` puts one under a
+  figure drawn elsewhere (a notebook's own bars).
 
 Raw sweep rows (one per repetition) are reduced here to medians with a p20-p80 band; summaries
 that already hold one row per config plot as they are.
@@ -124,6 +126,21 @@ def _yscale(ax, values, prefer_log: bool = True) -> str:
 
 
 _SYMLOG = " The y axis is linear from 0 to 1 and logarithmic above (zeros stay on the axis)."
+UNCAPTURED_NOTE = (" Measured without a CUDA device: forward-graph, step-graph and device-loop ran their step "
+                   "uncaptured (no CUDA graph), so their speed here says nothing about what capture wins.")
+
+
+def uncaptured(df: pd.DataFrame) -> bool:
+    """Whether the graph modes' rows of `df` ran without a CUDA device (their ``device`` column), so
+    nothing was captured: a speed figure of them must say so."""
+    if "mode" not in df.columns or "device" not in df.columns:
+        return False
+    graph = df[df["mode"].astype(str).str.split("+").str[0] != "eager"]
+    return len(graph) > 0 and not graph["device"].astype(str).str.startswith("cuda").any()
+
+
+def _uncaptured_note(df: pd.DataFrame) -> str:
+    return UNCAPTURED_NOTE if uncaptured(df) else ""
 
 
 def _size(i: int) -> float:
@@ -245,7 +262,7 @@ def throughput_vs_interval(df: pd.DataFrame, *, prediction: pd.DataFrame | None 
         text += " Dashed: the cost model's prediction."
     if scale_kind == "symlog":
         text += _SYMLOG
-    caption(fig, text + _overlap_note(lines))
+    caption(fig, text + _overlap_note(lines) + _uncaptured_note(df))
     if title:
         ax.set_title(title)
     return fig, ax
@@ -273,7 +290,8 @@ def throughput_vs_batch(df: pd.DataFrame, *, hue: str = "mode", metric: str = "t
     ax.minorticks_off()
     scale_kind = _yscale(ax, stats["median"])
     _finish(ax, "batch size (rows)", _LABELS.get(metric, metric), hue)
-    caption(fig, _repetitions(stats) + "." + (_SYMLOG if scale_kind == "symlog" else "") + _overlap_note(lines))
+    caption(fig, _repetitions(stats) + "." + (_SYMLOG if scale_kind == "symlog" else "") + _overlap_note(lines)
+            + _uncaptured_note(df))
     if title:
         ax.set_title(title)
     return fig, ax

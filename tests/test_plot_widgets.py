@@ -258,3 +258,19 @@ def test_agreement_pairs_in_process_with_nsys():
     assert len(axes) == 2 and "Nsight Systems" in _caption(fig) and len(axes[0].patches) == 6
     with pytest.raises(ValueError, match="no model is in both"):
         plot.agreement(inproc.assign(model="tiny-llama"), traced)
+
+
+def test_a_speed_figure_made_without_a_cuda_device_says_the_graph_modes_ran_uncaptured():
+    rows = sweep_like(modes=("eager", "step-graph"))
+    for device, said in (("cpu", True), ("cuda:0", False)):
+        df = rows.assign(device=device)
+        for fig, _ in (plot.throughput_vs_batch(df, hue="mode"), plot.throughput_vs_interval(df)):
+            assert ("ran their step uncaptured" in _caption(fig).replace("\n", " ")) is said, device
+    fig, _ = plot.throughput_vs_batch(rows.assign(device="cpu")[lambda d: d["mode"] == "eager"], hue="mode")
+    assert "uncaptured" not in _caption(fig)   # eager alone captures nothing anywhere
+
+
+def test_notebook_03_captions_every_figure():
+    from pathlib import Path
+    source = (Path(__file__).resolve().parent.parent / "notebooks" / "03_fast_step_vs_megakernel.py").read_text()
+    assert source.count("plt.subplots(") == source.count("plot.caption(fig,") > 0
