@@ -7,8 +7,9 @@
     sweep     EOS-polling x batch-size grids to CSV                  (gdtool.sweep)
 
 Every command takes --help, and the same options (gdtool.options): --model, --mode, --batch,
---poll, --kernels, --prompt-len, --max-new-tokens, --out, --redo, --json, --no-progress; lists
-with spaces or commas (--batch 1 4 16 or --batch 1,4,16).
+--poll, --kernels, --prompt-len, --max-new-tokens, --json, --no-progress; lists with spaces or
+commas (--batch 1 4 16 or --batch 1,4,16). bench, profile and sweep write results to --out (default
+under results/) and print where; run writes no file.
 """
 import importlib
 import sys
