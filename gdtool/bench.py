@@ -633,7 +633,7 @@ def parser() -> options.Parser:
     p.add_argument("--fuse-projections", action="store_true",
                    help="fuse each layer's q/k/v and gate/up weights first (gdtool.fast_fuse): the compiled "
                         "step then runs one matmul per group; HF's kernels and the peers are unchanged")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    p.add_device()
     p.add_seed()
     p.add_out("results/bench", "folder for <config>.csv and <config>.json, made if missing")
     p.add_common()

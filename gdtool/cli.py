@@ -67,7 +67,7 @@ def parser() -> options.Parser:
     p.add_seed()
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="weights' dtype (default: bf16 on a GPU, fp32 on a CPU)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
+    p.add_device()
     p.add_int("--warmup", default=1, help="untimed decodes of each run before the reported one")
     p.add_argument("--show-tokens", action="store_true", help="print the generated token ids")
     p.add_argument("--deterministic", action="store_true",

@@ -155,6 +155,10 @@ class Parser(argparse.ArgumentParser):
                                      "(torch.compile'd, fused) or fast (compiled plus gdtool's Triton decode "
                                      "kernels where they apply: Llama, batch <= 4, CUDA)")
 
+    def add_device(self):
+        return self.add_argument("--device", type=device_type, default=None, metavar="DEVICE",
+                                 help="cpu, cuda or cuda:N (default: cuda where there is one)")
+
     def add_int(self, *names, default, minimum=0, help):
         return self.add_argument(*names, type=int_type(names[0], minimum), default=default, help=help,
                                  metavar="N")
@@ -262,6 +266,21 @@ def int_type(flag: str, minimum: int):
             raise argparse.ArgumentTypeError(str(err)) from None
     convert.__name__ = "whole number"
     return convert
+
+
+def device_type(value: str) -> str:
+    """--device: cpu, cuda or cuda:N, and a CUDA device only where torch sees one."""
+    import torch
+    kind, _, index = value.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and index):
+        raise argparse.ArgumentTypeError(f"unknown device {value!r}; use cpu, cuda or cuda:N")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{value}: torch sees no CUDA device here; use --device cpu")
+        if index and int(index) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{value}: torch sees {torch.cuda.device_count()} CUDA devices "
+                                             f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+    return value
 
 
 def poll_item(value: str) -> str:

@@ -128,6 +128,8 @@ BAD = [
     ("profile", ["--set", "fuse_projections=true"], "fuse_projections is an Nsight Systems setting; add --nsys"),
     ("profile", ["--nsys", "--set", "fuse_projections=2"], "fuse_projections takes true or false"),
     ("run", ["--model", "/nonexistent/folder"], "model folder /nonexistent/folder does not exist"),
+    ("run", ["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or cuda:N"),
+    ("bench", ["--device", "cuda:x"], "unknown device 'cuda:x'"),
     ("bench", ["--model", "./no-such-checkpoint"], "model folder ./no-such-checkpoint does not exist"),
     ("profile", ["--model", "~/no-such-checkpoint"], "model folder ~/no-such-checkpoint does not exist"),
     ("sweep", ["--model", "org/no-such-model"], "is neither a preset"),
