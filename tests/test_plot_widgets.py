@@ -274,3 +274,19 @@ def test_notebook_03_captions_every_figure():
     from pathlib import Path
     source = (Path(__file__).resolve().parent.parent / "notebooks" / "03_fast_step_vs_megakernel.py").read_text()
     assert source.count("plt.subplots(") == source.count("plot.caption(fig,") > 0
+
+
+def test_the_explorer_leaves_no_thread_or_open_figure_behind():
+    """A notebook ending in widgets.explorer(...) must let its kernel go idle and shut down: building and
+    redrawing the explorer in every view starts no thread and keeps no pyplot figure open."""
+    pytest.importorskip("ipywidgets")
+    import threading
+
+    from gdtool import widgets
+    plt.close("all")
+    before = set(threading.enumerate())
+    ex = widgets.explorer(sweep_like(), allow_runs=False)
+    for view in widgets._VIEWS:
+        ex.view.value = view
+    assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
+    assert plt.get_fignums() == []
