@@ -131,12 +131,18 @@ UNCAPTURED_NOTE = (" Measured without a CUDA device: forward-graph, step-graph a
 
 
 def uncaptured(df: pd.DataFrame) -> bool:
-    """Whether the graph modes' rows of `df` ran without a CUDA device (their ``device`` column), so
-    nothing was captured: a speed figure of them must say so."""
-    if "mode" not in df.columns or "device" not in df.columns:
+    """Whether the graph modes' rows of `df` ran without a CUDA device, so nothing was captured and a
+    speed figure of them must say so: a sweep row's ``device`` is not CUDA, or (timing rows, which have
+    no ``device``) no device time could be read for any of them."""
+    if "mode" not in df.columns:
         return False
     graph = df[df["mode"].astype(str).str.split("+").str[0] != "eager"]
-    return len(graph) > 0 and not graph["device"].astype(str).str.startswith("cuda").any()
+    if graph.empty:
+        return False
+    if "device" in graph.columns:
+        return not graph["device"].astype(str).str.startswith("cuda").any()
+    device_time = [c for c in graph.columns if c.startswith(("device_busy_us", "device_us", "device_span_us"))]
+    return bool(device_time) and bool(graph[device_time].isna().all().all())
 
 
 def _uncaptured_note(df: pd.DataFrame) -> str:
@@ -326,7 +332,8 @@ def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, tit
     _yscale(ax, df[[host, device]].to_numpy())
     _finish(ax, "mode", "µs/token", "time spent on")
     ax.set_title(title or (f"batch {batch}" if batch is not None else "time per token"))
-    caption(fig, "Solid: host time per token; hatched: device busy time per token, each mode in its colour.")
+    caption(fig, "Solid: host time per token; hatched: device busy time per token, each mode in its colour."
+            + _uncaptured_note(df))
     return fig, ax
 
 
@@ -381,7 +388,7 @@ def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title
     if not any(k.endswith("device") for k in lines):
         what += "; no device line: there was no GPU clock to read"
     caption(fig, f"Solid: host work, dashed (hollow markers): device busy time, per token: {what}."
-            + _overlap_note(lines))
+            + _overlap_note(lines) + _uncaptured_note(df))
     if title:
         ax.set_title(title)
     return fig, ax

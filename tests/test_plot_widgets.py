@@ -268,6 +268,12 @@ def test_a_speed_figure_made_without_a_cuda_device_says_the_graph_modes_ran_unca
             assert ("ran their step uncaptured" in _caption(fig).replace("\n", " ")) is said, device
     fig, _ = plot.throughput_vs_batch(rows.assign(device="cpu")[lambda d: d["mode"] == "eager"], hue="mode")
     assert "uncaptured" not in _caption(fig)   # eager alone captures nothing anywhere
+    timing = pd.DataFrame([_per_token(mode, batch, 100.0, float("nan")) for mode in ("eager", "step-graph")
+                           for batch in (1, 4)])
+    fig, _ = plot.per_token_vs_batch(timing)   # no device clock on a CPU: device time NaN
+    assert "ran their step uncaptured" in _caption(fig).replace("\n", " ")
+    fig, _ = plot.per_token_vs_batch(timing.assign(device_busy_us_per_token=50.0))
+    assert "uncaptured" not in _caption(fig)
 
 
 def test_notebook_03_captions_every_figure():
