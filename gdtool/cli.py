@@ -56,14 +56,21 @@ def parser() -> options.Parser:
                    help="prompt text, repeatable (needs a local checkpoint with a tokenizer; presets have none)")
     p.add_max_new_tokens(32)
     p.add_argument("--do-sample", action="store_true", help="sample instead of greedy")
-    p.add_argument("--temperature", type=float, help=f"sampling temperature (with --do-sample) {_FROM_MODEL}")
-    p.add_argument("--top-k", type=int, help=f"top-k (with --do-sample) {_FROM_MODEL}")
-    p.add_argument("--top-p", type=float, help=f"nucleus top-p (with --do-sample) {_FROM_MODEL}")
-    p.add_argument("--repetition-penalty", type=float, help=f"repetition penalty {_FROM_MODEL}")
+    p.add_argument("--temperature", type=options.number_type("--temperature", lambda v: 0 < v < float("inf"),
+                                                             "a number > 0"),
+                   help=f"sampling temperature (with --do-sample) {_FROM_MODEL}")
+    p.add_argument("--top-k", type=options.int_type("--top-k", 0), metavar="N",
+                   help=f"top-k (with --do-sample; 0 is off) {_FROM_MODEL}")
+    p.add_argument("--top-p", type=options.number_type("--top-p", lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                   help=f"nucleus top-p (with --do-sample; 1.0 is off) {_FROM_MODEL}")
+    p.add_argument("--repetition-penalty", type=options.number_type("--repetition-penalty",
+                                                                    lambda v: 0 < v < float("inf"), "a number > 0"),
+                   help=f"repetition penalty (1.0 is off) {_FROM_MODEL}")
     p.list_option("--eos-token-id", item=options.int_item("eos token id", 0), default=[],
                   help="EOS token ids (default: the model's)")
     p.add_argument("--no-eos", action="store_true", help="disable EOS: every row runs to --max-new-tokens")
-    p.add_argument("--pad-token-id", type=int, help="pad token id (default: the model's)")
+    p.add_argument("--pad-token-id", type=options.int_type("--pad-token-id", 0), metavar="N",
+                   help="pad token id (default: the model's)")
     p.add_seed()
     p.add_argument("--dtype", default=None, choices=["bf16", "fp16", "fp32"],
                    help="weights' dtype (default: bf16 on a GPU, fp32 on a CPU)")

@@ -283,6 +283,20 @@ def device_type(value: str) -> str:
     return value
 
 
+def number_type(flag: str, ok, accepted: str):
+    """A float option checked by `ok`, the error naming the flag and what it accepts."""
+    def convert(value):
+        try:
+            number = float(value)
+        except ValueError:
+            number = None
+        if number is None or number != number or not ok(number):
+            raise argparse.ArgumentTypeError(f"{flag} {value!r}: give {accepted}")
+        return number
+    convert.__name__ = "number"
+    return convert
+
+
 def poll_item(value: str) -> str:
     from .polls import poll_label
     return poll_label(value)

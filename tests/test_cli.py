@@ -129,6 +129,12 @@ BAD = [
     ("profile", ["--nsys", "--set", "fuse_projections=2"], "fuse_projections takes true or false"),
     ("run", ["--model", "/nonexistent/folder"], "model folder /nonexistent/folder does not exist"),
     ("run", ["--device", "tpu"], "unknown device 'tpu'; use cpu, cuda or cuda:N"),
+    ("run", ["--do-sample", "--top-p", "1.5"], "argument --top-p: --top-p '1.5': give a number in (0, 1]"),
+    ("run", ["--temperature", "abc"], "--temperature 'abc': give a number > 0"),
+    ("run", ["--repetition-penalty", "0"], "--repetition-penalty '0': give a number > 0"),
+    ("run", ["--top-k", "-1"], "top-k -1 must be at least 0"),
+    ("run", ["--pad-token-id", "-5"], "pad-token-id -5 must be at least 0"),
+    ("sweep", ["--max-seconds", "-1"], "--max-seconds '-1': give a number of seconds > 0"),
     ("bench", ["--device", "cuda:x"], "unknown device 'cuda:x'"),
     ("bench", ["--model", "./no-such-checkpoint"], "model folder ./no-such-checkpoint does not exist"),
     ("profile", ["--model", "~/no-such-checkpoint"], "model folder ~/no-such-checkpoint does not exist"),
@@ -153,12 +159,13 @@ def test_a_bad_value_is_one_line_and_exit_2(command, argv, message, capsys):
 
 
 def test_a_bad_setting_found_late_is_one_line_too(capsys):
-    """A value only decode can judge (top_p=1.5) still ends the command with one line, exit 2."""
+    """A value only decode can judge (an EOS id outside the model's vocabulary; top_p=1.5 is now caught by the
+    parser, below) still ends the command with one line, exit 2."""
     with pytest.raises(SystemExit) as exit_info:
-        cli.main(TINY["run"] + ["--do-sample", "--top-p", "1.5", "--no-progress"])
+        cli.main(TINY["run"] + ["--eos-token-id", "99999", "--no-progress"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("python -m gdtool run: error: top_p=1.5 is outside (0, 1]")
+    assert err[-1].startswith("python -m gdtool run: error: eos_token_id 99999 is outside the vocabulary")
 
 
 def test_unknown_command(capsys):
