@@ -196,6 +196,9 @@ def _prompts(model, args, device, batch, lengths):
     if args.prompt:
         tokenizer = getattr(model, "gdtool_tokenizer", None)
         if tokenizer is None:
+            if os.path.isdir(getattr(model, "name_or_path", "") or ""):
+                raise ValueError("--prompt needs a tokenizer and this checkpoint folder has none (no tokenizer files "
+                                 "there): use --prompt-len instead, or add the tokenizer's files to the folder")
             raise ValueError("--prompt needs a local checkpoint with a tokenizer; presets have random weights and "
                              "no tokenizer: use --prompt-len instead")
         tokenizer.padding_side = "left"

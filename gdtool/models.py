@@ -171,11 +171,16 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
     dtype = dtype or default_dtype(device)
     if check_local(str(name_or_path)):
         name_or_path = os.path.expanduser(name_or_path)
-        if attn_implementation is None:
-            from transformers import AutoConfig
-            attn_implementation = default_attention(AutoConfig.from_pretrained(name_or_path))
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
-                                                     attn_implementation=attn_implementation).to(device)
+        try:
+            if attn_implementation is None:
+                from transformers import AutoConfig
+                attn_implementation = default_attention(AutoConfig.from_pretrained(name_or_path))
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
+                                                         attn_implementation=attn_implementation)
+        except OSError as err:  # no weights, a config that is not JSON: transformers' own words, on one line
+            reason = " ".join(str(err).split())
+            raise ValueError(f"model folder {name_or_path} holds no checkpoint transformers can load: {reason}") from None
+        model = model.to(device)
         model.gdtool_tokenizer = _maybe_tokenizer(name_or_path)
     else:
         if name_or_path not in PRESETS:

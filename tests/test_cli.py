@@ -265,3 +265,11 @@ def test_a_folder_that_is_no_checkpoint_is_named(tmp_path, capsys):
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and message in err, err
+
+
+def test_prompt_text_without_a_tokenizer_names_the_checkpoint_folder(checkpoint_without_tokenizer, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["--model", str(checkpoint_without_tokenizer), "--prompt", "hello", "--max-new-tokens", "2",
+                  "--no-progress"])
+    assert exit_info.value.code == 2
+    assert "this checkpoint folder has none" in capsys.readouterr().err.strip().splitlines()[-1]

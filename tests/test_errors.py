@@ -213,3 +213,14 @@ def test_missing_local_model_folders_are_named(tmp_path):
     (tmp_path / "model.safetensors").write_text("")
     with pytest.raises(ValueError, match="is a file, not a checkpoint folder"):
         gdtool.load_model(str(tmp_path / "model.safetensors"))
+
+
+def test_a_folder_transformers_cannot_load_is_named(tmp_path):
+    import json
+    (tmp_path / "config.json").write_text(json.dumps(gdtool.load_model("tiny-llama").config.to_dict()))
+    with pytest.raises(ValueError, match=f"model folder {tmp_path} holds no checkpoint transformers can load: .*"
+                                         "model.safetensors"):
+        gdtool.load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="holds no checkpoint transformers can load: .*not a valid JSON"):
+        gdtool.load_model(str(tmp_path))
