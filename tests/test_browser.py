@@ -22,6 +22,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = "00_quickstart"
+pytestmark = pytest.mark.xdist_group("jupyter")  # with the notebook tests: see tests/test_notebooks.py
 CPU_PARAMETERS = dict(model_name="tiny-llama", batches=[1, 2], max_new_tokens=6, prompt_len=8, repeats=1, warmup=0)
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run", "--disable-dev-shm-usage"]

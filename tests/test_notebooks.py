@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+# Every Jupyter kernel these tests start takes free ports the way jupyter_client picks them (bind, release,
+# let the kernel bind), and writes the same IPython history database: kernels started at the same moment by
+# two pytest-xdist workers can race for both. One worker runs them all (scripts/dev.sh: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("jupyter")
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
 NAMES = ("00_quickstart", "01_host_vs_device", "02_eos_polling_and_batch", "03_fast_step_vs_megakernel")
