@@ -179,7 +179,8 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
                                                          attn_implementation=attn_implementation)
         except OSError as err:  # no weights, a config that is not JSON: transformers' own words, on one line
             reason = " ".join(str(err).split())
-            raise ValueError(f"model folder {name_or_path} holds no checkpoint transformers can load: {reason}") from None
+            raise ValueError(f"model folder {name_or_path} holds no checkpoint transformers can load: "
+                             f"{reason}") from None
         model = model.to(device)
         model.gdtool_tokenizer = _maybe_tokenizer(name_or_path)
     else:

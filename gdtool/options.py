@@ -12,11 +12,15 @@ way and reads a list the same way, with spaces or commas (``--batch 1 4 16`` is 
     --prompt-len N        prompt tokens per row                                      (alias --prompt-length)
     --max-new-tokens N, --seed N, --warmup N, --repeats N, --out PATH
     --redo                measure configs again that --out already holds (default: skip them, resume)
+    --set KEY=VALUE       (profile) a gdtool.decode argument; KEY and VALUE checked against SET_KEYS
+    --device D            (run, bench) cpu, cuda or cuda:N
     --json                one JSON document on stdout, the readable table on stderr
     --no-progress         no progress bar (it goes to stderr)
 
-Defaults suit the machine: the model is llama-1b on a CUDA GPU and tiny-llama on a CPU. A bad value
-ends the command with one line naming the problem and the fix, and exit status 2, as argparse does.
+Defaults suit the machine: the model is llama-1b on a CUDA GPU and tiny-llama on a CPU; results go
+under results/ (bench, profile, sweep). A bad value ends the command before any work with one line
+naming the problem and the fix, and exit status 2, as argparse does: a missing model folder, an
+--out that cannot be written, an unknown --set key.
 """
 from __future__ import annotations
 
@@ -331,9 +335,8 @@ def _number(kind, ok=lambda v: True, nullable=True):
         value = json.loads("null" if text.lower() == "none" else text)
         if value is None and nullable:
             return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not isinstance(value, int)):
-            raise ValueError
-        if not ok(value):
+        wrong_type = isinstance(value, bool) or not isinstance(value, (int, float))
+        if wrong_type or (kind is int and not isinstance(value, int)) or not ok(value):
             raise ValueError
         return value
     return convert

@@ -563,8 +563,8 @@ def parser():
     p.add_int("--repeats", default=3, minimum=1, help="timed repetitions per config")
     p.add_int("--warmup", default=1, help="untimed decodes per captured graph")
     p.add_out("results/sweep.csv", "the results CSV (its sidecar: the same name, .json), its folder made if missing")
-    p.add_argument("--max-seconds", type=options.number_type("--max-seconds", lambda v: v > 0, "a number of seconds > 0"),
-                   default=None, metavar="S",
+    p.add_argument("--max-seconds", default=None, metavar="S",
+                   type=options.number_type("--max-seconds", lambda v: v > 0, "a number of seconds > 0"),
                    help="start no config after this many seconds; run the command again to resume "
                         "(default: no limit)")
     p.add_argument("--retry-failed", action="store_true", help="run again configs that failed before")
