@@ -118,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--set fuse_projections is an Nsight Systems setting; add --nsys (or drop it)")
     if args.read:
         return options.run(p, _read, args)
-    # before any work: a path it cannot write fails now
-    args.out = p.out_path(args.out or (NSYS_OUT if args.nsys else IN_PROCESS_OUT))
+    modes = None
     if args.nsys:
         modes = options.expand_modes(args.mode, nsys.MODES)
         bad = [m for m in modes if m not in nsys.MODES]
         if bad:
             p.error(f"--nsys traces {', '.join(nsys.MODES)}, not {', '.join(bad)}: drop it (the in-process profile "
                     "times device-loop)")
+    # the last check, before any work: a path it cannot write fails now (and a refused command makes no folder)
+    args.out = p.out_path(args.out or (NSYS_OUT if args.nsys else IN_PROCESS_OUT))
+    if args.nsys:
         return options.run(p, lambda a: _nsys(a, modes), args)
     return options.run(p, _in_process, args)
 

@@ -144,11 +144,12 @@ def test_unknown_kernels_are_refused_before_anything_runs(capsys):
                                                  capsys)
 
 
-def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch, capsys):
+def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch, capsys, tmp_path):
     import gdtool.fast_fuse
     monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
+    # --out is made and checked before any work, so it must be a folder the test may write
     err = refused(["--model", "tiny-llama", "--device", "cpu", "--fuse-projections", "--peers", "none",
-                   "--no-progress", "--out", "/nonexistent-unused"], capsys)
+                   "--no-progress", "--out", str(tmp_path / "unused")], capsys)
     assert "found no q/k/v or gate/up" in err and "drop the flag" in err
 
 

@@ -273,3 +273,12 @@ def test_prompt_text_without_a_tokenizer_names_the_checkpoint_folder(checkpoint_
                   "--no-progress"])
     assert exit_info.value.code == 2
     assert "this checkpoint folder has none" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command, argv, message", BAD, ids=[f"{c} {' '.join(a)}" for c, a, _ in BAD])
+def test_a_refused_command_writes_nothing(command, argv, message, tmp_path, monkeypatch, capsys):
+    """No results folder appears for a command that was refused, whatever its default --out."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        MAINS[command](argv)
+    assert list(tmp_path.iterdir()) == []
