@@ -6,8 +6,8 @@
 #                                        transformers, in a second environment (VENV-oldest, ~1.7 GB)
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
 # NVIDIA driver, else the CUDA build pip picks.
-# The tests run on every core (pytest-xdist; TEST_WORKERS=N sets how many, TEST_WORKERS=0 runs them in one
-# process). Run as root where apt-get exists, `test` installs Debian's chromium for the notebook browser
+# The tests run on every core (pytest-xdist, one worker per core; TEST_WORKERS=N sets how many,
+# TEST_WORKERS=0 runs them in one process). Run as root where apt-get exists, `test` installs Debian's chromium for the notebook browser
 # test; GDTOOL_NO_BROWSER=1 skips that install and that test.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -75,9 +75,11 @@ case "$what" in
     test)
         setup "$VENV"
         browser
-        # one worker per core; --dist loadgroup keeps each xdist_group's tests on one worker
-        parallel=(-n "${TEST_WORKERS:-auto}" --dist loadgroup)
-        if [ "${TEST_WORKERS:-auto}" = 0 ]; then parallel=(-p no:xdist); fi
+        # one worker per core this process may use (nproc; xdist's "auto" counts physical cores, which on a
+        # 2-vCPU machine can be 1); --dist loadgroup keeps each xdist_group's tests on one worker
+        workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
+        parallel=(-n "$workers" --dist loadgroup)
+        if [ "$workers" = 0 ]; then parallel=(-p no:xdist); fi
         "$VENV/bin/python" -m pytest -q -ra "${parallel[@]}" "$@"
         echo "== parity, errors and zoo against transformers $OLDEST_TRANSFORMERS (second environment: $VENV-oldest) =="
         setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
