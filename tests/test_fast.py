@@ -15,6 +15,10 @@ import gdtool.step
 from gdtool import fast, fast_sampling, sampling
 from gdtool.settings import Settings
 
+# Compile counts (fast.compiles) depend on what torch._dynamo already holds in the process, and some tests
+# here reset it: under pytest-xdist these tests, and test_fast_kernels.py's, run on one worker, in file order.
+pytestmark = pytest.mark.xdist_group("dynamo")
+
 NEG = -float("inf")
 
 

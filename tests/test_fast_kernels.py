@@ -20,6 +20,7 @@ import gdtool.devloop
 from gdtool import fast, fast_check, fast_decoder, fast_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
