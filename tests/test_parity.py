@@ -208,8 +208,7 @@ def _recurrent_gemma(device="cpu"):
 @pytest.mark.parametrize("case", ["greedy", "penalty-sampling"])
 def test_state_kept_on_the_modules_is_decoded_exactly_in_every_mode(case, device):
     model = _recurrent_gemma(device)
-    assert {type(layer).__name__ for layer in gdtool.compat.static_cache(model, 8).layers} == \
-        {"LinearAttentionLayer", "StaticSlidingWindowLayer"}
+    assert sum(hasattr(m, "conv1d_state") for m in model.modules()) == 1  # one recurrent block, one attention
     prompt = gdtool.random_prompts(model, batch=3, lengths=(2, 7), seed=1)
     ref = generate(model, prompt.input_ids, prompt.attention_mask, 9, seed=3, eos_token_id=None, **CASES[case])
     for mode in gdtool.MODES:
@@ -229,5 +228,5 @@ def test_state_kept_on_the_modules_is_refilled_by_each_call_of_a_decoder(mode, d
         out = dec.generate(prompt.input_ids, prompt.attention_mask)
         ref_tokens, _ = generate(model, prompt.input_ids, prompt.attention_mask, 7, eos_token_id=None,
                                  do_sample=False)
-        assert torch.equal(out.tokens, ref_tokens), (seed, out.tokens, ref_tokens)
+        assert torch.equal(out.tokens, ref_tokens.cpu()), (seed, out.tokens, ref_tokens)
     dec.close()
