@@ -178,7 +178,9 @@ class HostConstants(TorchFunctionMode):
             return func(*args, **kwargs)
         host, device, dtype = source
         if self.recording:
-            self.constants.append(host.pin_memory())
+            # a contiguous copy: pinning an expanded source fails (PhiMoE copies `inv_freq[None, :, None].expand(B,
+            # -1, 1)`), and the copy to the GPU makes it contiguous anyway: the same values either way
+            self.constants.append(host.clone(memory_format=torch.contiguous_format).pin_memory())
             return func(*args, **kwargs)
         index, self.calls = self.calls, self.calls + 1
         pinned = self.constants[index] if index < len(self.constants) else None

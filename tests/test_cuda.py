@@ -188,17 +188,21 @@ def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named
     owner = torch.nn.Linear(2, 2).cuda()           # check_capturable reads the model's device
     x = torch.arange(4.0, device="cuda")
     table = torch.tensor([10.0, 20.0, 30.0, 40.0])  # a CPU tensor copied to the GPU at every call
+    column = torch.tensor([1.0, 2.0])
 
     def step():
-        return x + torch.tensor(0.5, device="cuda") + table.to("cuda")
+        # an expanded source too (PhiMoE's rotary copies `inv_freq[None, :, None].expand(B, -1, 1)`): pinning it as
+        # it is fails, since several of its elements share one memory location
+        wide = column[:, None].expand(2, 2).to(device="cuda").sum()
+        return x + torch.tensor(0.5, device="cuda") + table.to("cuda") + wide
 
     constants = graphs.warm_up(step, 1, owner)
-    assert len(constants) == 2 and all(c.is_pinned() for c in constants)
+    assert len(constants) == 3 and all(c.is_pinned() for c in constants)
     graph = graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
     x.add_(1.0)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(graph.output, x + 0.5 + table.cuda())
+    assert torch.equal(graph.output, x + 0.5 + table.cuda() + 6.0)
 
     def reads_host():
         return x * float(x.sum())

@@ -188,3 +188,45 @@ def test_model_from_a_non_preset_config_decodes():
     ref = generate(model, prompt.input_ids, prompt.attention_mask, 6, eos_token_id=None)
     for mode in gdtool.MODES:
         assert_same(decode(model, prompt.input_ids, prompt.attention_mask, 6, mode=mode, eos_token_id=None), *ref)
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def _recurrent_gemma(device="cpu"):
+    from transformers import AutoModelForCausalLM, RecurrentGemmaConfig
+    # one recurrent block (its conv and recurrent states live on the module, rebound every forward) and one
+    # sliding-window attention block
+    config = RecurrentGemmaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, lru_width=64,
+                                  block_types=["recurrent", "attention"], attention_window_size=6)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval().to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["greedy", "penalty-sampling"])
+def test_state_kept_on_the_modules_is_decoded_exactly_in_every_mode(case, device):
+    model = _recurrent_gemma(device)
+    assert sum(hasattr(m, "conv1d_state") for m in model.modules()) == 1  # one recurrent block, one attention
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(2, 7), seed=1)
+    ref = generate(model, prompt.input_ids, prompt.attention_mask, 9, seed=3, eos_token_id=None, **CASES[case])
+    for mode in gdtool.MODES:
+        out = decode(model, prompt.input_ids, prompt.attention_mask, 9, seed=3, mode=mode, eos_token_id=None,
+                     **CASES[case])
+        assert_same(out, *ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["step-graph", "device-loop"])
+def test_state_kept_on_the_modules_is_refilled_by_each_call_of_a_decoder(mode, device):
+    # the second call replays the first call's steps: they must read the state its own prefill made
+    model = _recurrent_gemma(device)
+    dec = gdtool.Decoder(model, mode=mode, max_new_tokens=7, do_sample=False, eos_token_id=None)
+    for seed in (1, 2):
+        prompt = gdtool.random_prompts(model, batch=2, lengths=(6, 6), seed=seed)  # one shape: one engine
+        out = dec.generate(prompt.input_ids, prompt.attention_mask)
+        ref_tokens, _ = generate(model, prompt.input_ids, prompt.attention_mask, 7, eos_token_id=None,
+                                 do_sample=False)
+        assert torch.equal(out.tokens, ref_tokens.cpu()), (seed, out.tokens, ref_tokens)
+    dec.close()

@@ -1,0 +1,52 @@
+"""Sliding windows against generate(), swept (`windows.py`): every sliding-window architecture, all-sliding and
+mixed layers, the window filling during the prefill, at the first or second decode step, later or never, very
+short decodes, left padding, greedy and sampling with a repetition penalty; every mode, tokens and processed
+scores bit for bit. On a CPU the graph modes run their per-phase logic uncaptured; `pytest -m cuda` runs a
+larger sweep captured (windows up to 64, prompts one or two short of them).
+"""
+import pytest
+import torch
+
+import windows
+
+ARCHS = windows.architectures()
+
+
+def _built():
+    return {arch: windows.patterns_of(arch) for arch in ARCHS}
+
+
+def test_the_sweep_covers_every_place_a_window_fills():
+    built = _built()
+    missing = [arch for arch in windows.REQUIRED if not built.get(arch)]
+    assert not missing, f"required sliding-window families not built: {missing}"
+    every = [c for arch, patterns in built.items() if patterns for c in windows.cases(arch, patterns)]
+    got = windows.coverage(every)
+    assert all(got.values()), got
+    for arch, patterns in built.items():
+        if patterns:
+            fills = {c.fill for c in windows.cases(arch, patterns)}
+            assert fills == set(windows.FILLS), (arch, fills)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sliding_windows_equal_generate(arch):
+    patterns = windows.patterns_of(arch)
+    if not patterns:
+        pytest.skip(f"{arch} does not build at tiny size with a sliding window (the zoo reports why)")
+    failures = [f for case in windows.cases(arch, patterns) for f in windows.run(case)]
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sliding_windows_equal_generate_captured(arch):
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    patterns = windows.patterns_of(arch)
+    if not patterns:
+        pytest.skip(f"{arch} does not build at tiny size with a sliding window")
+    sweep = windows.cases(arch, patterns, per_fill=3, seed=1) + \
+        windows.cases(arch, patterns, per_fill=1, seed=2, windows=(64,), widths=range(60, 70),
+                      new_tokens=range(2, 15))
+    failures = [f for case in sweep for f in windows.run(case, "cuda")]
+    assert not failures, "\n".join(failures)
