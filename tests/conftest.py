@@ -11,18 +11,9 @@ if not torch.cuda.is_available():
     torch.set_num_threads(1)
 
 
-def _share_the_cores() -> None:
-    """Under pytest-xdist each worker gets its share of the cores: N workers with torch's default of one
-    thread per core would run N x cores threads on the tiny models' matmuls, spinning against each other."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    if workers > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        threads = max(1, cores // workers)
-        torch.set_num_threads(threads)
-        os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # subprocesses: notebook kernels, scripts
-
-
-_share_the_cores()
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # The same for the subprocesses tests start (scripts, notebook kernels): the other workers use the cores.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def pytest_configure(config):
