@@ -4,7 +4,8 @@ In-process (`gdtool.timing`, no profiler attached): every config is timed first,
 each gets its kernel pass (a second identical decode under torch.profiler) for device busy time;
 torch.profiler leaves CUPTI attached and would tax every later launch. With --nsys, one profiled
 process per config under Nsight Systems, exported to sqlite and read back (`gdtool.nsys`); --read
-reads exports someone already made. Results go to --out: steps.csv (one row per step), summary.csv
+reads exports someone already made. Results go to --out (default: results/profile, results/nsys with
+--nsys; the command ends by printing where): steps.csv (one row per step), summary.csv
 (per metric: median, p20, p80, mean, total, per_token), env.json; a rerun skips the configs already
 there (--redo measures them again).
 
