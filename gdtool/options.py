@@ -58,7 +58,7 @@ def out_path(path, file: bool = False, error=None) -> str:
     target = Path(path).expanduser().absolute()
     folder = target.parent if file else target
     try:
-        if file and target.is_dir():
+        if file and (target.is_dir() or str(path).endswith(("/", os.sep))):
             raise IsADirectoryError(21, "is a folder, not a file")
         folder.mkdir(parents=True, exist_ok=True)
         if not folder.is_dir():

@@ -135,6 +135,7 @@ BAD = [
     ("run", ["--top-k", "-1"], "top-k -1 must be at least 0"),
     ("run", ["--pad-token-id", "-5"], "pad-token-id -5 must be at least 0"),
     ("sweep", ["--max-seconds", "-1"], "--max-seconds '-1': give a number of seconds > 0"),
+    ("sweep", ["--out", "a-folder/"], "--out a-folder/: cannot write there (is a folder, not a file)"),
     ("bench", ["--device", "cuda:x"], "unknown device 'cuda:x'"),
     ("bench", ["--model", "./no-such-checkpoint"], "model folder ./no-such-checkpoint does not exist"),
     ("profile", ["--model", "~/no-such-checkpoint"], "model folder ~/no-such-checkpoint does not exist"),
