@@ -83,14 +83,15 @@ def check_local(name: str) -> bool:
     """Whether `name` is a local checkpoint folder (True) or not a path at all (False: a preset name, or
     something unknown); a path that is missing, a file, or a folder without config.json raises ValueError
     naming it."""
-    if name in PRESETS:
-        return False
     path = os.path.expanduser(name)
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
+    checkpoint = os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))
+    if checkpoint or (os.path.isdir(path) and name not in PRESETS):  # a checkpoint wins over a preset's name
+        if not checkpoint:
             raise ValueError(f"model folder {name} has no config.json: not a checkpoint folder; pass the folder "
                              "that holds config.json and the weights (as save_pretrained writes it)")
         return True
+    if name in PRESETS:
+        return False
     if os.path.exists(path):
         raise ValueError(f"model {name} is a file, not a checkpoint folder; pass the folder that holds it")
     if os.path.isabs(path) or name.startswith((".", "~")) or name.endswith(os.sep):
