@@ -2,7 +2,7 @@
 # Set up a virtual environment for gdtool and run the main job or the tests.
 #   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the four modes compared)
 #   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU), then the
-#                                        parity, error and zoo tests again against the oldest supported
+#                                        parity, error, window and zoo tests again against the oldest supported
 #                                        transformers, in a second environment (VENV-oldest, ~1.7 GB)
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
 # NVIDIA driver, else the CUDA build pip picks.
@@ -81,10 +81,10 @@ case "$what" in
         parallel=(-n "$workers" --dist loadgroup)
         if [ "$workers" = 0 ]; then parallel=(-p no:xdist); fi
         "$VENV/bin/python" -m pytest -q -ra "${parallel[@]}" "$@"
-        echo "== parity, errors and zoo against transformers $OLDEST_TRANSFORMERS (second environment: $VENV-oldest) =="
+        echo "== parity, errors, windows and zoo against transformers $OLDEST_TRANSFORMERS (second environment: $VENV-oldest) =="
         setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
         "$VENV-oldest/bin/python" -m pytest -q -ra "${parallel[@]}" tests/test_parity.py tests/test_errors.py \
-            tests/test_zoo.py
+            tests/test_windows.py tests/test_zoo.py
         ;;
     *)
         echo "usage: bash scripts/dev.sh run|test [args...]" >&2
