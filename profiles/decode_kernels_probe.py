@@ -2,7 +2,7 @@
 
 Parts, in the order given (each writes its file as soon as it ends; a part past --budget-s is skipped):
 
-  check      every kernel against float64 on fresh random inputs (`gdtool.fast_check`), small shapes
+  check      every kernel against float64 on fresh random inputs (`gdtool.kernels.check`), small shapes
              and the Llama 1B / 8B shapes, bf16            -> check.csv
   gemv       each projection of llama-1b and llama-8b (qkv+RoPE, o, gate/up, down, lm_head), batch 1
              and 4: µs per call and TB/s (weight bytes + activations over time), for cuBLAS
@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 
 import gdtool
-from gdtool import bench, fast, fast_attention, fast_check, fast_gemv, fast_splitkv, fast_triton
+from gdtool.frontends import bench
+from gdtool.kernels import attention as fast_attention, check as fast_check, gemv as fast_gemv
+from gdtool.kernels import splitkv as fast_splitkv, step as fast, triton as fast_triton
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
     "llama-1b": (2048, 8192, 32, 8, 64, 128256),
@@ -249,8 +251,8 @@ def _decode(model, prompt, args, **kw):
 
 
 def part_step(args, rows):
-    import gdtool.devloop
-    loop_ok = gdtool.devloop.device_loop_support() is None
+    import gdtool.loops.devloop
+    loop_ok = gdtool.loops.devloop.device_loop_support() is None
     for model_name in args.step_models:
         model = gdtool.load_model(model_name, device=DEVICE)
         prompts, tokens = {}, {}

@@ -1,4 +1,4 @@
-"""Smoke test and timing of the device loop (gdtool.devloop) on a GPU, before it drives real decoding.
+"""Smoke test and timing of the device loop (gdtool.loops.devloop) on a GPU, before it drives real decoding.
 
 What it checks, in order, each stage reported even if an earlier one failed:
 1. versions: torch, cuda-python, driver, NVRTC, device and compute capability; `device_loop_support()`;
@@ -24,8 +24,9 @@ import traceback
 
 import torch
 
-from gdtool import devloop, graphs
-from gdtool.devloop import DeviceLoop
+from gdtool.loops import devloop
+from gdtool.core import graphs
+from gdtool.loops.devloop import DeviceLoop
 
 
 def capture(fn):

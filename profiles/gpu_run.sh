@@ -11,7 +11,7 @@
 # devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
 # kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
 # breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch),
-# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling), launch-profiler (the
+# launch-timing (the same under gdtool.measure.timing's events and blocking-sync scheduling), launch-profiler (the
 # same before and after a torch.profiler session in the process), fast-decode-64 (the
 # fast-decode part at batch 64, compiled kernels only: the whole part outlasts its time limit), sample-64
 # (batch 64, compiled sampling alone, Python stacks every 45 s: where it waits), sort-compile (inductor's
@@ -60,7 +60,7 @@ part() {  # part NAME SECONDS COMMAND...
   keep "$name"
 }
 
-if ! "$py" -c "import json, gdtool.record as r; print(json.dumps(r.environment(), indent=2))" > "$work/env.json"; then
+if ! "$py" -c "import json, gdtool.measure.record as r; print(json.dumps(r.environment(), indent=2))" > "$work/env.json"; then
   echo "gdtool is not importable with $py: run from the checkout (or set PYTHON)" | tee -a "$log"
   exit 1
 fi

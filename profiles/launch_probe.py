@@ -14,7 +14,7 @@ captured step, and for synthetic straight-line graphs of N one-element kernels (
 replayed by torch and wrapped in gdtool's WHILE node, to see how the cost grows with node count.
 With --flags it also launches the real step's graph instantiated with other flags (torch instantiates
 with auto-free-on-launch); --variants repeats the model's rows with timing events around each launch
-and / or the context in blocking-sync scheduling, the two things `gdtool.timing` adds around a step.
+and / or the context in blocking-sync scheduling, the two things `gdtool.measure.timing` adds around a step.
 Needs a CUDA GPU; writes one JSON file and prints each row.
 """
 from __future__ import annotations
@@ -31,9 +31,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gdtool  # noqa: E402
-from gdtool import compat, devloop, timing  # noqa: E402
-from gdtool.decode import Engine  # noqa: E402
-from gdtool.settings import resolve  # noqa: E402
+from gdtool.core import compat  # noqa: E402
+from gdtool.loops import devloop
+from gdtool.measure import timing
+from gdtool.loops.decode import Engine  # noqa: E402
+from gdtool.core.settings import resolve  # noqa: E402
 
 QUEUE = 16
 FLAGS = {"on": False}
@@ -41,7 +43,7 @@ FLAGS = {"on": False}
 
 def timed(call, events: bool = False) -> tuple[float, float]:
     """(CPU µs, wall µs) of one call; `events`: record a timing event on the stream just before and
-    after it, outside the timed interval, as gdtool.timing does around each step."""
+    after it, outside the timed interval, as gdtool.measure.timing does around each step."""
     if events:
         torch.cuda.Event(enable_timing=True).record()
     w0 = time.perf_counter_ns()
@@ -54,7 +56,7 @@ def timed(call, events: bool = False) -> tuple[float, float]:
     return (c1 - c0) / 1e3, (w1 - w0) / 1e3
 
 
-# set by main() per variant: timing events around each launch (as gdtool.timing records them)
+# set by main() per variant: timing events around each launch (as gdtool.measure.timing records them)
 VARIANT = {"events": False}
 
 
@@ -218,8 +220,8 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", default="hf,compiled")
     p.add_argument("--sizes", default="1,100,300,1000,3000")
     p.add_argument("--variants", default="plain",
-                   help="comma list of plain, events (timing events around each launch, as gdtool.timing records "
-                        "them), blocking (the context in blocking-sync scheduling, as gdtool.timing sets it), "
+                   help="comma list of plain, events (timing events around each launch, as gdtool.measure.timing records "
+                        "them), blocking (the context in blocking-sync scheduling, as gdtool.measure.timing sets it), "
                         "events+blocking, after-profiler (once a torch.profiler session has run in the process; last); "
                         "applied to the model's rows")
     p.add_argument("--flags", action="store_true", help="also launch the step instantiated with other flags")

@@ -31,7 +31,7 @@ VARIANTS = ("counting", "two-sorts")
 
 
 def _compile_once(variant: str, batch: int, width: int, queue) -> None:
-    from gdtool import fast, fast_sampling
+    from gdtool.kernels import step as fast, sampling as fast_sampling
     fn = {"two-sorts": two_sorts, "counting": fast_sampling.ascending}[variant]
     gen = torch.Generator().manual_seed(batch)
     values = (torch.randint(-40, 40, (batch, width), generator=gen).float() / 8).cuda()

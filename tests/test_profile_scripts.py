@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gdtool import nsys
+from gdtool.measure import nsys
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "profiles"))
@@ -29,7 +29,7 @@ def test_kernel_classes(name, cls):
 
 
 def test_breakdown_adds_up_to_the_readers_busy_time():
-    """The kernels joined to the last decode's graph launches are exactly the busy time gdtool.nsys.read
+    """The kernels joined to the last decode's graph launches are exactly the busy time gdtool.measure.nsys.read
     gives that decode's steps."""
     kernels, launches = kernel_breakdown.launch_kernels(NODE_EXPORT)
     steps = nsys.read(NODE_EXPORT)

@@ -13,7 +13,7 @@ NVTX events reach a tool (Nsight Systems, or the tests' injection library) only 
 attached: without a tool the ``nvtx`` package hands out a dummy domain and `push`/`pop` skip NVTX
 altogether. ``NVTX_DISABLE`` set to any non-empty value (the rule of ``nvtx.enabled()``) turns the
 ranges off even under a tool. Both are decided once, at import. Listeners (`add_listener`) get the
-same push/pop calls in-process either way; `gdtool.timing` uses them to time steps without a
+same push/pop calls in-process either way; `gdtool.measure.timing` uses them to time steps without a
 profiler.
 
     with ranges.span(ranges.STEP, payload=j):
@@ -84,7 +84,7 @@ def _attach() -> None:
 
 def _register(name: str, payload) -> object:
     if not isinstance(name, str):
-        raise TypeError(f"range name must be a str, got {type(name).__name__}; use the constants in gdtool.ranges")
+        raise TypeError(f"range name must be a str, got {type(name).__name__}; use the constants in gdtool.core.ranges")
     if payload is None:
         key, value = name, None
     else:
@@ -144,7 +144,7 @@ class span:
 def count_syncs(n: int = 1) -> None:
     """Report `n` blocking host waits just made (gdtool calls this wherever it counts ``host_syncs``).
 
-    Listeners with a ``syncs(n)`` method get it; `gdtool.timing` uses it to count waits per step.
+    Listeners with a ``syncs(n)`` method get it; `gdtool.measure.timing` uses it to count waits per step.
     """
     for listener in _listeners:
         note = getattr(listener, "syncs", None)

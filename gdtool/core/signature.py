@@ -23,7 +23,7 @@ every address, so the next replay reads the new values. Tensors a model keeps as
 (not registered as parameters or buffers) are invisible to it; so are Python attributes changed on
 a module after construction.
 
-    sig = gdtool.signature.of(model, mode="step-graph", batch=4, width=12, cache_len=43, settings=settings)
+    sig = gdtool.core.signature.of(model, mode="step-graph", batch=4, width=12, cache_len=43, settings=settings)
     sig.diff(other)     # ['width', 'tensor model.layers.0.mlp.up_proj.weight: stride (128, 1) -> (1, 64)']
 """
 from __future__ import annotations

@@ -58,7 +58,8 @@ from pathlib import Path
 
 import torch
 
-from . import options, record
+from . import options
+from ..measure import record
 
 PEERS = ("generate", "generate-static", "gpt-fast")
 COMPILED_PEERS = ("generate-static", "gpt-fast")
@@ -189,7 +190,7 @@ def step_bytes(model, batch: int, prompt_len: int, max_new_tokens: int) -> dict:
 def _idle_expert_bytes(model, batch: int) -> float:
     """Expert weights a step does not read: with k of E experts per token chosen uniformly, a batch of B
     tokens hits E * (1 - (1 - k/E)^B) experts on average (random weights route close to uniformly)."""
-    from .feed import experts_modules
+    from ..core.feed import experts_modules
     idle = 0.0
     for module in experts_modules(model):
         config = getattr(module, "config", None)
@@ -281,7 +282,7 @@ def _generate_runner(model, prompt, static: bool):
 def _gptfast_runner(model, prompt, max_new_tokens: int, compile_kwargs: dict | None):
     """gpt-fast's decode on an HF model: one compiled function (forward + argmax) per step, a
     static cache, the position a device tensor advanced in place, no EOS check, no host sync."""
-    from . import compat
+    from ..core import compat
 
     input_ids = prompt.input_ids
     if not bool(prompt.attention_mask.all()):
@@ -595,8 +596,8 @@ def saved(cfg: BenchConfig, out_dir: Path):
 # ----------------------------------------------------------------------------- command line
 
 def _mode_item(value: str) -> str:
-    from .decode import MODES
-    from .fast import KERNELS
+    from ..loops.decode import MODES
+    from ..kernels.step import KERNELS
     if value in ("none", "all"):
         return value
     mode, plus, kernels = value.partition("+")
@@ -700,7 +701,7 @@ def _main(args, modes, peers) -> int:
                     model = gdtool.load_model(model_name, seed=args.seed, device=device)
                     log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
                     if args.fuse_projections:
-                        from .fast_fuse import fuse_projections
+                        from ..kernels.fuse import fuse_projections
                         fused = fuse_projections(model)
                         if not fused:
                             raise ValueError(f"--fuse-projections found no q/k/v or gate/up nn.Linear groups in "

@@ -8,7 +8,7 @@ and any papermill-injected cell left them at) and the small ones it runs on a CP
                        gpu=dict(models=["llama-1b"]))
     p.models, p.batches                       # what to run on this machine
 
-It prints the environment first (GPU, driver, torch, transformers, gdtool commit: `gdtool.record`).
+It prints the environment first (GPU, driver, torch, transformers, gdtool commit: `gdtool.measure.record`).
 On a CUDA GPU the parameters run as given, None taking the `gpu` defaults. Without one, the `cpu`
 values replace them, whatever they were, and a line says so: a GPU-sized grid (llama-1b at batch 64)
 would take hours on a CPU, and the graph modes run uncaptured there anyway, so a CPU run checks that
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from . import record
+from ..measure import record
 
 __all__ = ["setup"]
 

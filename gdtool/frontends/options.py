@@ -98,13 +98,13 @@ class Parser(argparse.ArgumentParser):
 
     def add_model(self, cuda: bool | None = None):
         here = default_models(cuda)[0]
-        from .models import PRESETS
+        from ..core.models import PRESETS
         return self.list_option("--model", "--models", item=model_item, default=[],
                                 help=f"presets ({', '.join(PRESETS)}) or local checkpoint folders (default: "
                                      f"llama-1b on a CUDA GPU, tiny-llama on a CPU; here {here})")
 
     def add_mode(self, default, choices=None, extra_help=""):
-        from .decode import MODES
+        from ..loops.decode import MODES
         choices = tuple(choices or MODES)
         return self.list_option("--mode", "--modes", item=choice_item("mode", choices + ("all",)), default=default,
                                 help=f"decode modes: {', '.join(choices)}, or all{extra_help}")
@@ -191,7 +191,7 @@ class ListAction(argparse.Action):
 # item checks: each returns the item (converted) or raises ValueError naming the fix
 
 def model_item(name: str) -> str:
-    from .models import PRESETS
+    from ..core.models import PRESETS
     if name in PRESETS or os.path.isdir(name):
         return name
     raise ValueError(f"unknown model {name!r}; use a preset ({', '.join(PRESETS)}) or a local checkpoint folder")
@@ -230,26 +230,26 @@ def int_type(flag: str, minimum: int):
 
 
 def poll_item(value: str) -> str:
-    from .polls import poll_label
+    from ..measure.polls import poll_label
     return poll_label(value)
 
 
 def kernels_item(value: str) -> str:
-    from .fast import KERNELS
+    from ..kernels.step import KERNELS
     if value not in KERNELS:
         raise ValueError(f"unknown kernels {value!r}; choose from {', '.join(KERNELS)}")
     return value
 
 
 def lengths_item(value: str) -> str:
-    from . import workloads
+    from ..measure import workloads
     workloads.parse(value)
     return value
 
 
 def expand_modes(modes, choices=None) -> list[str]:
     """'all' -> every mode (of `choices`); duplicates dropped, order kept."""
-    from .decode import MODES
+    from ..loops.decode import MODES
     choices = list(choices or MODES)
     out = []
     for m in modes:

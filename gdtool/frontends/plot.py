@@ -16,7 +16,7 @@ The style, the same in every notebook:
 Raw sweep rows (one per repetition) are reduced here to medians with a p20-p80 band; summaries
 that already hold one row per config plot as they are.
 
-    from gdtool import plot
+    from gdtool.frontends import plot
     fig, ax = plot.throughput_vs_interval(df)                    # tokens/s vs polling policy, per batch
     fig, ax = plot.throughput_vs_interval(df, prediction=costmodel.predict(params, "geom:128:512"))
     fig, ax = plot.throughput_vs_batch(df, hue="mode")           # modes side by side
@@ -33,7 +33,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from .polls import poll_label, poll_order
+from ..measure.polls import poll_label, poll_order
 
 __all__ = [
     "MODE_STYLE",
@@ -290,8 +290,8 @@ def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, tit
     device = device or _device_column(df)
     for col in (host, device):
         if col not in df.columns:
-            raise ValueError(f"column {col!r} is missing; it comes from gdtool.timing.per_token(...) or an nsys "
-                             "summary")
+            raise ValueError(f"column {col!r} is missing; it comes from gdtool.measure.timing.per_token(...) or an "
+                             "nsys summary")
     if "batch" in df.columns:
         batch = int(df["batch"].min()) if batch is None else batch
         df = df[df["batch"] == batch]
@@ -331,7 +331,7 @@ def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title
     host, device = f"host_us{suffix}_per_token", _device_column(df, suffix)
     if host not in df.columns:
         raise ValueError(f"column {host!r} is missing; per_token_vs_batch(stat={stat!r}) reads what "
-                         "gdtool.timing.per_token gives (or pass stat='mean')")
+                         "gdtool.measure.timing.per_token gives (or pass stat='mean')")
     fig, ax = _new(ax)
     values, lines = [], {}
     order = sorted(dict.fromkeys(df["mode"]), key=lambda m: list(MODE_STYLE).index(m) if m in MODE_STYLE else 9)
@@ -370,14 +370,14 @@ def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title
 
 
 def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None = None, title: str | None = None):
-    """In-process (`gdtool.timing`) against Nsight Systems (`gdtool.nsys`), per mode and batch size.
+    """In-process (`gdtool.measure.timing`) against Nsight Systems (`gdtool.measure.nsys`), per mode and batch size.
 
     Left: device busy time per token (the mean: total / (steps x batch)), in-process against nsys's
     node-level trace (graph-level for eager, which replays no graph), with their ratio. Right: host
     work of the median step, in-process against nsys's graph-level trace (its launch tracing costs the
-    host; the ratio says how much). The table is `gdtool.nsys.agreement(inproc, traced)`; it is also
+    host; the ratio says how much). The table is `gdtool.measure.nsys.agreement(inproc, traced)`; it is also
     in ``fig.gdtool_table``. Returns (fig, axes)."""
-    from .nsys import agreement as compare
+    from ..measure.nsys import agreement as compare
     table = compare(_ok(inproc), _ok(traced), model=model)
     model = table.attrs["model"]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2), layout="constrained")
@@ -403,7 +403,7 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
     axes[0].set_title("device busy per token (mean)", fontsize="medium")
     axes[1].set_title("host work per step (median)", fontsize="medium")
     fig.suptitle(title or f"{model}: in-process against Nsight Systems")
-    caption(fig, "Solid: in-process (gdtool.timing, no profiler attached); hatched: Nsight Systems; labels: "
+    caption(fig, "Solid: in-process (gdtool.measure.timing, no profiler attached); hatched: Nsight Systems; labels: "
                  "in-process / nsys. Busy time from nsys's node-level trace (graph-level for eager). Host time from "
                  "nsys's graph-level trace, whose tracing of each launch call costs the host far more than the "
                  "launch itself: a graph mode's host ratio is that cost, not a disagreement.")

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from . import nsys, options, record
+from ..measure import nsys, record
+from . import options
 
 NSYS_ONLY = ("trace", "repeat", "keep_report", "fixture")
 IN_PROCESS_ONLY = ("warmup", "no_busy")
@@ -51,7 +52,7 @@ class ProfileConfig(record.Config):
                 *(f"{k}{v}" for k, v in self.settings)]
 
     def decode_kwargs(self) -> dict:
-        from .polls import poll_value
+        from ..measure.polls import poll_value
         kwargs = dict(self.settings, max_new_tokens=self.max_new_tokens, seed=self.seed)
         if not self.eos:
             kwargs["eos_token_id"] = None
@@ -141,8 +142,8 @@ def _cuda() -> bool:
 
 
 def _in_process(args) -> int:
-    from . import timing
-    from .models import load_model, random_prompts
+    from ..measure import timing
+    from ..core.models import load_model, random_prompts
     out = options.Output(args.json)
     cuda = _cuda()
     models = args.model or options.default_models(cuda)
@@ -218,7 +219,7 @@ def _in_process(args) -> int:
 def _table(summary: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:
     """One row per config, in `order` (names; default: as in `summary`): its keys, per-token figures and
     the median step's host time."""
-    from .timing import METRICS
+    from ..measure.timing import METRICS
     keys = [k for k in ("model", "batch", "mode", "poll", "kernels") if k in summary.columns]
     order = [n for n in (order or dict.fromkeys(summary["name"])) if n in set(summary["name"])]
     per_token = summary.pivot(index="name", columns="metric", values="per_token").reindex(order)
@@ -238,7 +239,7 @@ def _nsys(args, modes) -> int:
     kernels = list(dict.fromkeys(args.kernels))
     polls = list(dict.fromkeys(args.poll))
     models = args.model or options.default_models()
-    from .polls import poll_value
+    from ..measure.polls import poll_value
     configs = []
     for trace in dict.fromkeys(args.trace or ["graph"]):
         for model in models:

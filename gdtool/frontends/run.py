@@ -15,9 +15,10 @@ import sys
 
 import torch
 
-from . import options, record
-from .decode import decode
-from .models import load_model, random_prompts
+from . import options
+from ..measure import record
+from ..loops.decode import decode
+from ..core.models import load_model, random_prompts
 
 
 def environment(device=None) -> dict:
@@ -90,13 +91,13 @@ def _label(mode: str, poll: str, kernels: str, many_polls: bool, many_kernels: b
 
 
 def _main(args) -> int:
-    from .polls import poll_value
+    from ..measure.polls import poll_value
     out = options.Output(args.json)
     if args.deterministic:  # before the first matmul: cuBLAS reads its workspace setting once
         import os
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
-    from .models import default_device
+    from ..core.models import default_device
     device = torch.device(args.device) if args.device else default_device()
     names = args.model or options.default_models(device.type == "cuda")
     prompt_lengths = _prompt_lengths(args.prompt_len)

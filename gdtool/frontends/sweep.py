@@ -12,7 +12,7 @@ x length distribution, with a warm-up and repeats per config.
     df = gdtool.sweep(["llama-1b"], modes=["step-graph"], batches=[1, 4, 16, 64],
                       polls=[1, 4, 16, 64, "never", "async"], lengths=["geom:128:512"],
                       repeats=3, out="profiles/sweeps/llama-1b_geom128.csv")
-    from gdtool.sweep import summarize
+    from gdtool.frontends.sweep import summarize
     summarize(df)                         # medians with a p20-p80 band per config
 
     python -m gdtool sweep --models llama-1b --modes step-graph --batches 1 4 16 64 \\
@@ -54,8 +54,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from . import record, workloads
-from .polls import POLL_ORDER, poll_label, poll_order, poll_value
+from ..measure import record, workloads
+from ..measure.polls import POLL_ORDER, poll_label, poll_order, poll_value
 
 __all__ = [
     "POLL_ORDER",
@@ -202,8 +202,8 @@ class Engines:
     @staticmethod
     def _engine_class():
         try:
-            from .decode import Engine
-            from .settings import resolve
+            from ..loops.decode import Engine
+            from ..core.settings import resolve
         except ImportError:  # a core without a reusable engine
             return None, None
         return Engine, resolve
@@ -278,7 +278,7 @@ def _row(cfg: RunConfig, repeat: int, out, targets, early: int) -> dict:
 
 def _profiled_runs(model, cfg: RunConfig, prompt, repeats, busy: bool, warmup: int = 1):
     """One extra run under `gdtool.timing.profile` per repetition, each with that repetition's lengths."""
-    from .timing import profile
+    from ..measure.timing import profile
     for repeat in repeats:
         kwargs, targets = _decode_kwargs(model, cfg, repeat)
         if poll_value(cfg.poll) is not None:

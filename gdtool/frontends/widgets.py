@@ -1,7 +1,7 @@
 """An ipywidgets explorer over sweep results: filter by model, mode, batch, polling policy and length
 distribution, pick a view, and the plot redraws.
 
-    from gdtool import widgets
+    from gdtool.frontends import widgets
     widgets.explorer(df)                        # df: gdtool.sweep(...) or gdtool.sweep.load("x.csv")
     widgets.explorer(df, models={"llama-1b": model})   # reuse a loaded model for "run this config now"
 

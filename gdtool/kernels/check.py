@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import fast_gemv, fast_splitkv
+from . import gemv, splitkv
 
 # ||out - exact|| / ||exact|| for one product-and-round chain, by the precision of the operands
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -44,21 +44,21 @@ class _Impl:
 
     def gemv(self, x, g, eps, w, w2, r, out_f32, config=None):
         if self.triton:
-            return fast_gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config)
+            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config)
         if w2 is not None:
-            return fast_gemv.gate_up_reference(x, g, eps, w, w2)
-        return fast_gemv.rms_gemv_reference(x, g, eps, w, r, out_f32)
+            return gemv.gate_up_reference(x, g, eps, w, w2)
+        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32)
 
     def qkv_rope(self, *args, config=None):
         if self.triton:
-            return fast_gemv.qkv_rope(*args, config=config)
-        return fast_gemv.qkv_rope_reference(*args)
+            return gemv.qkv_rope(*args, config=config)
+        return gemv.qkv_rope_reference(*args)
 
     def attention(self, *args):
-        return (fast_splitkv.decode_attention if self.triton else fast_splitkv.decode_attention_reference)(*args)
+        return (splitkv.decode_attention if self.triton else splitkv.decode_attention_reference)(*args)
 
     def argmax(self, x):
-        return (fast_splitkv.argmax if self.triton else fast_splitkv.argmax_reference)(x)
+        return (splitkv.argmax if self.triton else splitkv.argmax_reference)(x)
 
 
 _impl = _Impl()
@@ -89,7 +89,7 @@ def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=F
     g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype) if norm else None
     r = torch.randn(m, n, generator=gen, device=device).to(dtype) if residual else None
     out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config)
-    ref = fast_gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32)
+    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32)
     xn = _exact_norm(x, g, 1e-5) if norm else x.double()
     exact = xn @ w.double().T + (r.double() if residual else 0)
     flags = "".join(f for f, on in (("+norm", norm), ("+res", residual), ("->f32", out_f32)) if on)
@@ -103,14 +103,14 @@ def check_gate_up(m, n, k, dtype, device, gen, config=None) -> Result:
     wu = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
     g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
     out = _impl.gemv(x, g, 1e-5, wg, wu, None, False, config=config)
-    ref = fast_gemv.gate_up_reference(x, g, 1e-5, wg, wu)
+    ref = gemv.gate_up_reference(x, g, 1e-5, wg, wu)
     xn = _exact_norm(x, g, 1e-5)
     exact = F.silu(xn @ wg.double().T) * (xn @ wu.double().T)
     return _judge("gate_up", f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
 
 
 def _rope_exact(t, cos, sin):
-    return t * cos + fast_gemv.rotate_half(t) * sin
+    return t * cos + gemv.rotate_half(t) * sin
 
 
 def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None) -> list[Result]:
@@ -126,7 +126,7 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None)
     theirs = [c.clone() for c in caches]
     rope = (positions, inv_freq, scaling)
     q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, config=config)
-    q_ref = fast_gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot)
+    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot)
     xn = _exact_norm(x, g, 1e-5)
     qe, ke, ve = (xn @ w.double().T for w in ws)
     freqs = (positions.float() * inv_freq[None, :]).double()  # the angle is defined in float32 (HF's)
@@ -160,13 +160,13 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -
     slot = torch.tensor(live - 1, device=device)
     scale = d ** -0.5
     out = _impl.attention(q, kc, vc, mask, slot, scale)
-    ref = fast_splitkv.decode_attention_reference(q, kc, vc, mask, slot, scale)
+    ref = splitkv.decode_attention_reference(q, kc, vc, mask, slot, scale)
     keep = (mask != 0)[:, None, None, :]
     qd = q.double().view(m, hkv, hq // hkv, d)
     scores = (qd @ kc.double().transpose(-1, -2)) * scale
     p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     exact = (p @ vc.double()).reshape(m, hq * d)
-    chunk, splits = fast_splitkv.split_plan(m, hkv, cache_len)
+    chunk, splits = splitkv.split_plan(m, hkv, cache_len)
     return _judge("decode_attention", f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of {cache_len}"
                   + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact, f"{splits} chunks of {chunk}")
 
@@ -179,7 +179,7 @@ def check_argmax(m, v, device, gen) -> Result:
     if m > 2:
         x[2] = float("-inf")
     out = _impl.argmax(x)
-    ref = fast_splitkv.argmax_reference(x)
+    ref = splitkv.argmax_reference(x)
     ok = torch.equal(out, ref)
     return Result("argmax", f"{m}x{v}", "float32", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                   "exact" if ok else f"got {out.tolist()} want {ref.tolist()}")

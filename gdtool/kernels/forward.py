@@ -19,7 +19,7 @@ step as usual.
 `plan(model, batch)` says whether it applies and why not: a Llama decoder layer stack exactly as
 transformers writes it (RMSNorm, SiLU MLP, no biases, no sliding window, a static RoPE), bf16 or
 fp16 weights on CUDA (any float dtype on a CPU, where the operators run their torch references),
-at most `fast_gemv.MAX_ROWS` rows. Anything else keeps the compiled HF forward (`kernels="compiled"`).
+at most `gemv.MAX_ROWS` rows. Anything else keeps the compiled HF forward (`kernels="compiled"`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import compat, fast_gemv, fast_ops, fast_triton
+from ..core import compat
+from . import gemv, ops
+from . import triton as fast_triton  # not the triton package itself
 
 
 @dataclass
@@ -50,8 +52,8 @@ def plan(model, batch: int) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    if batch > fast_gemv.MAX_ROWS:
-        return Plan(False, f"batch {batch} > {fast_gemv.MAX_ROWS} rows: matrix products, not matrix-vector")
+    if batch > gemv.MAX_ROWS:
+        return Plan(False, f"batch {batch} > {gemv.MAX_ROWS} rows: matrix products, not matrix-vector")
     if param.device.type == "cuda":
         if not fast_triton.HAVE_TRITON:
             return Plan(False, "no Triton")
@@ -119,14 +121,14 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         attn, mlp = block.self_attn, block.mlp
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
         counter = layer.cumulative_length                   # this step's slot, before HF's update adds 1
-        q = fast_ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
+        q = ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
                               attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
                               layer.keys, layer.values, counter)
-        o = fast_ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
-        h = fast_ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
-        a = fast_ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
+        o = ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
+        h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
+        a = ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
                               None, False)
-        h = fast_ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
+        h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
     torch._foreach_add_([layer.cumulative_length for layer in layers], 1)
     norm = inner.norm
-    return fast_ops.rms_gemv(h, norm.weight, norm.variance_epsilon, model.lm_head.weight, None, None, True)
+    return ops.rms_gemv(h, norm.weight, norm.variance_epsilon, model.lm_head.weight, None, None, True)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import fast_attention
+from . import attention
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -88,7 +88,7 @@ def _fuse(linears: list[nn.Linear]) -> None:
 
 
 def _first_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() and fast_attention.active():
+    if torch.compiler.is_compiling() and attention.active():
         group = self._gdtool_group
         parts = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
         for linear, part in zip(group.linears[1:], parts[1:]):
@@ -99,7 +99,7 @@ def _first_forward(self, x: torch.Tensor) -> torch.Tensor:
 
 def _rest_forward(self, x: torch.Tensor) -> torch.Tensor:
     pending = self._gdtool_pending
-    if torch.compiler.is_compiling() and fast_attention.active() and pending is not None and pending[0] is x:
+    if torch.compiler.is_compiling() and attention.active() and pending is not None and pending[0] is x:
         self._gdtool_pending = None
         return pending[1]
     return F.linear(x, self.weight, self.bias)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fast_triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
 
 MAX_ROWS = 4   # batch rows the kernels handle; larger batches keep inductor's / cuBLAS's matmuls
 

@@ -13,33 +13,33 @@ reference runs, with the same arguments and result. The fast decode forward call
 """
 from __future__ import annotations
 
-from . import fast_gemv, fast_splitkv
-from .fast_triton import usable
+from . import gemv, splitkv
+from .triton import usable
 
 
 def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32):
     if usable(x, weight):
-        return fast_gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32)
+        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32)
     if weight2 is not None:
-        return fast_gemv.gate_up_reference(x, norm_weight, eps, weight, weight2)
-    return fast_gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32)
+        return gemv.gate_up_reference(x, norm_weight, eps, weight, weight2)
+    return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32)
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
     if usable(x, wq, k_cache):
-        return fast_gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
+        return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
                                   slot)
-    return fast_gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
+    return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
                                         v_cache, slot)
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):
     if usable(q, k_cache):
-        return fast_splitkv.decode_attention(q, k_cache, v_cache, mask, slot, scale)
-    return fast_splitkv.decode_attention_reference(q, k_cache, v_cache, mask, slot, scale)
+        return splitkv.decode_attention(q, k_cache, v_cache, mask, slot, scale)
+    return splitkv.decode_attention_reference(q, k_cache, v_cache, mask, slot, scale)
 
 
 def argmax(x):
     if usable(x):
-        return fast_splitkv.argmax(x)
-    return fast_splitkv.argmax_reference(x)
+        return splitkv.argmax(x)
+    return splitkv.argmax_reference(x)

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from . import sampling
-from .settings import Settings
+from ..core import sampling
+from ..core.settings import Settings
 
 # Extra candidates beyond k, so that tokens tied with the k-th score stay candidates (HF keeps ties).
 TIE_SLACK = 16

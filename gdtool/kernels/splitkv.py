@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .fast_triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
 
 BLOCK_S = 16          # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
@@ -33,7 +33,7 @@ ARGMAX_BLOCK = 2048
 
 def decode_attention_reference(q, k_cache, v_cache, mask, slot, scale):
     """q [B, Hq, D], caches [B, Hkv, C, D], mask [B, C] (nonzero = attend), slot [] -> [B, Hq * D].
-    SDPA over the packed query heads of each group (fast_attention's form), slots <= slot only."""
+    SDPA over the packed query heads of each group (attention's form), slots <= slot only."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     live = torch.arange(c, device=q.device) <= slot

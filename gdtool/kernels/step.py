@@ -6,7 +6,7 @@ torch.compile (dynamo, one graph, no breaks) and lowered by inductor into fused 
 CUDA graphs of its own; gdtool then warms it up and captures it in its own graph exactly as it
 captures the HF step. So the graph modes keep their buffers, their EOS polling and their ranges,
 and only the kernels inside the replay change (plus, inside this step only, a grouped-query decode
-attention that reads the cache without copying it: `fast_attention.py`):
+attention that reads the cache without copying it: `attention.py`):
 
     step-graph     forward + select + update compiled as one function, captured whole
     forward-graph  the forward compiled, captured; select and update stay eager
@@ -22,7 +22,7 @@ rule); without top-k it uses `sampling.py`'s sorting top-p.
 
 `kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (a
 Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and
-update (`fast_decoder.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
+update (`forward.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
 
 Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
 settings, which buffers exist), each with its own code object so dynamo's recompile limit never
@@ -31,8 +31,8 @@ sends a long sweep back to eager; a second `decode()` with the same shapes compi
 `torch._dynamo.reset()` in between, is a recompile and is warned about).
 
     out = gdtool.decode(model, ids, mask, mode="step-graph", max_new_tokens=256, kernels="compiled")
-    df = gdtool.fast.compare_kernels(model, batch=4, prompt_len=128, steps=64)   # agreement per position
-    gdtool.fast.compiles(model)                                                   # DataFrame, one row per key
+    df = gdtool.kernels.step.compare_kernels(model, batch=4, prompt_len=128, steps=64)   # agreement per position
+    gdtool.kernels.step.compiles(model)                                                   # DataFrame, one row per key
 """
 from __future__ import annotations
 
@@ -46,8 +46,11 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compat, fast_attention, fast_decoder, fast_fuse, fast_ops, fast_sampling, fast_triton, feed, graphs, sampling
-from .step import Step, new_state
+from ..core import compat, feed, graphs, sampling
+from . import attention, forward, fuse, ops
+from . import sampling as fast_sampling  # beside the core sampling it speeds up
+from . import triton as fast_triton  # not the triton package itself
+from ..core.step import Step, new_state
 
 KERNELS = ("hf", "compiled", "fast")
 DEFAULT_KERNELS = "hf"
@@ -138,10 +141,10 @@ class CompiledStep(Step):
         self.kernels = kernels
         # kernels="fast": gdtool's decode forward where it applies (a Llama model at small batch), the
         # compiled HF forward elsewhere; `compiles()` says which ran and why.
-        self.fast_plan = fast_decoder.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
+        self.fast_plan = forward.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
         self._compiled = None
         self._cache_checked = False
-        fast_attention.install()
+        attention.install()
 
     @property
     def fast_forward(self) -> bool:
@@ -152,7 +155,7 @@ class CompiledStep(Step):
         if self._eager_argmax():
             # greedy after the fast forward: the same processed scores, a two-stage argmax (the index
             # torch.argmax gives, ties and NaN included), run eagerly like the forward
-            return fast_ops.argmax(sampling.process(logits, s.seen, self.settings))
+            return ops.argmax(sampling.process(logits, s.seen, self.settings))
         # Processed scores and log-probabilities are defined over the whole vocabulary: HF's path.
         if self._recorded() or not fast_sampling.applies(self.settings):
             return super().select(logits)
@@ -165,16 +168,16 @@ class CompiledStep(Step):
         return self.fast_forward and not self.settings.do_sample and not self._recorded()
 
     def decode_logits(self) -> torch.Tensor:
-        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`fast_decoder`)."""
+        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`forward`)."""
         if self._compiled is None and not self._cache_checked:
             # the cache's tensors exist once the prefill has run: check their layout on first use
             self._cache_checked = True
-            why = fast_decoder.cache_ready(self.cache)
+            why = forward.cache_ready(self.cache)
             if why:
-                self.fast_plan = fast_decoder.Plan(False, why)
+                self.fast_plan = forward.Plan(False, why)
                 return self.forward()
         s = self.state
-        return fast_decoder.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
+        return forward.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
 
     def forward(self) -> torch.Tensor:
         if self.fast_forward:
@@ -206,7 +209,7 @@ class CompiledStep(Step):
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes(), fast_attention.scope():
+            with _no_function_modes(), attention.scope():
                 result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
@@ -219,7 +222,7 @@ class CompiledStep(Step):
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
-            with _no_function_modes(), fast_attention.scope():
+            with _no_function_modes(), attention.scope():
                 result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
@@ -268,7 +271,7 @@ def _key(step: CompiledStep) -> tuple:
     buffers = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in sorted(vars(step.state).items())
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
-    base = (step.part, param.dtype, str(param.device), fast_fuse.is_fused(step.model), step.kernels,
+    base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
             step.fast_forward)
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
@@ -339,7 +342,7 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     Position 0 comes from the prefill, which runs HF's kernels either way. Returns
     {"logits": [T, B, V] float32, "step_ms": device time per step (CUDA, captured) or wall time}.
     """
-    from .settings import resolve
+    from ..core.settings import resolve
 
     check_kernels(kernels, input_ids.device)
     batch, width = input_ids.shape
@@ -404,7 +407,7 @@ def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32
     (1..steps-1, position 0 is the shared prefill): share of rows whose top-1 token agrees, the
     largest absolute logit difference, the largest |logit| (for scale), and each step's time.
     """
-    from .models import random_prompts
+    from ..core.models import random_prompts
 
     prompt = random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=seed)
     vocab = model.config.get_text_config().vocab_size

@@ -19,10 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import compat, fast, feed, graphs, ranges
-from .settings import UNSET, Settings, resolve
-from .step import State, new_state, seed_seen
-from .syncs import Counter, hidden_waits
+from ..core import compat, feed, graphs, ranges
+from ..kernels import step as fast
+from ..core.settings import UNSET, Settings, resolve
+from ..core.step import State, new_state, seed_seen
+from ..core.syncs import Counter, hidden_waits
 
 MODES = ("eager", "forward-graph", "step-graph", "device-loop")
 DEFAULT_POLL = {"eager": 1, "forward-graph": 1, "step-graph": 16, "device-loop": 0}

@@ -1,7 +1,7 @@
 """A decoder that keeps its captured graphs across calls: what an RL loop or a server calls thousands of times.
 
 `gdtool.decode()` builds buffers, a static cache and a CUDA graph for one call and frees them. A
-`Decoder` keeps them, keyed by a `Signature` (gdtool/signature.py): every address, dtype, shape and
+`Decoder` keeps them, keyed by a `Signature` (gdtool/core/signature.py): every address, dtype, shape and
 stride of the model's tensors, the precision flags, the shapes and the settings a captured step has
 baked in. A call with the signature of an earlier one replays that graph; anything changed captures a
 new one, so a graph is never replayed stale. In-place weight updates (`p.copy_(new)`, what an RL
@@ -25,13 +25,13 @@ from collections import OrderedDict
 
 import torch
 
-from . import compat
-from . import signature as signatures
+from ..core import compat
+from ..core import signature as signatures
 from .decode import (DecodeOutput, Engine, _infer_mask, check_input_ids, check_mode, check_model, check_poll,
                      check_samples, repeat_samples)
-from .fast import check_kernels
-from .graphs import can_capture
-from .settings import SUPPORTED, resolve
+from ..kernels.step import check_kernels
+from ..core.graphs import can_capture
+from ..core.settings import SUPPORTED, resolve
 
 # Keywords a Decoder takes besides generate()'s settings; `configure()` may change them.
 OPTIONS = ("max_new_tokens", "return_scores", "return_logprobs", "num_samples", "eos_poll_interval", "capture",
@@ -45,7 +45,7 @@ class Decoder:
     buffers) kept at once; the least recently used is closed when a new one is needed. buckets:
     increasing prompt widths; a prompt is left-padded to the smallest bucket that holds it (wider
     prompts run at their own width). Settings: those of `gdtool.decode()` (kernels: "hf" or
-    "compiled", see gdtool/fast.py), resolved against `model.generation_config` as generate()
+    "compiled", see gdtool/kernels/step.py), resolved against `model.generation_config` as generate()
     resolves them (again whenever that config changes).
     """
 

@@ -37,7 +37,7 @@ Assumptions, each of which can fail (the notebook checks them against measuremen
 4. rows' lengths are independent draws of the distribution; natural EOS from the random weights
    (rare) is ignored.
 
-    from gdtool import costmodel, workloads
+    from gdtool.measure import costmodel, workloads
     params = costmodel.fit(df)                             # one row per (model, mode, batch, ...)
     costmodel.predict(params, workloads.geometric(128, 512), polls=[1, 4, 16, 64, "never", "async"])
     costmodel.best_interval(params, "geom:128:512", batch=16)

@@ -6,7 +6,7 @@ way: tidy rows (one per config x repetition or step, every config field a column
 has the keys of `environment`, the same everywhere. Rerunning a command with the same output skips
 the configs already there (``--redo`` measures them again), so a run cut short goes on where it stopped.
 
-    from gdtool import record
+    from gdtool.measure import record
     env = record.environment()            # GPU, driver, torch, transformers, gdtool commit, date, ...
     print(record.describe(env))           # the same, in one line (each notebook's first output)
 
@@ -92,7 +92,7 @@ def environment(device=None, nsys: str | None = None) -> dict:
     ``nsys``: the Nsight Systems version when `nsys` (its path) is given."""
     import torch
 
-    import gdtool
+    from .. import __version__  # metadata of the package face, not a dependency on it
     cuda = torch.cuda.is_available()
     device = str(device) if device is not None else ("cuda" if cuda else "cpu")
     cpu = platform.processor() or platform.machine() or "cpu"
@@ -107,7 +107,7 @@ def environment(device=None, nsys: str | None = None) -> dict:
            "nvtx": _version("nvtx"), "cuda": torch.version.cuda, "device": device,
            "device_name": gpu if device.startswith("cuda") and gpu else cpu, "gpu": gpu,
            "gpu_count": torch.cuda.device_count() if cuda else 0, "driver": driver,
-           "gdtool": getattr(gdtool, "__version__", None), "git_commit": commit, "git_dirty": dirty,
+           "gdtool": __version__, "git_commit": commit, "git_dirty": dirty,
            "git_commit_source": source, "nsys": None}
     if nsys:
         _, env["nsys"] = _run([nsys, "--version"])

@@ -42,7 +42,7 @@ Columns, how each is measured, and what it cannot see:
   host or between kernels. As span and busy come from two runs of the same work, a step that keeps
   the GPU busy throughout can show a small negative idle (run-to-run jitter); it is not clamped.
 - ``syncs``: blocking host waits in the step as decode counts them in ``host_syncs`` (EOS flag
-  reads and waits hidden in library code), reported through `gdtool.ranges.count_syncs`. Where
+  reads and waits hidden in library code), reported through `gdtool.core.ranges.count_syncs`. Where
   decode does not report them, only the step's EOS reads are counted (``notes`` says so).
 
 The kernel pass leaves a cost behind: a torch.profiler session keeps CUPTI attached for the rest of
@@ -55,7 +55,7 @@ cannot be seen.
 
 On a CPU device the three device columns are NaN (see ``notes``). The summary's ``per_token`` is
 the total over steps divided by steps x batch (each step makes one token per row), as in
-`gdtool.nsys`. Figures exclude prefill, warm-up and capture: only the ``step`` ranges are timed.
+`gdtool.measure.nsys`. Figures exclude prefill, warm-up and capture: only the ``step`` ranges are timed.
 """
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
-from . import ranges
+from ..core import ranges
 
 COLUMNS = ("step", "wall_us", "host_us", "device_span_us", "device_busy_us", "gpu_idle_us", "syncs")
 METRICS = COLUMNS[1:]
@@ -109,7 +109,7 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
     ``kernels="compiled"`` (like every other decode argument) goes to `gdtool.decode`; a bool
     ``kernels=`` is the old name of `busy` and is taken as such, with a DeprecationWarning.
     """
-    from .decode import decode
+    from ..loops.decode import decode
 
     if isinstance(decode_kwargs.get("kernels"), bool):
         warnings.warn("profile(kernels=True/False) is now profile(busy=...): `kernels` is decode's "
@@ -325,9 +325,9 @@ def _fill_syncs(steps: pd.DataFrame, clock: _StepClock, out, notes: list) -> pd.
         # gdtool makes inside steps, and say what is missing.
         steps["syncs"] = steps["eos_reads"]
         notes.append("syncs counts EOS flag reads only: waits hidden in library code are not reported per step "
-                     "(decode does not call gdtool.ranges.count_syncs)")
+                     "(decode does not call gdtool.core.ranges.count_syncs)")
     else:
-        notes.append("syncs: blocking waits reported by decode through gdtool.ranges.count_syncs")
+        notes.append("syncs: blocking waits reported by decode through gdtool.core.ranges.count_syncs")
     return steps.drop(columns="eos_reads")
 
 

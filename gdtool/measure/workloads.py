@@ -9,7 +9,7 @@ flag the host polls), so what is measured is the cost of polling, not of a diffe
 lengths are synthetic: they stand in for a real model's response-length distribution, they do not
 come from one.
 
-    from gdtool import workloads
+    from gdtool.measure import workloads
     dist = workloads.geometric(mean=128, cap=512)       # or "geom:128:512"
     lengths = dist.draw(batch=16, seed=0)                 # LongTensor [16], values in 1..512
     out = gdtool.decode(model, ids, mask, mode="step-graph", max_new_tokens=dist.max_length,
