@@ -5,7 +5,7 @@
 Each table is computed from the files under `profiles/` (nothing typed in): the sweep's EOS-off mode
 comparison, device-loop host time per token, sampling against greedy in the compiled step (per run
 and sampler), the cost model's check against the sweep, and the
-host cost of one graph launch (`launch_probe.py`).
+host cost of one graph launch (the launch probe's files; its command: `profiles/README.md`).
 """
 from __future__ import annotations
 
