@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import gemv, splitkv
+from . import attention, gemv, sampling
 
 # ||out - exact|| / ||exact|| for one product-and-round chain, by the precision of the operands
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -55,10 +55,10 @@ class _Impl:
         return gemv.qkv_rope_reference(*args)
 
     def attention(self, *args):
-        return (splitkv.decode_attention if self.triton else splitkv.decode_attention_reference)(*args)
+        return (attention.split_kv if self.triton else attention.split_kv_reference)(*args)
 
     def argmax(self, x):
-        return (splitkv.argmax if self.triton else splitkv.argmax_reference)(x)
+        return (sampling.argmax if self.triton else sampling.argmax_reference)(x)
 
 
 _impl = _Impl()
@@ -160,13 +160,13 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -
     slot = torch.tensor(live - 1, device=device)
     scale = d ** -0.5
     out = _impl.attention(q, kc, vc, mask, slot, scale)
-    ref = splitkv.decode_attention_reference(q, kc, vc, mask, slot, scale)
+    ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale)
     keep = (mask != 0)[:, None, None, :]
     qd = q.double().view(m, hkv, hq // hkv, d)
     scores = (qd @ kc.double().transpose(-1, -2)) * scale
     p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
     exact = (p @ vc.double()).reshape(m, hq * d)
-    chunk, splits = splitkv.split_plan(m, hkv, cache_len)
+    chunk, splits = attention.split_plan(m, hkv, cache_len)
     return _judge("decode_attention", f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of {cache_len}"
                   + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact, f"{splits} chunks of {chunk}")
 
@@ -179,7 +179,7 @@ def check_argmax(m, v, device, gen) -> Result:
     if m > 2:
         x[2] = float("-inf")
     out = _impl.argmax(x)
-    ref = splitkv.argmax_reference(x)
+    ref = sampling.argmax_reference(x)
     ok = torch.equal(out, ref)
     return Result("argmax", f"{m}x{v}", "float32", 0.0 if ok else 1.0, 0.0, 0.0, ok,
                   "exact" if ok else f"got {out.tolist()} want {ref.tolist()}")

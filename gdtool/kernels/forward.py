@@ -122,12 +122,12 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
         counter = layer.cumulative_length                   # this step's slot, before HF's update adds 1
         q = ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
-                              attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
-                              layer.keys, layer.values, counter)
+                         attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
+                         layer.keys, layer.values, counter)
         o = ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
         h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
         a = ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
-                              None, False)
+                         None, False)
         h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
     torch._foreach_add_([layer.cumulative_length for layer in layers], 1)
     norm = inner.norm

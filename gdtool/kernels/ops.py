@@ -13,7 +13,7 @@ reference runs, with the same arguments and result. The fast decode forward call
 """
 from __future__ import annotations
 
-from . import gemv, splitkv
+from . import attention, gemv, sampling
 from .triton import usable
 
 
@@ -28,18 +28,18 @@ def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32):
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                                  slot)
+                           slot)
     return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
-                                        v_cache, slot)
+                                   v_cache, slot)
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):
     if usable(q, k_cache):
-        return splitkv.decode_attention(q, k_cache, v_cache, mask, slot, scale)
-    return splitkv.decode_attention_reference(q, k_cache, v_cache, mask, slot, scale)
+        return attention.split_kv(q, k_cache, v_cache, mask, slot, scale)
+    return attention.split_kv_reference(q, k_cache, v_cache, mask, slot, scale)
 
 
 def argmax(x):
     if usable(x):
-        return splitkv.argmax(x)
-    return splitkv.argmax_reference(x)
+        return sampling.argmax(x)
+    return sampling.argmax_reference(x)

@@ -1,6 +1,7 @@
-"""Sort-free sampling for the fast step: top-k first, then top-p within the k candidates.
+"""Token selection for the fast step: sort-free sampling (top-k first, then top-p within the k
+candidates), and a two-stage argmax for greedy decoding.
 
-generate()'s top-p sorts the whole vocabulary every step (128k entries for Llama 3), which costs a
+Sampling. generate()'s top-p sorts the whole vocabulary every step (128k entries for Llama 3), which costs a
 noticeable share of a fused decode step at large batch. HF applies top-k before top-p, so when
 top-k is on, every token that top-p could keep is among the k best, and the nucleus can be found
 among those k alone:
@@ -27,7 +28,12 @@ Where it can differ from generate() (both are edge cases of rounding or ties, no
   stable; torch.sort on a CPU is not, so on a CPU HF may drop a different one of the tied tokens).
 
 Without top-k (`top_k=None` or 0) there is no candidate bound, and `applies()` is False: the step
-uses the exact, sorting path of `sampling.py`.
+uses the exact, sorting path of `core/sampling.py`.
+
+Greedy after the fast forward: `argmax`, two stages. `torch.argmax` over a [B, 128256] row is one
+reduction kernel of ~30 us at batch 1 (a handful of programs walk the whole row); two stages (the
+best of each 2048-entry block, then the best of the blocks) spread the read over the whole GPU. Ties
+go to the smallest index and NaN wins, as torch.argmax's do.
 """
 from __future__ import annotations
 
@@ -35,9 +41,11 @@ import torch
 
 from ..core import sampling
 from ..core.settings import Settings
+from .triton import HAVE_TRITON, cdiv, launch_options, next_pow2, tl, triton
 
 # Extra candidates beyond k, so that tokens tied with the k-th score stay candidates (HF keeps ties).
 TIE_SLACK = 16
+ARGMAX_BLOCK = 2048
 
 
 def applies(settings: Settings) -> bool:
@@ -127,3 +135,59 @@ def reference_choose(scores: torch.Tensor, seen: torch.Tensor | None, settings: 
         scores = scores.masked_fill(remove_sorted.scatter(1, sorted_indices, remove_sorted), -float("inf"))
     probs = torch.nn.functional.softmax(scores, dim=-1)
     return torch.argmax(probs / noise, dim=-1)
+
+
+# -------------------------------------------------------------------- greedy: a two-stage argmax
+
+def argmax_reference(x: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(x, dim=-1)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _argmax_blocks(x_ptr, v_ptr, i_ptr, V, stride_x, BLOCKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        b = tl.program_id(0)
+        c = tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        offs = c * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + b * stride_x + offs, mask=offs < V, other=float("-inf"))
+        big = 2147483647
+        isnan = x != x
+        nan_at = tl.min(tl.where(isnan, offs, big), axis=0)
+        top = tl.max(tl.where(isnan, float("-inf"), x), axis=0)
+        at = tl.min(tl.where((x == top) & (offs < V), offs, big), axis=0)
+        found_nan = nan_at < big
+        tl.store(v_ptr + b * BLOCKS + c, tl.where(found_nan, float("nan"), top))
+        tl.store(i_ptr + b * BLOCKS + c, tl.where(found_nan, nan_at, at))
+
+    @triton.jit
+    def _argmax_final(v_ptr, i_ptr, out_ptr, BLOCKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        b = tl.program_id(0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        c = tl.arange(0, BLOCK)
+        inside = c < BLOCKS
+        x = tl.load(v_ptr + b * BLOCKS + c, mask=inside, other=float("-inf"))
+        idx = tl.load(i_ptr + b * BLOCKS + c, mask=inside, other=2147483647)
+        big = 2147483647
+        isnan = (x != x) & inside
+        nan_at = tl.min(tl.where(isnan, idx, big), axis=0)
+        top = tl.max(tl.where(isnan, float("-inf"), x), axis=0)
+        at = tl.min(tl.where((x == top) & inside, idx, big), axis=0)
+        tl.store(out_ptr + b, tl.where(nan_at < big, nan_at, at).to(tl.int64))
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Triton two-stage argmax over the last dim of a [B, V] float tensor -> [B] int64."""
+    b, v = x.shape
+    blocks = cdiv(v, ARGMAX_BLOCK)
+    values = torch.empty(b, blocks, device=x.device, dtype=torch.float32)
+    index = torch.empty(b, blocks, device=x.device, dtype=torch.int32)
+    out = torch.empty(b, device=x.device, dtype=torch.int64)
+    opts = launch_options(x.device)
+    _argmax_blocks[(b, blocks)](x, values, index, v, x.stride(0), blocks, BLOCK=ARGMAX_BLOCK, num_warps=8, **opts)
+    _argmax_final[(b,)](values, index, out, blocks, BLOCK=max(2, next_pow2(blocks)), num_warps=4, **opts)
+    return out
