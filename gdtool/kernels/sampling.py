@@ -1,10 +1,10 @@
 """Token selection for the fast step: sort-free sampling (top-k first, then top-p within the k
 candidates), and a two-stage argmax for greedy decoding.
 
-Sampling. generate()'s top-p sorts the whole vocabulary every step (128k entries for Llama 3), which costs a
-noticeable share of a fused decode step at large batch. HF applies top-k before top-p, so when
-top-k is on, every token that top-p could keep is among the k best, and the nucleus can be found
-among those k alone:
+Sampling. generate()'s top-p sorts the whole vocabulary every step (128k entries for Llama 3), which
+costs a noticeable share of a fused decode step at large batch. HF applies top-k before top-p, so
+when top-k is on, every token that top-p could keep is among the k best, and the nucleus can be
+found among those k alone:
 
     scores -> repetition penalty -> / temperature          (as generate(), same arithmetic)
     values, ids = topk(scores, k + TIE_SLACK)               (one partial selection over the vocabulary)
