@@ -1,10 +1,10 @@
 """`python -m gdtool <command> ...`
 
-    run       decode in one or all modes and compare them            (gdtool.frontends.run)
-    bench     gdtool's modes against generate() and a gpt-fast-style step (gdtool.frontends.bench)
+    run       decode in one or all modes and compare them                 (gdtool.frontends.run)
+    bench     gdtool's modes against generate() and a gpt-fast-style step  (gdtool.frontends.bench)
     profile   per-step host vs device time, in-process or under Nsight Systems (--nsys, --read)
-                                                                     (gdtool.frontends.profile)
-    sweep     EOS-polling x batch-size grids to CSV                  (gdtool.frontends.sweep)
+                                                                          (gdtool.frontends.profile)
+    sweep     EOS-polling x batch-size grids to CSV                       (gdtool.frontends.sweep)
 
 Every command takes --help, and the same options (gdtool.frontends.options): --model, --mode, --batch,
 --poll, --kernels, --prompt-len, --max-new-tokens, --out, --redo, --json, --no-progress; lists

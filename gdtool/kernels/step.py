@@ -17,8 +17,8 @@ float arithmetic), so tokens can differ from generate() where two logits are wit
 each other (`compare_kernels()` measures that: teacher-forced top-1 agreement and the largest
 logit difference). What does not change: the step is a deterministic function of its buffers, so
 it is bitwise equal to itself run uncaptured (`capture=False` calls the same compiled function).
-Sampling with top-k uses the sort-free sampler of `fast_sampling.py` (same noise, same candidate
-rule); without top-k it uses `sampling.py`'s sorting top-p.
+Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same noise, same candidate
+rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 
 `kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (a
 Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and

@@ -75,7 +75,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
     written token (0 after a row's EOS). `num_samples=k` decodes every prompt k times, rows repeated
     as generate()'s `num_return_sequences=k` repeats them.
     `kernels="compiled"` runs the same step with fused kernels (torch.compile, no CUDA graphs of its own;
-    gdtool captures it): faster, no longer bitwise generate() (see gdtool/fast.py); "hf" keeps HF's kernels.
+    gdtool captures it): faster, no longer bitwise generate() (see gdtool/kernels/step.py); "hf" keeps HF's kernels.
     """
     check_samples(num_samples, unsupported)
     explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
