@@ -31,7 +31,7 @@ def test_torch_references_against_float64(dtype):
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_triton_kernels_under_the_interpreter():
-    code = ("import torch\nfrom gdtool import fast_check\n"
+    code = ("import torch\nfrom gdtool.kernels import check as fast_check\n"
             "for dt in (torch.float32, torch.float16):\n"
             "    bad = [r for r in fast_check.check_all('cpu', dt) if not r.ok]\n"
             "    assert not bad, fast_check.table(bad)\n"
