@@ -6,12 +6,12 @@
     out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=32)
     print(out.tokens, out.steps, out.host_syncs)
 """
-from .decode import MODES, DecodeOutput, decode
-from .decoder import Decoder
-from .models import PRESETS, load_model, random_prompts
-from .timing import ProfileResult, add_device_busy, profile
-from .sweep import sweep
-from . import costmodel, workloads
+from .loops.decode import MODES, DecodeOutput, decode
+from .loops.decoder import Decoder
+from .core.models import PRESETS, load_model, random_prompts
+from .measure.timing import ProfileResult, add_device_busy, profile
+from .frontends.sweep import sweep
+from .measure import costmodel, workloads
 
 __all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "add_device_busy", "costmodel", "decode",
            "load_model", "profile", "random_prompts", "sweep", "workloads"]

@@ -1,12 +1,12 @@
 """`python -m gdtool <command> ...`
 
-    run       decode in one or all modes and compare them            (gdtool.cli)
-    bench     gdtool's modes against generate() and a gpt-fast-style step (gdtool.bench)
+    run       decode in one or all modes and compare them                 (gdtool.frontends.run)
+    bench     gdtool's modes against generate() and a gpt-fast-style step  (gdtool.frontends.bench)
     profile   per-step host vs device time, in-process or under Nsight Systems (--nsys, --read)
-                                                                     (gdtool.profile_cli)
-    sweep     EOS-polling x batch-size grids to CSV                  (gdtool.sweep)
+                                                                          (gdtool.frontends.profile)
+    sweep     EOS-polling x batch-size grids to CSV                       (gdtool.frontends.sweep)
 
-Every command takes --help, and the same options (gdtool.options): --model, --mode, --batch,
+Every command takes --help, and the same options (gdtool.frontends.options): --model, --mode, --batch,
 --poll, --kernels, --prompt-len, --max-new-tokens, --json, --no-progress; lists with spaces or
 commas (--batch 1 4 16 or --batch 1,4,16). bench, profile and sweep write results to --out (default
 under results/) and print where; run writes no file.
@@ -14,7 +14,8 @@ under results/) and print where; run writes no file.
 import importlib
 import sys
 
-COMMANDS = {"run": "gdtool.cli", "bench": "gdtool.bench", "profile": "gdtool.profile_cli", "sweep": "gdtool.sweep"}
+COMMANDS = {"run": "gdtool.frontends.run", "bench": "gdtool.frontends.bench", "profile": "gdtool.frontends.profile",
+            "sweep": "gdtool.frontends.sweep"}
 
 
 def main(argv=None) -> int:

@@ -48,8 +48,8 @@ import os
 import torch
 
 import gdtool
-from gdtool import notebook, plot, widgets
-from gdtool.sweep import summarize, sweep
+from gdtool.frontends import notebook, plot, widgets
+from gdtool.frontends.sweep import summarize, sweep
 
 p = notebook.setup(dict(model_name=model_name, batches=batches, max_new_tokens=max_new_tokens, prompt_len=prompt_len,
                         repeats=repeats, warmup=warmup), cpu=cpu, gpu=dict(model_name="llama-1b"),

@@ -25,8 +25,8 @@
 #
 # Capturing the step in a CUDA graph removes most of the host's work (hundreds of launches become
 # one), so it only pays where the decode is host-bound. This notebook measures both clocks for the
-# four modes at several batch sizes, in-process (`gdtool.timing`, no profiler attached), then sets
-# the figures beside the Nsight Systems sessions committed under `profiles/h200/` (`gdtool.nsys`).
+# four modes at several batch sizes, in-process (`gdtool.measure.timing`, no profiler attached), then sets
+# the figures beside the Nsight Systems sessions committed under `profiles/h200/` (`gdtool.measure.nsys`).
 
 # %% tags=["parameters"]
 models = None              # None: ["llama-1b"] on a GPU
@@ -44,7 +44,8 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
-from gdtool import notebook, nsys, options, plot, timing
+from gdtool.frontends import notebook, options, plot
+from gdtool.measure import nsys, timing
 
 p = notebook.setup(dict(models=models, batches=batches, max_new_tokens=max_new_tokens, prompt_len=prompt_len),
                    cpu=cpu, gpu=dict(models=["llama-1b"]), cpu_fallback=cpu_fallback)
@@ -52,7 +53,7 @@ root = Path(gdtool.__file__).resolve().parent.parent
 pd.set_option("display.max_colwidth", None)   # config names tell HF rows from compiled ones: never cut them
 
 # %% [markdown]
-# ## In-process: `gdtool.timing.profile`
+# ## In-process: `gdtool.measure.timing.profile`
 # For every step, `host_us` is the CPU time of the decoding thread (blocking waits excluded) and
 # `device_busy_us` the summed duration of the kernels the step launched (from CUPTI, in a second,
 # identical decode). Every config is timed before the first kernel pass: a torch.profiler session
@@ -109,7 +110,7 @@ for name, group in measured.groupby("model", sort=False):
 
 # %% [markdown]
 # ## Against Nsight Systems
-# `python -m gdtool profile --nsys ...` records decodes under nsys; `gdtool.nsys.read` turns an export
+# `python -m gdtool profile --nsys ...` records decodes under nsys; `gdtool.measure.nsys.read` turns an export
 # into a row per decode step with the same column names as the in-process timing. The committed
 # sessions (`profiles/h200/nsys-*`) are read below: each kept export is read again by this code, and
 # configs whose export was not kept (eager's, 4.7 MB each) come from the session's own summary.csv.

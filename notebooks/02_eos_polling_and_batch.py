@@ -65,8 +65,9 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
-from gdtool import costmodel, notebook, plot, record, widgets, workloads
-from gdtool.sweep import load, summarize, sweep
+from gdtool.measure import costmodel, record, workloads
+from gdtool.frontends import notebook, plot, widgets
+from gdtool.frontends.sweep import load, summarize, sweep
 
 root = Path(gdtool.__file__).resolve().parent.parent
 path = root / "profiles" / results

@@ -43,7 +43,7 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
-from gdtool import notebook, plot
+from gdtool.frontends import notebook, plot
 
 notebook.setup(dict(results=results, model=model), cpu=cpu, cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent

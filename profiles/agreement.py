@@ -1,6 +1,6 @@
-"""Do the in-process figures (gdtool.profile) and Nsight Systems (gdtool.nsys) agree? A markdown table.
+"""Do the in-process figures (gdtool.profile) and Nsight Systems (gdtool.measure.nsys) agree? A markdown table.
 
-Per mode and batch size (`gdtool.nsys.agreement`): device busy time per token, the mean (in-process:
+Per mode and batch size (`gdtool.measure.nsys.agreement`): device busy time per token, the mean (in-process:
 torch.profiler's kernel records; nsys: kernel records of a node-trace session, or of a graph-trace session
 for eager, which has no graphs, or where no node trace was kept), and host work of the median step (nsys:
 graph-level trace, whose tracing of every launch call costs the host far more than the launch: a graph
@@ -14,7 +14,7 @@ import argparse
 
 import pandas as pd
 
-from gdtool import nsys, timing
+from gdtool.measure import nsys, timing
 
 
 def tables(profile_csv, nsys_csvs) -> pd.DataFrame:

@@ -2,7 +2,7 @@
 
 Parts, in the order given (each writes its file as soon as it ends; a part past --budget-s is skipped):
 
-  check      every kernel against float64 on fresh random inputs (`gdtool.fast_check`), small shapes
+  check      every kernel against float64 on fresh random inputs (`gdtool.kernels.check`), small shapes
              and the Llama 1B / 8B shapes, bf16            -> check.csv
   gemv       each projection of llama-1b and llama-8b (qkv+RoPE, o, gate/up, down, lm_head), batch 1
              and 4: µs per call and TB/s (weight bytes + activations over time), for cuBLAS
@@ -35,7 +35,9 @@ import torch
 import torch.nn.functional as F
 
 import gdtool
-from gdtool import bench, fast, fast_attention, fast_check, fast_gemv, fast_splitkv, fast_triton
+from gdtool.frontends import bench
+from gdtool.kernels import attention as fast_attention, check as fast_check, gemv as fast_gemv
+from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fast_triton
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
     "llama-1b": (2048, 8192, 32, 8, 64, 128256),
@@ -219,9 +221,9 @@ def part_attention(args, rows):
             variants = [
                 ("sdpa packed, all slots", False, lambda: [lambda kc=kc, vc=vc: fast_attention.decode_attention(
                     q.view(m, hq, 1, d), kc, vc, mask4, d ** -0.5) for kc, vc in caches]),
-                ("split-kv", False, lambda: [lambda kc=kc, vc=vc: fast_splitkv.decode_attention(
+                ("split-kv", False, lambda: [lambda kc=kc, vc=vc: fast_attention.split_kv(
                     q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches]),
-                ("split-kv", True, lambda: [lambda kc=kc, vc=vc: fast_splitkv.decode_attention(
+                ("split-kv", True, lambda: [lambda kc=kc, vc=vc: fast_attention.split_kv(
                     q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches]),
             ]
             for label, pdl, make in variants:
@@ -230,14 +232,14 @@ def part_attention(args, rows):
                         us = time_calls(make(), args.reps)
                     rows.append(dict(rows=m, heads=f"{hq}/{hkv}x{d}", cache=cache, live=live, kernel=label, pdl=pdl,
                                      us=us, live_kv_tb_s=kv_bytes / us / 1e6,
-                                     chunks=str(fast_splitkv.split_plan(m, hkv, cache))))
+                                     chunks=str(fast_attention.split_plan(m, hkv, cache))))
                 except Exception as error:
                     rows.append(dict(rows=m, cache=cache, live=live, kernel=label, pdl=pdl, error=repr(error)[:300]))
                 log(rows[-1])
     vocab = 128256 if DEVICE == "cuda" else 4096
     for m in (1, 64):
         xs = [torch.randn(m, vocab, device=DEVICE) for _ in range(8)]
-        for label, fn in (("torch.argmax", torch.argmax), ("two-stage argmax", fast_splitkv.argmax)):
+        for label, fn in (("torch.argmax", torch.argmax), ("two-stage argmax", fast_sampling.argmax)):
             us = time_calls([lambda x=x: fn(x, -1) if fn is torch.argmax else fn(x) for x in xs], args.reps)
             rows.append(dict(rows=m, kernel=label, cache=vocab, us=us))
             log(rows[-1])
@@ -249,8 +251,8 @@ def _decode(model, prompt, args, **kw):
 
 
 def part_step(args, rows):
-    import gdtool.devloop
-    loop_ok = gdtool.devloop.device_loop_support() is None
+    import gdtool.loops.devloop
+    loop_ok = gdtool.loops.devloop.device_loop_support() is None
     for model_name in args.step_models:
         model = gdtool.load_model(model_name, device=DEVICE)
         prompts, tokens = {}, {}

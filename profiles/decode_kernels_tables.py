@@ -16,7 +16,7 @@ from pathlib import Path
 import pandas as pd
 
 ROOT = Path(__file__).resolve().parent / "h200" / "decode-kernels"
-# per-step call counts of each kernel in the fast decode forward (gdtool/fast_decoder.py), 16 layers
+# per-step call counts of each kernel in the fast decode forward (gdtool/kernels/forward.py), 16 layers
 LAYERS = {"llama-1b": 16, "llama-8b": 32}
 # the megakernel anchor (msaroufim/megakernels-vs-cuda-graphs, llama/docs/RESULTS.md, H200, Llama-3.2-1B,
 # bf16, batch 1), as quoted in the project's peer notes: not measured here

@@ -8,14 +8,14 @@ its files as soon as it ends (a part cut short by a time limit leaves the earlie
 
   select     token selection alone, captured, per batch: greedy argmax; HF's order (penalty,
              temperature, top-k, top-p through a sort of the vocabulary); the sort-free sampler
-             (`gdtool.fast_sampling`); top-p alone (sort). HF's eager kernels and inductor's.
+             (`gdtool.kernels.sampling`); top-p alone (sort). HF's eager kernels and inductor's.
              -> select.csv (µs per call, median of 5 x 200 replays)
   agreement  per model: the same prompt and the same continuation fed token by token through the
              step with HF's kernels and with kernels="compiled" (greedy, captured): top-1 agreement
              and largest logit difference per position, each step's device time; on the HF logits,
              the sort-free sampler against HF's sampler with the same noise, ties beyond the
              sampler's slack, and whether this GPU's torch.sort keeps ties in id order. Models in
-             --fused-models run a third time with q/k/v and gate/up fused (`gdtool.fast_fuse`).
+             --fused-models run a third time with q/k/v and gate/up fused (`gdtool.kernels.fuse`).
              -> agreement.csv (one row per model x variant x position), agreement_summary.csv
   decode     gdtool.decode(mode="step-graph") end to end, kernels hf and compiled, greedy vs
              sampling (temperature 0.8, top-k 50, top-p 0.9, repetition penalty 1.1), EOS off,
@@ -42,9 +42,11 @@ from pathlib import Path
 import torch
 
 import gdtool
-import gdtool.fast_fuse
-from gdtool import bench, fast, fast_sampling, sampling
-from gdtool.settings import Settings
+import gdtool.kernels.fuse
+from gdtool.frontends import bench
+from gdtool.kernels import step as fast, sampling as fast_sampling
+from gdtool.core import sampling
+from gdtool.core.settings import Settings
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)
 SELECT_VARIANTS = ("greedy", "sample-hf-order", "sample-sort-free", "sample-top-p-only", "part-warp",
@@ -220,7 +222,7 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
             tables.append(df)
             fused = {}
             if name in args.fused_models:
-                gdtool.fast_fuse.fuse_projections(model)
+                gdtool.kernels.fuse.fuse_projections(model)
                 t1 = time.perf_counter()
                 run = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
                 fdf = fast.agreement(hf["logits"], run["logits"])
@@ -271,7 +273,7 @@ def part_decode(args, out: Path) -> list[dict]:
     for kernels, batch in [(k, b) for k in order for b in args.decode_batches]:
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(args.prompt_len, args.prompt_len), seed=0)
         if kernels == "compiled-fused":
-            gdtool.fast_fuse.fuse_projections(model)
+            gdtool.kernels.fuse.fuse_projections(model)
         for case in args.cases:
             settings = dict(cases[case], eos_token_id=None, pad_token_id=0, max_new_tokens=args.max_new_tokens)
             t0 = time.perf_counter()

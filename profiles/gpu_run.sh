@@ -3,25 +3,26 @@
 #
 #   bash profiles/gpu_run.sh OUT_DIR PART [PART ...]
 #
-# PART: tests (every `pytest -m cuda` test), determinism (long greedy decodes, run to run and mode to
-# mode), probe (device-loop smoke test), run (python -m gdtool run on
-# llama-1b), nsys (profiles/nsys_session.sh graph node fixtures figures), nsys-graph (llama-1b, batch 1
-# and 16, graph trace), nsys-node1 / nsys-node16 (batch 1 / 16, node trace, graph modes), nsys-fixtures,
-# profile (in-process per-step table), bench-1b, bench-8b, sweep, notebooks, fast-tests (compiled step),
-# devloop-host (device-loop host time per token, geometric lengths), nsys-compiled (graph trace,
-# kernels=compiled), nsys-compiled-node (node trace of the compiled, fused step at batch 1, and its kernel
-# breakdown), retest-devloop, fast, fast-decode, launch-probe (host cost of one graph launch),
-# launch-timing (the same under gdtool.timing's events and blocking-sync scheduling), launch-profiler (the
-# same before and after a torch.profiler session in the process), fast-decode-64 (the
-# fast-decode part at batch 64, compiled kernels only: the whole part outlasts its time limit), sample-64
-# (batch 64, compiled sampling alone, Python stacks every 45 s: where it waits), sort-compile (inductor's
-# compile time for the sampler's candidate order, by counting and with torch.sort, batch 1 and 64),
-# select-64 (the samplers and the sort-free sampler's parts alone, compiled, batch 64), retest-fast
-# (the cuda tests of the compiled step). select-64 reads SELECT_VARIANTS (default: all).
+# PART, each the maker of files that profiles/README.md names (its table says which):
+#   tests          every `pytest -m cuda` test
+#   determinism, determinism-strict   long greedy decodes, run to run and mode to mode (the second with
+#                  torch.use_deterministic_algorithms)
+#   profile        in-process per-step table, and profile/agreement.md (profiles/agreement.py against the
+#                  committed nsys sessions)
+#   nsys           profiles/nsys_session.sh graph node fixtures figures; nsys-fixtures: its fixtures alone
+#   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
+#   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
+#                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
+#   bench-1b, bench-8b   python -m gdtool bench
+#   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
+#   devloop-host   device-loop host time per token, geometric lengths
+#   fast, fast-decode, fast-decode-64, select-64   profiles/fast_probe.py: sampler cost and agreement,
+#                  greedy vs sampling per step (fast-decode-64: batch 64, compiled kernels only), the
+#                  samplers' parts alone at batch 64 (reads SELECT_VARIANTS, default: all)
+# Parts of earlier sessions whose question is answered (retests, launch and sort-compile probes) are
+# gone; profiles/README.md names the command and commit of each of their committed files.
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
 # --fuse-projections) and BENCH_SECONDS (the part's time limit).
-# profile also writes profile/agreement.md (profiles/agreement.py against the committed nsys sessions);
-# notebooks executes the three notebooks in place with their GPU parameters (profiles/regenerate.sh).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends,
 # so a part cut short by a time limit leaves the others' results. The script exits 1 when any part
 # failed or timed out (or was not a part), after running the others, and names them last.
@@ -60,7 +61,7 @@ part() {  # part NAME SECONDS COMMAND...
   keep "$name"
 }
 
-if ! "$py" -c "import json, gdtool.record as r; print(json.dumps(r.environment(), indent=2))" > "$work/env.json"; then
+if ! "$py" -c "import json, gdtool.measure.record as r; print(json.dumps(r.environment(), indent=2))" > "$work/env.json"; then
   echo "gdtool is not importable with $py: run from the checkout (or set PYTHON)" | tee -a "$log"
   exit 1
 fi
@@ -72,12 +73,6 @@ for p in "$@"; do
     tests) part tests ${TESTS_SECONDS:-420} "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests ;;
     determinism-strict) part determinism-strict 90 "$py" profiles/determinism.py --model llama-1b --batch 1 \
            --max-new-tokens 192 --deterministic ;;
-    retest) part retest 90 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_decoder_cuda.py \
-           tests/test_fast_cuda.py tests/test_timing.py ;;
-    retest-devloop) part retest-devloop 120 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_devloop.py \
-           tests/test_device_loop_mode.py tests/test_timing.py ;;
-    fast-tests) part fast-tests 150 bash -c "$py -m pytest -q -ra -p no:cacheprovider tests/test_fast_attention.py && \
-           $py -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_fast_cuda.py" ;;
     devloop-host) part devloop-host 240 "$py" -m gdtool sweep --models llama-1b --modes device-loop \
            --batches 1 4 16 64 --polls never --lengths geom:128:512 --profile --repeats 3 --no-progress \
            --out "$work/devloop-host/llama-1b_geom128_devloop_host.csv" ;;
@@ -88,18 +83,7 @@ for p in "$@"; do
            --trace node --modes step-graph --set kernels=compiled --set fuse_projections=true --max-new-tokens 48 \
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
-    launch-probe) part launch-probe 180 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --flags \
-           --out "$work/launch-probe/launch.json" ;;
-    launch-timing) part launch-timing 150 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --sizes "" \
-           --kernels hf --variants plain,events,blocking,events+blocking --profile \
-           --out "$work/launch-timing/launch.json" ;;
-    launch-profiler) part launch-profiler 120 "$py" profiles/launch_probe.py --model llama-1b --batch 1 --sizes "" \
-           --kernels hf --variants plain,after-profiler --profile --profile-after-profiler \
-           --out "$work/launch-profiler/launch.json" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
-    probe) part probe 120 "$py" profiles/devloop_probe.py --out "$work/probe/probe.json" --iterations 10000 ;;
-    run) part run 180 bash -c "for b in 1 16; do $py -m gdtool run --model llama-1b --batch \$b --prompt-len 128 \
-           --max-new-tokens 256 --no-eos; done" ;;
     profile) part profile 150 bash -c "$py -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 \
            --no-eos --modes eager,forward-graph,step-graph,device-loop --no-progress --out $work/profile && \
            $py profiles/agreement.py --profile $work/profile/summary.csv --nsys profiles/h200/nsys-graph/summary.csv \
@@ -122,14 +106,8 @@ for p in "$@"; do
            --decode-batches 1,64 --decode-kernels hf,compiled,compiled-fused --cases greedy,sample ;;
     fast-decode-64) part fast-decode-64 200 "$py" profiles/fast_probe.py --out "$work/fast-decode-64/probe" --parts decode \
            --decode-batches 64 --decode-kernels compiled,compiled-fused --cases greedy,sample ;;
-    sample-64) part sample-64 200 "$py" profiles/fast_probe.py --out "$work/sample-64/probe" --parts decode \
-           --decode-batches 64 --decode-kernels compiled --cases sample --stack-every 45 ;;
     select-64) part select-64 150 "$py" profiles/fast_probe.py --out "$work/select-64/probe" --parts select \
            --batches 64 --select-kernels compiled ${SELECT_VARIANTS:+--select-variants "$SELECT_VARIANTS"} ;;
-    retest-fast) part retest-fast 100 "$py" -m pytest -q -ra -m cuda -p no:cacheprovider tests/test_fast_cuda.py \
-           tests/test_fast.py ;;
-    sort-compile) part sort-compile 140 "$py" profiles/sort_compile_probe.py --batches 1,64 --limit 60 \
-           --out "$work/sort-compile/sort_compile.json" ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"

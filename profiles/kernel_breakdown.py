@@ -18,7 +18,8 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdtool import nsys, ranges  # noqa: E402
+from gdtool.core import ranges  # noqa: E402
+from gdtool.measure.nsys import export  # noqa: E402
 
 CLASSES = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
            ("attention", ("flash", "fmha", "attention", "attn", "sdpa")),
@@ -35,16 +36,16 @@ def kernel_class(name: str) -> str:
 
 def launch_kernels(path) -> tuple[pd.DataFrame, int]:
     """Kernels of the graph launches inside the last `decode` range, and how many launches that was."""
-    with nsys._connect(path) as con:
-        spans = nsys._ranges(con, ranges.DOMAIN)
+    with export._connect(path) as con:
+        spans = export._ranges(con, ranges.DOMAIN)
         decode = spans[spans["name"] == ranges.DECODE]
         if decode.empty:
             raise ValueError(f"{path} has no '{ranges.DECODE}' range: record with gdtool's NVTX ranges on")
         last = decode.sort_values("start").iloc[-1]
-        runtime = nsys._runtime(con)
+        runtime = export._runtime(con)
         launches = runtime[runtime["name"].str.startswith("cudaGraphLaunch") & (runtime["start"] >= last["start"])
                            & (runtime["end"] <= last["end"]) & (runtime["tid"] == last["tid"])]
-        cols = nsys._columns(con, "CUPTI_ACTIVITY_KIND_KERNEL")
+        cols = export._columns(con, "CUPTI_ACTIVITY_KIND_KERNEL")
         name_col = "shortName" if "shortName" in cols else "demangledName"
         kernels = pd.read_sql_query(
             f"select k.start as start, k.\"end\" as end, k.correlationId as corr, s.value as name "
@@ -62,7 +63,7 @@ def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from gdtool.models import preset_config
+    from gdtool.core.models import preset_config
     with torch.device("meta"):
         m = AutoModelForCausalLM.from_config(preset_config(model))
     seen = set()

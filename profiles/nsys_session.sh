@@ -65,7 +65,7 @@ import matplotlib
 matplotlib.use("Agg")
 import pandas as pd
 
-from gdtool import nsys
+from gdtool.measure import nsys
 
 work = Path(sys.argv[1])
 for batch in (1, 16):

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import gdtool
-from gdtool import compat, feed
+from gdtool.core import compat, feed
 
 CASES = {"greedy": dict(do_sample=False),
          "sampling": dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, repetition_penalty=1.1)}

@@ -5,7 +5,7 @@
 Each table is computed from the files under `profiles/` (nothing typed in): the sweep's EOS-off mode
 comparison, device-loop host time per token, sampling against greedy in the compiled step (per run
 and sampler), the cost model's check against the sweep, and the
-host cost of one graph launch (`launch_probe.py`).
+host cost of one graph launch (the launch probe's files; its command: `profiles/README.md`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import pandas as pd
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT.parent))
 
-from gdtool.sweep import load, summarize  # noqa: E402
+from gdtool.frontends.sweep import load, summarize  # noqa: E402
 
 H200 = ROOT / "h200"
 
@@ -91,7 +91,7 @@ def sampling() -> str:
 
 def cost_model() -> str:
     """`costmodel.check` on the committed sweep: step-graph, geometric lengths, the issue's policies."""
-    from gdtool import costmodel
+    from gdtool.measure import costmodel
     df = load(ROOT / "sweeps" / "llama-1b_geom128.csv")
     graph = df[df["mode"] == "step-graph"]
     table = costmodel.check(graph, costmodel.fit(graph), "geom:128:512", polls=[1, 4, 16, 64, "never", "async"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import gdtool
-from gdtool import bench
+from gdtool.frontends import bench
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -69,7 +69,7 @@ def test_cli_prints_table_and_json(tmp_path, capsys):
     # gdtool keeps generate()'s tokens bit for bit with HF's kernels
     assert (timed.token_agreement == 1.0).all()
     meta = json.loads((tmp_path / f"{name}.json").read_text())
-    from gdtool import record
+    from gdtool.measure import record
     assert set(record.ENV_KEYS) <= set(meta["environment"]) and "copy_gb_s" in meta["environment"]
     assert meta["config"]["batch"] == 2 and meta["name"] == name
 
@@ -145,8 +145,8 @@ def test_unknown_kernels_are_refused_before_anything_runs(capsys):
 
 
 def test_fuse_projections_with_nothing_to_fuse_is_refused(monkeypatch, capsys, tmp_path):
-    import gdtool.fast_fuse
-    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
+    import gdtool.kernels.fuse
+    monkeypatch.setattr(gdtool.kernels.fuse, "fuse_projections", lambda model: 0)
     # --out is made and checked before any work, so it must be a folder the test may write
     err = refused(["--model", "tiny-llama", "--device", "cpu", "--fuse-projections", "--peers", "none",
                    "--no-progress", "--out", str(tmp_path / "unused")], capsys)
@@ -245,7 +245,7 @@ def test_compiled_peers_really_compile_on_cuda(tmp_path, capsys):
 
 def test_step_bytes_of_a_mixture_of_experts_count_the_experts_hit():
     import gdtool
-    from gdtool import bench
+    from gdtool.frontends import bench
     model = gdtool.load_model("tiny-qwen3-moe")   # 8 experts, 2 per token
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     one, many = bench.step_bytes(model, 1, 8, 8)["weight_bytes"], bench.step_bytes(model, 512, 8, 8)["weight_bytes"]

@@ -1,4 +1,4 @@
-"""One command-line grammar (gdtool.options) for run, bench, profile (in-process, --nsys, --read) and sweep:
+"""One command-line grammar (gdtool.frontends.options) for run, bench, profile (in-process, --nsys, --read) and sweep:
 the same option names and list syntax, help with a default on every option, this machine's default model,
 one-line errors with exit 2 for bad values, a progress bar on stderr, --json."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from gdtool import __main__ as entry
-from gdtool import bench, cli, options, profile_cli
+from gdtool.frontends import bench, run as cli, options, profile as profile_cli
 
-sweep_module = importlib.import_module("gdtool.sweep")  # gdtool.sweep is also the function
+sweep_module = importlib.import_module("gdtool.frontends.sweep")  # gdtool.sweep is the function
 
 PARSERS = {"run": cli.parser, "bench": bench.parser, "profile": profile_cli.parser, "sweep": sweep_module.parser}
 MAINS = {"run": cli.main, "bench": bench.main, "profile": profile_cli.main, "sweep": sweep_module.main}

@@ -5,9 +5,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gdtool import costmodel, workloads
-from gdtool.costmodel import CostParams, steps_and_polls
-from gdtool.sweep import RunConfig, run_config
+from gdtool.measure import costmodel, workloads
+from gdtool.measure.costmodel import CostParams, steps_and_polls
+from gdtool.frontends.sweep import RunConfig, run_config
 
 POLLS = ["1", "2", "4", "never", "async"]
 

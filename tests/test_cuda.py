@@ -18,7 +18,7 @@ def llama1b():
 def test_captured_forward_logits_equal_uncaptured_bf16(llama1b):
     """The first thing to know on a new torch: does capture change the bits of HF's forward?"""
     from transformers import StaticCache
-    from gdtool.compat import forward_kwargs, rewind
+    from gdtool.core.compat import forward_kwargs, rewind
     model = llama1b
     cache_kw, _ = forward_kwargs(model)
     prompt = gdtool.random_prompts(model, batch=4, lengths=(6, 12), seed=0)
@@ -184,7 +184,7 @@ def test_step_graph_syncs_only_at_polls(llama1b):
 
 @pytest.mark.cuda
 def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named():
-    from gdtool import graphs
+    from gdtool.core import graphs
     owner = torch.nn.Linear(2, 2).cuda()           # check_capturable reads the model's device
     x = torch.arange(4.0, device="cuda")
     table = torch.tensor([10.0, 20.0, 30.0, 40.0])  # a CPU tensor copied to the GPU at every call

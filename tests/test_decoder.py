@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import gdtool
-from gdtool import compat
-from gdtool.decoder import Decoder
+from gdtool.core import compat
+from gdtool.loops.decoder import Decoder
 from reference import assert_same, generate
 
 SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9)
@@ -552,7 +552,7 @@ def checkpoint(tmp_path):
     tok.train_from_iterator(sentences, trainers.WordLevelTrainer(special_tokens=["<pad>", "<s>", "</s>", "<unk>"]))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
                                         unk_token="<unk>")
-    from gdtool.models import preset_config
+    from gdtool.core.models import preset_config
     config = preset_config("tiny-llama")
     config.vocab_size = len(tokenizer)
     config.pad_token_id, config.bos_token_id, config.eos_token_id = 0, 1, 2
@@ -563,7 +563,7 @@ def checkpoint(tmp_path):
 
 
 def test_cli_text_in_and_out(checkpoint, capsys):
-    from gdtool import cli
+    from gdtool.frontends import run as cli
     code = cli.main(["--model", str(checkpoint), "--prompt", "the cat sat", "--prompt", "a dog", "--mode",
                      "step-graph", "--max-new-tokens", "5", "--no-eos", "--warmup", "0", "--device", "cpu", "--json",
                      "--no-progress"])

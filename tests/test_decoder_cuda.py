@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import gdtool
-from gdtool.decoder import Decoder
+from gdtool.loops.decoder import Decoder
 from reference import assert_same, generate
 
 pytestmark = pytest.mark.cuda

@@ -1,4 +1,4 @@
-"""The device loop (gdtool.devloop): its condition on CPU, the NVRTC kernel, and on a GPU the WHILE node.
+"""The device loop (gdtool.loops.devloop): its condition on CPU, the NVRTC kernel, and on a GPU the WHILE node.
 
 CPU: `run_uncaptured` and an uncaptured `DeviceLoop` with a toy step (x += 1; step += 1; done = x >= target)
 stop exactly, respect the limit and run in chunks. GPU (`-m cuda`): the same toy step captured and run as
@@ -11,8 +11,9 @@ import struct
 import pytest
 import torch
 
-from gdtool import devloop, graphs
-from gdtool.devloop import DeviceLoop, run_uncaptured
+from gdtool.loops import devloop
+from gdtool.core import graphs
+from gdtool.loops.devloop import DeviceLoop, run_uncaptured
 
 
 def toy(target, device="cpu", rows=None, advance_step=True):
@@ -112,7 +113,7 @@ def test_uncaptured_device_loop_matches_reference():
 def test_body_with_replay_method():
     body, x, step, done, _, _ = toy(3)
 
-    class StandIn:  # what gdtool.graphs.Uncaptured looks like
+    class StandIn:  # what gdtool.core.graphs.Uncaptured looks like
         def replay(self):
             body()
 

@@ -168,7 +168,7 @@ def test_sliding_window_layers_run_in_every_mode(window):
 def test_mixture_of_experts_runs_in_every_mode_and_eager_experts_are_refused_for_capture():
     from transformers import MixtralConfig
     from reference import assert_same, decode, generate
-    from gdtool import feed
+    from gdtool.core import feed
     m = _tiny(MixtralConfig, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)
     p = gdtool.random_prompts(m, batch=2, lengths=(3, 5))
     ref = generate(m, p.input_ids, p.attention_mask, 8, eos_token_id=None)

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import gdtool
-import gdtool.fast_fuse
-from gdtool.decode import WARMUP_STEPS
-import gdtool.step
-from gdtool import fast, fast_sampling, sampling
-from gdtool.settings import Settings
+import gdtool.kernels.fuse
+from gdtool.loops.decode import WARMUP_STEPS
+import gdtool.core.step
+from gdtool.kernels import step as fast, sampling as fast_sampling
+from gdtool.core import sampling
+from gdtool.core.settings import Settings
 
 # Compile counts (fast.compiles) depend on what torch._dynamo already holds in the process, and some tests
 # here reset it: under pytest-xdist these tests, and test_fast_kernels.py's, run on one worker, in file order.
@@ -159,8 +160,8 @@ def _decode(model, prompt, **kw):
 
 def test_compiled_step_graph_matches_hf_and_compiles_once(model, monkeypatch):
     packed = torch.zeros((), dtype=torch.int64)  # layer calls through the packed grouped-query attention,
-    original = gdtool.fast_attention.decode_attention  # counted by the compiled code itself (an in-place add)
-    monkeypatch.setattr(gdtool.fast_attention, "decode_attention", lambda *a: (packed.add_(1), original(*a))[1])
+    original = gdtool.kernels.attention.decode_attention  # counted by the compiled code itself (an in-place add)
+    monkeypatch.setattr(gdtool.kernels.attention, "decode_attention", lambda *a: (packed.add_(1), original(*a))[1])
     fast.forget(model)
     prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
     hf = _decode(model, prompt, mode="step-graph", do_sample=False)
@@ -224,8 +225,8 @@ def test_fused_projections_keep_hf_bits_and_memory():
     before = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
     names = {name: p.clone() for name, p in model.named_parameters()}
     bytes_before = sum(_storages(model).values())
-    assert gdtool.fast_fuse.fuse_projections(model) == 4  # 2 layers x (q/k/v, gate/up)
-    assert gdtool.fast_fuse.fuse_projections(model) == 0
+    assert gdtool.kernels.fuse.fuse_projections(model) == 4  # 2 layers x (q/k/v, gate/up)
+    assert gdtool.kernels.fuse.fuse_projections(model) == 0
     assert sum(_storages(model).values()) == bytes_before  # one buffer per group, the Linears view it
     attn = model.model.layers[0].self_attn
     assert attn.q_proj.weight.untyped_storage().data_ptr() == attn.v_proj.weight.untyped_storage().data_ptr()
@@ -249,11 +250,11 @@ def test_fused_projections_trace_one_matmul_per_group():
         reference = model(input_ids=ids).logits
         torch._dynamo.reset()
         assert torch.equal(torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)(), reference)
-        gdtool.fast_fuse.fuse_projections(model)
+        gdtool.kernels.fuse.fuse_projections(model)
         torch._dynamo.reset()
         elsewhere = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
         torch._dynamo.reset()
-        with gdtool.fast_attention.scope():  # as inside gdtool's compiled step
+        with gdtool.kernels.attention.scope():  # as inside gdtool's compiled step
             fused = torch.compile(lambda: model(input_ids=ids).logits, backend=count_linears)()
     # per layer q,k,v,o,gate,up,down -> qkv,o,gate_up,down; + lm_head; another compile of the model is untouched
     assert linears == [2 * 7 + 1, 2 * 7 + 1, 2 * 4 + 1]
@@ -266,7 +267,7 @@ def test_fused_projections_trace_one_matmul_per_group():
 def test_compiled_step_with_fused_projections(model):
     prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
     hf = _decode(model, prompt, mode="step-graph", do_sample=False)
-    gdtool.fast_fuse.fuse_projections(model)
+    gdtool.kernels.fuse.fuse_projections(model)
     compiled = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
     assert torch.equal(compiled.tokens, hf.tokens)
     assert fast.compiles(model).compiles.sum() == 1
@@ -276,13 +277,13 @@ def test_compiled_step_with_fused_projections(model):
 def test_a_graph_break_falls_back_with_a_warning(model, monkeypatch):
     prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 5), seed=0)
     hf = _decode(model, prompt, mode="step-graph", do_sample=False)
-    update = gdtool.step.Step.update
+    update = gdtool.core.step.Step.update
 
     def update_with_a_break(self, next_tokens):
         torch._dynamo.graph_break()
         return update(self, next_tokens)
 
-    monkeypatch.setattr(gdtool.step.Step, "update", update_with_a_break)
+    monkeypatch.setattr(gdtool.core.step.Step, "update", update_with_a_break)
     with pytest.warns(UserWarning, match="could not be compiled as one graph"):
         out = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")
     assert torch.equal(out.tokens, hf.tokens)

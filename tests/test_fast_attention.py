@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import gdtool
-from gdtool import compat, fast_attention
+from gdtool.core import compat
+from gdtool.kernels import attention as fast_attention
 
 
 @pytest.fixture(scope="module")

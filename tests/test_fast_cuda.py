@@ -6,9 +6,10 @@ import pytest
 import torch
 
 import gdtool
-import gdtool.devloop
-from gdtool import fast, fast_sampling, sampling
-from gdtool.settings import Settings
+import gdtool.loops.devloop
+from gdtool.kernels import step as fast, sampling as fast_sampling
+from gdtool.core import sampling
+from gdtool.core.settings import Settings
 
 pytestmark = pytest.mark.cuda
 
@@ -41,14 +42,14 @@ def test_compiled_step_captured_equals_uncaptured(model):
     mine = table[table.step.str.startswith("step_b4_w12_") & table.step.str.endswith("_sample")]
     assert len(mine) == 1 and mine.compiles.iloc[0] == 1 and bool(mine.fullgraph.iloc[0])  # reused 3 times
     assert mine.note.iloc[0] == ""  # decode() records warnings raised in its CUDA warm-up: read the table
-    if gdtool.devloop.device_loop_support() is None:
+    if gdtool.loops.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, mode="device-loop", **SAMPLING)  # the same compiled step in a WHILE node
         assert torch.equal(loop.tokens, captured.tokens)
 
 
 def test_compiled_step_with_top_p_and_no_top_k(model):
     """The sorting path (top-p over the whole vocabulary) compiles, captures, and equals itself uncaptured:
-    inductor's own scan over a vocabulary row failed in codegen on CUDA (torch 2.11), gdtool.sampling.cumsum
+    inductor's own scan over a vocabulary row failed in codegen on CUDA (torch 2.11), gdtool.core.sampling.cumsum
     keeps ATen's kernel there."""
     prompt = gdtool.random_prompts(model, batch=64, lengths=(5, 12), seed=2)
     settings = dict(SAMPLING, top_k=0)

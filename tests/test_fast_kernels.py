@@ -5,7 +5,7 @@ kernels themselves under Triton's CPU interpreter where Triton is installed (flo
 the interpreter of Triton 3.6 rounds to bf16 by truncation and mishandles bf16 dots); the fast step
 of tiny-llama against HF's kernels. On CUDA: the kernels in bf16 and fp16 at small and real Llama
 shapes, PDL on and off, and the fast step captured against itself uncaptured.
-Tolerances: gdtool/fast_check.py (relative L2 error against float64, by dtype).
+Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
 """
 import os
 import subprocess
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import gdtool
-import gdtool.devloop
-from gdtool import fast, fast_check, fast_decoder, fast_triton
+import gdtool.loops.devloop
+from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, triton as fast_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
@@ -32,7 +32,7 @@ def test_torch_references_against_float64(dtype):
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_triton_kernels_under_the_interpreter():
-    code = ("import torch\nfrom gdtool import fast_check\n"
+    code = ("import torch\nfrom gdtool.kernels import check as fast_check\n"
             "for dt in (torch.float32, torch.float16):\n"
             "    bad = [r for r in fast_check.check_all('cpu', dt) if not r.ok]\n"
             "    assert not bad, fast_check.table(bad)\n"
@@ -111,7 +111,7 @@ def test_fast_step_on_cuda_captured_equals_uncaptured():
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
     table = fast.compiles(model)
     assert table.compiles.sum() == 1 and table.kernels.iloc[0].startswith("fast: fast decode forward")
-    if gdtool.devloop.device_loop_support() is None:
+    if gdtool.loops.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)
     agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")

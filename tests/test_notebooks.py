@@ -105,7 +105,7 @@ def test_cpu_fallback_overrides_gpu_parameters(name, tmp_path, monkeypatch):
 
 
 def test_setup_keeps_gpu_parameters_on_a_gpu_and_replaces_them_on_a_cpu():
-    from gdtool import notebook
+    from gdtool.frontends import notebook
     said = []
     given = dict(models=None, batches=[1, 16, 64])
     on_gpu = notebook.setup(given, cpu=dict(models=["tiny-llama"], batches=[1]), gpu=dict(models=["llama-1b"]),

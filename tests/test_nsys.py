@@ -1,4 +1,4 @@
-"""gdtool.nsys: reading Nsight Systems sqlite exports into one row per decode step.
+"""gdtool.measure.nsys: reading Nsight Systems sqlite exports into one row per decode step.
 
 Synthetic exports use the table and column names of real ones (Nsight Systems' SQLite schema
 reference) with hand-computed answers; real exports from a GPU, committed under tests/data/ as
@@ -17,7 +17,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gdtool import nsys
+from gdtool.measure import nsys
+from gdtool.measure.nsys import export, recording
 
 DATA = Path(__file__).parent / "data"
 # node-trace fixtures (tiny-llama) and the graph-trace sessions of profiles/h200 (llama-1b), all from the H200
@@ -430,7 +431,7 @@ def test_plots_return_figure_and_axes(tmp_path):
 
 
 def test_cli_reads_exports_and_prints_json(tmp_path, capsys):
-    from gdtool import profile_cli
+    from gdtool.frontends import profile as profile_cli
     path = build(tmp_path, "sg.sqlite", step_graph)
     assert profile_cli.main(["--read", str(path), "--json"]) == 0
     captured = capsys.readouterr()
@@ -467,14 +468,16 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
         if cmd[1] == "profile":
             Path(cmd[cmd.index("-o") + 1] + ".nsys-rep").write_bytes(b"report")  # as nsys names it
             doc = {"ranges": True, "decodes": [{"steps": 4}]}
-            return nsys.subprocess.CompletedProcess(cmd, 0, stdout="nsys says hi\n" + json.dumps(doc) + "\n", stderr="")
+            return recording.subprocess.CompletedProcess(cmd, 0, stdout="nsys says hi\n" + json.dumps(doc) + "\n",
+                                                         stderr="")
         shutil.copy(source, cmd[cmd.index("-o") + 1])
-        return nsys.subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
+        return recording.subprocess.CompletedProcess(cmd, 0, stdout="", stderr="")
 
-    from gdtool import profile_cli, record
+    from gdtool.frontends import profile as profile_cli
+    from gdtool.measure import record
     env = record.environment()  # before subprocess.run plays nsys: it runs git and nvidia-smi
-    monkeypatch.setattr(nsys.subprocess, "run", fake_run)
-    monkeypatch.setattr(nsys, "environment", lambda nsys_path=None: env)
+    monkeypatch.setattr(recording.subprocess, "run", fake_run)
+    monkeypatch.setattr(recording, "environment", lambda nsys_path=None: env)
     monkeypatch.setenv("GDTOOL_NSYS", str(tmp_path / "nsys"))
     (tmp_path / "nsys").write_text("#!/bin/sh\n")
     (tmp_path / "nsys").chmod(0o755)
@@ -499,16 +502,16 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
         result = fake_run(cmd, **kwargs)
         result.stdout = result.stdout.replace('"steps": 4', '"steps": 3')
         return result
-    monkeypatch.setattr(nsys.subprocess, "run", short_run)
+    monkeypatch.setattr(recording.subprocess, "run", short_run)
     with pytest.raises(AssertionError, match=r"ran \[3\] steps but the export holds \[4\]"):
         nsys.record(nsys.RunConfig("tiny-llama", 16, "step-graph", "graph", repeat=1), out)
 
 
 def test_missing_nsys_is_a_clear_error(monkeypatch, tmp_path, capsys):
-    from gdtool import profile_cli
+    from gdtool.frontends import profile as profile_cli
     monkeypatch.delenv("GDTOOL_NSYS", raising=False)
-    monkeypatch.setattr(nsys.shutil, "which", lambda name: None)
-    monkeypatch.setattr(nsys.glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(recording.shutil, "which", lambda name: None)
+    monkeypatch.setattr(recording.glob, "glob", lambda pattern: [])
     with pytest.raises(FileNotFoundError, match="GDTOOL_NSYS"):
         nsys.find_nsys()
     with pytest.raises(SystemExit) as exit_info:  # the command: one line, exit 2
@@ -526,8 +529,8 @@ def test_slim_keeps_what_read_needs(tmp_path):
     con.close()
     gz = nsys.slim(path, tmp_path / "fg.slim.sqlite.gz")
     pd.testing.assert_frame_equal(nsys.read(gz), nsys.read(path))
-    with nsys._connect(gz) as c:
-        assert "OSRT_API" not in nsys._tables(c)
+    with export._connect(gz) as c:
+        assert "OSRT_API" not in export._tables(c)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -586,13 +589,13 @@ def test_target_fuses_projections_when_asked(monkeypatch, capsys):
     where there is nothing to fuse."""
     import gdtool
     fused = []
-    real = gdtool.fast_fuse.fuse_projections
-    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: fused.append(real(model)) or fused[-1])
+    real = gdtool.kernels.fuse.fuse_projections
+    monkeypatch.setattr(gdtool.kernels.fuse, "fuse_projections", lambda model: fused.append(real(model)) or fused[-1])
     args = ["--model", "tiny-llama", "--mode", "step-graph", "--batch", "1", "--max-new-tokens", "3", "--repeat", "1",
             "--no-eos"]
     assert nsys.target(args + ["--set", "fuse_projections=true"]) == 0
     assert fused == [4]  # q/k/v and gate/up in each of tiny-llama's two layers
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["decodes"][0]["steps"] == 2
-    monkeypatch.setattr(gdtool.fast_fuse, "fuse_projections", lambda model: 0)
+    monkeypatch.setattr(gdtool.kernels.fuse, "fuse_projections", lambda model: 0)
     with pytest.raises(SystemExit, match="nothing to fuse|no q/k/v"):
         nsys.target(args + ["--set", "fuse_projections=true"])

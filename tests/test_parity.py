@@ -88,7 +88,7 @@ def test_greedy_eos_really_fires_in_different_rows(load):
 def test_penalized_pad_competes(load, mode):
     """Make the pad id the best first pick of a padded row among the ids it has not seen: the penalty
     on it changes that pick exactly when this transformers' generate() lets the penalty see left pads."""
-    from gdtool.compat import PENALTY_SEES_LEFT_PADS
+    from gdtool.core.compat import PENALTY_SEES_LEFT_PADS
     model = load("tiny-llama")
     prompt = _prompt(model, seed=1)
     padded = int((prompt.attention_mask == 0).any(1).nonzero()[0])

@@ -11,9 +11,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from gdtool import costmodel, plot, workloads
-from gdtool.costmodel import CostParams, steps_and_polls
-from gdtool.sweep import RunConfig
+from gdtool.measure import costmodel, workloads
+from gdtool.frontends import plot
+from gdtool.measure.costmodel import CostParams, steps_and_polls
+from gdtool.frontends.sweep import RunConfig
 
 
 @pytest.fixture(autouse=True)
@@ -136,7 +137,7 @@ def test_plots_refuse_empty_or_failed_results():
 
 def test_explorer_filters_and_redraws():
     pytest.importorskip("ipywidgets")
-    from gdtool import widgets
+    from gdtool.frontends import widgets
     ex = widgets.explorer(sweep_like(), allow_runs=False)
     assert set(ex.filters) == {"model", "mode", "lengths", "batch", "poll"}
     assert len([line for line in ex.last_figure.axes[0].get_lines()]) == 3
@@ -156,7 +157,7 @@ def test_explorer_filters_and_redraws():
 
 def test_explorer_runs_the_selected_config(load):
     pytest.importorskip("ipywidgets")
-    from gdtool import widgets
+    from gdtool.frontends import widgets
     model = load("tiny-llama")
     df = sweep_like(batches=(1, 2), polls=("1", "async"))
     ex = widgets.explorer(df, models={"tiny-llama": model}, allow_runs=True)
@@ -288,7 +289,7 @@ def test_the_explorer_leaves_no_thread_or_open_figure_behind():
     pytest.importorskip("ipywidgets")
     import threading
 
-    from gdtool import widgets
+    from gdtool.frontends import widgets
     plt.close("all")
     before = set(threading.enumerate())
     ex = widgets.explorer(sweep_like(), allow_runs=False)

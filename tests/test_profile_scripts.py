@@ -1,5 +1,5 @@
 """Scripts under profiles/ that read committed results: the kernel breakdown of a node-level nsys
-export, the README's result tables, and the launch probe's refusal without a GPU."""
+export, the README's result tables; the fast probe's names, gpu_run.sh's parts and its failures."""
 from __future__ import annotations
 
 import sys
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from gdtool import nsys
+from gdtool.measure import nsys
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "profiles"))
@@ -15,7 +15,6 @@ sys.path.insert(0, str(ROOT / "profiles"))
 import fast_probe  # noqa: E402
 import kernel_breakdown  # noqa: E402
 import results_tables  # noqa: E402
-import sort_compile_probe  # noqa: E402
 
 NODE_EXPORT = ROOT / "tests" / "data" / "tiny-llama_b4_step-graph_node_noeos.sqlite.gz"
 
@@ -29,7 +28,7 @@ def test_kernel_classes(name, cls):
 
 
 def test_breakdown_adds_up_to_the_readers_busy_time():
-    """The kernels joined to the last decode's graph launches are exactly the busy time gdtool.nsys.read
+    """The kernels joined to the last decode's graph launches are exactly the busy time gdtool.measure.nsys.read
     gives that decode's steps."""
     kernels, launches = kernel_breakdown.launch_kernels(NODE_EXPORT)
     steps = nsys.read(NODE_EXPORT)
@@ -57,14 +56,6 @@ def test_results_tables_render_from_committed_files(capsys):
         results_tables.main(["nope"])
 
 
-def test_launch_probe_needs_a_gpu(monkeypatch):
-    import launch_probe
-    import torch
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        launch_probe.main(["--out", "unused.json"])
-
-
 @pytest.mark.parametrize("argv, flag", [(["--select-variants", "greedy,nope"], "--select-variants"),
                                         (["--cases", "sampel"], "--cases"),
                                         (["--decode-kernels", "fused"], "--decode-kernels")])
@@ -80,12 +71,6 @@ def test_fast_probe_names_match_its_parts():
     assert args.select_variants == ["part-topk-unsorted"] and args.cases == ["greedy", "sample"]
 
 
-def test_sort_compile_probe_refuses_unknown_variants(tmp_path, capsys):
-    with pytest.raises(SystemExit):
-        sort_compile_probe.main(["--variants", "bubble", "--out", str(tmp_path / "x.json")])
-    assert "choose from counting, two-sorts" in capsys.readouterr().err
-
-
 def _gpu_run(tmp_path, *parts):
     import os
     import subprocess
@@ -97,16 +82,16 @@ def _gpu_run(tmp_path, *parts):
 
 
 def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
-    """A part that fails (the launch probe refuses a machine without a GPU) or is not a part makes the whole
+    """A part that fails (the fast probe refuses a machine without a GPU) or is not a part makes the whole
     run exit 1, after the other parts ran, and the log names them; the environment sidecar is kept."""
-    rc, log = _gpu_run(tmp_path, "launch-probe", "no-such-part")
+    rc, log = _gpu_run(tmp_path, "fast", "no-such-part")
     assert rc == 1, log
-    assert "=== launch-probe exit 1" in log and "unknown part no-such-part" in log
-    assert "=== failed: launch-probe no-such-part" in log
+    assert "=== fast exit 1" in log and "unknown part no-such-part" in log
+    assert "=== failed: fast no-such-part" in log
     import tarfile
     with tarfile.open(tmp_path / "out" / "results.tar") as tar:
         names = tar.getnames()
-    assert "env.json" in names and "launch-probe/log" in names
+    assert "env.json" in names and "fast/log" in names
     rc, log = _gpu_run(tmp_path)
     assert rc == 0 and "every part passed" in log
 
@@ -127,3 +112,16 @@ def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
     with pytest.raises(SystemExit, match="the nsys table lacks \\['trace'\\]"):
         agreement.main(["--profile", str(h200 / "profile" / "summary.csv"), "--nsys",
                         str(ROOT / "profiles" / "sweeps" / "llama-1b_geom128.csv")])
+
+
+def test_gpu_run_parts_are_those_the_readme_names():
+    """Every part of gpu_run.sh makes files that profiles/README.md names, and every part the README's
+    table of parts names is one gpu_run.sh runs."""
+    import re
+    script = (ROOT / "profiles" / "gpu_run.sh").read_text()
+    parts = set(re.findall(r"^    ([a-z0-9-]+)\) part ", script, flags=re.M))
+    readme = (ROOT / "profiles" / "README.md").read_text()
+    table = readme[readme.index("| committed | part (`gpu_run.sh OUT PART`)"):readme.index("Some committed files came")]
+    cells = re.findall(r"^\| [^|]+ \| ([^|]+) \|", table, flags=re.M)
+    named = {part for cell in cells for part in re.findall(r"`([a-z0-9-]+)`", cell)}
+    assert parts == named, (sorted(parts - named), sorted(named - parts))

@@ -11,7 +11,7 @@ import json
 import pytest
 from nvtx_hook import HookUnavailable, build, tree
 
-from gdtool import ranges
+from gdtool.core import ranges
 
 
 @pytest.fixture(scope="session")
@@ -90,7 +90,7 @@ def test_names_are_the_contract_constants():
 CHILD = r"""
 import json
 import torch
-from gdtool import ranges
+from gdtool.core import ranges
 
 class Count:
     pushes = 0

@@ -1,8 +1,7 @@
 """One result record: the environment sidecar has the same keys from every command, configs are named
-and hashed one way, results resume; and gdtool's modules import each other without cycles."""
+and hashed one way, results resume. (Imports between gdtool's modules: tests/test_layers.py.)"""
 from __future__ import annotations
 
-import ast
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,9 +9,10 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from gdtool import bench, nsys, record
-from gdtool.profile_cli import ProfileConfig
-from gdtool.sweep import RunConfig
+from gdtool.frontends import bench
+from gdtool.measure import nsys, record
+from gdtool.frontends.profile import ProfileConfig
+from gdtool.frontends.sweep import RunConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -102,49 +102,6 @@ def test_sidecar_keeps_sessions_and_earlier_environments(tmp_path):
     assert [s["configs"] for s in doc["sessions"]] == [2, 3]
     assert doc["environment"]["gpu"] == "NVIDIA H200" and doc["earlier_environments"][0]["gpu"] is None
     assert record.read_sidecar(path) == json.loads(path.read_text()) and record.read_sidecar(tmp_path / "no") == {}
-
-
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The gdtool modules `path` imports, at module level or inside functions."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            found |= {node.module.split(".")[0]} if node.module else {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gdtool."):
-            found.add(node.module.split(".")[1])
-        elif isinstance(node, ast.ImportFrom) and node.module == "gdtool":
-            found |= {a.name for a in node.names}
-        elif isinstance(node, ast.Import):
-            found |= {a.name.split(".")[1] for a in node.names if a.name.startswith("gdtool.")}
-    return found & modules - {path.stem}
-
-
-# no cycle is known: any cycle fails this test (decode <-> fast went when the model checks moved to feed.py)
-KNOWN_CYCLES = []
-
-
-def test_no_import_cycles():
-    files = {p.stem: p for p in (ROOT / "gdtool").glob("*.py")}
-    graph = {name: _imports(path, set(files)) for name, path in files.items()}
-
-    def reach(start):
-        seen, todo = set(), [start]
-        while todo:
-            for nxt in graph[todo.pop()]:
-                if nxt not in seen:
-                    seen.add(nxt)
-                    todo.append(nxt)
-        return seen
-    cycles = {frozenset(m for m in reach(name) if name in reach(m)) | {name} for name in graph if name in reach(name)}
-    assert "sweep" not in reach("timing") and "timing" not in reach("record")
-    assert "decode" not in reach("fast")
-    unexpected = [set(c) for c in cycles if not any(c <= known for known in map(frozenset, KNOWN_CYCLES))]
-    assert not unexpected, f"import cycles among gdtool modules: {unexpected}"
-
-
-def test_import_graph_reader_sees_function_level_imports(tmp_path):
-    (tmp_path / "a.py").write_text("def f():\n    from .b import x\n    from gdtool.c import y\n")
-    assert _imports(tmp_path / "a.py", {"a", "b", "c"}) == {"b", "c"}
 
 
 @pytest.mark.parametrize("folder", ["profile", "nsys-graph", "bench/llama-1b"])

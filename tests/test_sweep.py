@@ -8,9 +8,9 @@ import pandas as pd
 import pytest
 import torch
 
-from gdtool import workloads
-from gdtool.sweep import RunConfig, grid, main, poll_label, poll_value, summarize, sweep
-from gdtool.sweep import load as load_csv
+from gdtool.measure import workloads
+from gdtool.frontends.sweep import RunConfig, grid, main, poll_label, poll_value, summarize, sweep
+from gdtool.frontends.sweep import load as load_csv
 
 # ---------------------------------------------------------------------------------------------
 # workloads
@@ -231,7 +231,7 @@ def test_sweep_on_cuda_replays_one_capture_per_engine(tmp_path):
 def test_profile_columns_pool_one_profiled_run_per_repetition(load, tmp_path, monkeypatch):
     """host_us_per_token is the host time of every repetition's profiled run over their step-tokens,
     each run with its repetition's lengths, not one draw's figure copied to every row."""
-    from gdtool import timing
+    from gdtool.measure import timing
     model = load("tiny-llama")
     seen, real = [], timing.profile
 
@@ -257,7 +257,7 @@ def test_kernel_passes_come_after_every_config_is_timed(load, tmp_path, monkeypa
     """torch.profiler leaves CUPTI attached and taxes later launches: a profiled sweep times every config
     (throughput rows and host columns) before the first kernel pass, then fills the busy columns."""
     import importlib
-    sweep_module = importlib.import_module("gdtool.sweep")  # gdtool.sweep is also the function
+    sweep_module = importlib.import_module("gdtool.frontends.sweep")  # gdtool.sweep is the function
     model = load("tiny-llama")
     calls = []
     real = sweep_module._profile_columns
@@ -274,7 +274,7 @@ def test_kernel_passes_come_after_every_config_is_timed(load, tmp_path, monkeypa
 
 def test_a_failed_kernel_pass_leaves_busy_empty_and_warns(load, tmp_path, monkeypatch):
     import importlib
-    sweep_module = importlib.import_module("gdtool.sweep")
+    sweep_module = importlib.import_module("gdtool.frontends.sweep")
 
     def broken(model, cfg, runs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import gdtool
-from gdtool import ranges, timing
+from gdtool.core import ranges
+from gdtool.measure import timing
 
 
 @pytest.fixture(scope="module")
@@ -210,7 +211,7 @@ def test_profile_passes_kernels_to_decode_and_reads_a_bool_as_busy(tiny, monkeyp
     model, prompt = tiny
     seen = []
     import importlib
-    decode_module = importlib.import_module("gdtool.decode")
+    decode_module = importlib.import_module("gdtool.loops.decode")
     real = decode_module.decode
     monkeypatch.setattr(decode_module, "decode", lambda *a, **k: seen.append(k.get("kernels")) or real(*a, **k))
     timing.profile(model, prompt.input_ids, prompt.attention_mask, mode="eager", max_new_tokens=3, warmup=0,
@@ -240,7 +241,7 @@ def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
 
     import pandas as pd
 
-    from gdtool import profile_cli
+    from gdtool.frontends import profile as profile_cli
     rc = profile_cli.main(["--model", "tiny-llama", "--batch", "1,2", "--modes", "eager,step-graph", "--max-new-tokens",
                            "4", "--prompt-length", "3", "--no-eos", "--set", "eos_poll_interval=2", "--out",
                            str(tmp_path), "--json", "--no-progress"])
@@ -252,7 +253,7 @@ def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
     assert len(steps) == 4 * 3 and set(timing.COLUMNS) <= set(steps.columns)
     summary = pd.read_csv(tmp_path / "summary.csv")
     assert len(summary) == 4 * len(timing.METRICS)
-    from gdtool import record
+    from gdtool.measure import record
     env = json.loads((tmp_path / "env.json").read_text())["environment"]
     assert tuple(env) == record.ENV_KEYS and env["torch"] == torch.__version__
 
@@ -272,7 +273,7 @@ def test_cli_times_every_config_before_any_kernel_pass(tmp_path, monkeypatch, ca
         events.append(("kernels", result.output.mode))
         return timing._finish(result)
 
-    from gdtool import profile_cli
+    from gdtool.frontends import profile as profile_cli
     monkeypatch.setattr(timing, "profile", timed)
     monkeypatch.setattr(timing, "add_device_busy", busy)
     monkeypatch.setattr(profile_cli, "_cuda", lambda: True)   # as on a GPU: a kernel pass per config

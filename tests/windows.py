@@ -135,7 +135,7 @@ def _overrides(arch: str, window: int, pattern: str) -> dict | None:
 
 def layer_kinds(model) -> str:
     """One letter per cache layer: S sliding, F full attention, - anything else."""
-    from gdtool import compat
+    from gdtool.core import compat
     cache = compat.static_cache(model, 16)
     return "".join("S" if compat.is_sliding(layer) else "F" if type(layer).__name__ == "StaticLayer" else "-"
                    for layer in compat.cache_layers(cache))

@@ -189,8 +189,8 @@ def run_architecture(model, device) -> dict:
     """Decode `model` in every mode and case; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
     Raises AssertionError on any mismatch with generate(), GenerateFailed when there is no reference."""
     import gdtool
-    from gdtool.feed import Unsupported
-    from gdtool.graphs import CaptureError
+    from gdtool.core.feed import Unsupported
+    from gdtool.core.graphs import CaptureError
     from reference import assert_same, decode
     ids, mask = prompt(model, device)
     plain, _ = _reference(model, ids, mask, 0, do_sample=False, eos_token_id=None, pad_token_id=0)

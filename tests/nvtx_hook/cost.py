@@ -31,8 +31,8 @@ from nvtx_hook import HookUnavailable, build, hook_env
 
 CHILD = r"""
 import json, timeit
-from gdtool import ranges
-from gdtool.ranges import span, push, pop, STEP, FORWARD
+from gdtool.core import ranges
+from gdtool.core.ranges import span, push, pop, STEP, FORWARD
 
 class NoopListener:
     def push(self, name, payload): pass

@@ -1,0 +1,158 @@
+"""An ipywidgets explorer over sweep results: filter by model, mode, batch, polling policy and length
+distribution, pick a view, and the plot redraws.
+
+    from gdtool.frontends import widgets
+    widgets.explorer(df)                        # df: gdtool.sweep(...) or gdtool.sweep.load("x.csv")
+    widgets.explorer(df, models={"llama-1b": model})   # reuse a loaded model for "run this config now"
+
+On a GPU the explorer also has a "run this config now" button: with exactly one value chosen in each
+filter it runs that config (one warm-up, one repetition), appends the row and redraws, so a reader can
+check a committed figure on their own GPU. Without a GPU the button is disabled and says why (CPU
+timings of a captured step say nothing about a GPU's).
+"""
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from . import plot
+from .sweep import RunConfig, poll_label, poll_order, run_config
+
+__all__ = ["Explorer", "explorer"]
+
+_FILTERS = ("model", "mode", "lengths", "batch", "poll")
+_VIEWS = {"tokens/s vs polling interval": "interval", "tokens/s vs batch size": "batch",
+          "wasted steps vs polling interval": "wasted", "table": "table"}
+
+
+class Explorer:
+    """Filters, a view selector, an output area and (on a GPU) a run button; ``.widget`` is the box."""
+
+    def __init__(self, df: pd.DataFrame, *, view: str = "interval", models: dict | None = None,
+                 allow_runs: bool | None = None, repeats: int = 1):
+        import ipywidgets as w
+        import torch
+        if df is None or df.empty:
+            raise ValueError("explorer() needs a non-empty results DataFrame; run gdtool.sweep(...) or load a CSV")
+        self.df = df.assign(poll=df["poll"].map(poll_label)) if "poll" in df.columns else df.copy()
+        self.models = dict(models or {})
+        self.repeats = repeats
+        self.last_figure = None
+        self.filters = {}
+        for col in _FILTERS:
+            if col not in self.df.columns:
+                continue
+            values = sorted(self.df[col].dropna().unique(), key=poll_order if col == "poll" else None)
+            options = [str(v) if col == "poll" else v for v in values]
+            sel = w.SelectMultiple(options=options, value=tuple(options), description=col,
+                                   rows=min(max(len(options), 2), 6), layout=w.Layout(width="220px"))
+            sel.observe(self._changed, names="value")
+            self.filters[col] = sel
+        views = {v: k for k, v in _VIEWS.items()}
+        self.view = w.Dropdown(options=list(_VIEWS), value=views.get(view, next(iter(_VIEWS))), description="view")
+        self.view.observe(self._changed, names="value")
+        self.output = w.Output()
+        self.status = w.HTML()
+        gpu = torch.cuda.is_available()
+        allow = gpu if allow_runs is None else allow_runs
+        self.run_button = w.Button(description="run this config now", icon="play", disabled=not allow,
+                                   tooltip="one warm-up + one timed decode of the selected config",
+                                   layout=w.Layout(width="220px"))
+        self.run_button.on_click(self._run)
+        note = "" if allow else ("runs need a GPU: torch sees none, so this explorer only filters the "
+                                 "results it was given")
+        self.run_note = w.HTML(f"<i>{note}</i>" if note else "")
+        self.widget = w.VBox([w.HBox(list(self.filters.values())), w.HBox([self.view, self.run_button]),
+                              self.run_note, self.status, self.output])
+        self.redraw()
+
+    # -- state ----------------------------------------------------------------------------------
+    def selection(self) -> dict:
+        return {col: list(sel.value) for col, sel in self.filters.items()}
+
+    def filtered(self) -> pd.DataFrame:
+        mask = pd.Series(True, index=self.df.index)
+        for col, values in self.selection().items():
+            mask &= self.df[col].isin(values)
+        return self.df[mask]
+
+    def _changed(self, _change=None):
+        self.redraw()
+
+    # -- drawing --------------------------------------------------------------------------------
+    def redraw(self):
+        from IPython.display import clear_output, display
+        data = self.filtered()
+        view = _VIEWS[self.view.value]
+        with self.output:
+            clear_output(wait=True)
+            ok = data[data["error"].fillna("") == ""] if "error" in data.columns else data
+            if ok.empty:
+                self.status.value = "<b>no successful runs match this selection</b>"
+                self.last_figure = None
+                return
+            self.status.value = f"{len(ok)} runs, {ok['name'].nunique() if 'name' in ok else len(ok)} configs"
+            if view == "table":
+                from .sweep import summarize
+                display(summarize(ok))
+                self.last_figure = None
+                return
+            if view == "interval":
+                hue = "batch" if ok["batch"].nunique() > 1 or ok["mode"].nunique() == 1 else "mode"
+                fig, ax = plot.throughput_vs_interval(ok, hue=hue)
+            elif view == "wasted":
+                fig, ax = plot.throughput_vs_interval(ok, hue="batch", metric="wasted_steps")
+            else:
+                fig, ax = plot.throughput_vs_batch(ok, hue="mode" if ok["mode"].nunique() > 1 else "poll")
+            self.last_figure = fig
+            display(fig)
+            plt.close(fig)
+
+    # -- running --------------------------------------------------------------------------------
+    def selected_config(self) -> RunConfig:
+        sel = self.selection()
+        many = [col for col, v in sel.items() if len(v) != 1]
+        if many:
+            raise ValueError(f"choose exactly one value in: {', '.join(many)} (a run needs one config)")
+        match = self.filtered()
+        template = match.iloc[0]
+        return RunConfig(model=sel["model"][0], mode=sel["mode"][0], batch=int(sel["batch"][0]),
+                         poll=sel["poll"][0], lengths=sel["lengths"][0],
+                         max_new_tokens=int(template["max_new_tokens"]),
+                         prompt_len=int(template.get("prompt_len", 128)),
+                         sample=bool(template.get("sample", False)), seed=int(template.get("seed", 0)))
+
+    def run_selected(self) -> list[dict]:
+        """Run the selected config now (one warm-up, ``repeats`` timed), append its rows, redraw."""
+        import gdtool
+        cfg = self.selected_config()
+        model = self.models.get(cfg.model)
+        if model is None:
+            model = self.models[cfg.model] = gdtool.load_model(cfg.model)
+        done = self.df[self.df["config_hash"] == cfg.hash]["repeat"] if "config_hash" in self.df else []
+        start = int(max(done) + 1) if len(done) else 0
+        rows = run_config(model, cfg, repeats=self.repeats, warmup=1, start_repeat=start)
+        for row in rows:
+            row["source"] = "explorer"
+        self.df = pd.concat([self.df, pd.DataFrame(rows)], ignore_index=True)
+        self.redraw()
+        return rows
+
+    def _run(self, _button=None):
+        self.run_button.disabled = True
+        try:
+            self.status.value = "running ..."
+            rows = self.run_selected()
+            self.status.value = f"ran {rows[-1]['name']}: {rows[-1]['tokens_per_s']:.0f} tokens/s"
+        except Exception as err:  # shown to the reader; the explorer stays usable
+            self.status.value = f"<b>run failed:</b> {type(err).__name__}: {err}"
+        finally:
+            self.run_button.disabled = False
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def explorer(df: pd.DataFrame, **kwargs) -> Explorer:
+    """Build an `Explorer` (display it as the last expression of a cell)."""
+    return Explorer(df, **kwargs)

@@ -1,0 +1,17 @@
+"""Faster kernels for the same step: `kernels="compiled"` and `kernels="fast"` (docs/fast.md).
+
+    step.py       the compiled step that composes them (`CompiledStep`, `KERNELS`, `compiles`, `compare_kernels`)
+    forward.py    the decode forward of a Llama model in gdtool's own kernels (`kernels="fast"`)
+    gemv.py       matrix-vector products, the norm before them and the rotary after them fused in:
+                  RMSNorm + GEMV (o, gate/up, down, lm_head); RMSNorm + q/k/v + RoPE + cache write (Triton)
+    attention.py  decode attention: packed grouped-query SDPA for the compiled step; split-KV over the
+                  live cache slots for the fast step (Triton)
+    sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
+    fuse.py       q/k/v and gate/up as one weight each
+    ops.py        each kernel behind one call: Triton where it runs, the torch reference elsewhere
+    triton.py     what the kernels need from Triton, and whether it is there; the PDL switch
+    check.py      every kernel against float64 on fresh random inputs
+
+Above the core (it composes `core.step.Step`), below the loops that run it. A new family (MoE
+experts, say) is a module of its own here, with its torch reference and its entry in `ops.py`.
+"""

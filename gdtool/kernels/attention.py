@@ -1,0 +1,219 @@
+"""Decode attention: for the compiled step, grouped-query attention without copying the cache
+(`decode_attention`); for the fast step, split-KV attention over the live slots (`split_kv`).
+
+The compiled step. HF's `sdpa` attention, traced by torch.compile, expands each key/value head of a
+grouped-query model to every query head it serves (`repeat_kv`) before calling
+scaled_dot_product_attention: for Llama 3 (32 query heads over 8 key/value heads) each step writes
+and reads the whole static cache four times over, and at large batch that copy is most of the step.
+At decode there is one query token per row, so the query heads of one group can be stacked as that
+group's rows instead (HF's own `pack_gqa`, which it skips under torch.compile):
+
+    query [B, Hq, 1, D] -> [B, Hkv, Hq/Hkv, D]     one "row" per query head of the group
+    sdpa(query, key, value, mask [B, 1, 1, S])     key/value [B, Hkv, S, D], read once, no copy
+    -> [B, Hkv, Hq/Hkv, D] -> [B, 1, Hq, D]
+
+Same kernel family, same mask, same scale; only which heads share a launch changes (so logits move
+by rounding, as everything else inductor fuses).
+
+Scope: the swap applies only inside gdtool's compiled step (`scope()`, entered by
+`step.CompiledStep` around each call of its compiled function; the captured replays run no Python).
+`install()` puts a dispatcher in front of HF's registered `sdpa` function: outside the scope, or for
+anything but a one-token query with a plain mask, it calls HF's function with the same arguments, so
+HF's kernels, generate() and any other torch.compile of the model (the bench's peers) are unchanged.
+Models set to another attention implementation (eager, flash) keep it.
+
+The fast step (`split_kv`, Triton). At decode each row has one query token per head; the static
+cache holds `C` slots of which only the first `slot + 1` have been written (`slot` is the cache
+layer's own device counter, `cumulative_length`, read in the kernel: the captured graph needs no
+host value). SDPA attends over all `C` slots with a mask; here the slots are split into chunks, one
+program per (row, key/value head, chunk), and a program whose chunk starts past the live length
+returns at once:
+
+    split    per chunk: the group's query heads (grouped-query: one key/value head serves G query
+             heads, read once for all G) against the chunk's keys, masked by the 2-D mask and the
+             live length; online softmax; unnormalized output, running max and sum (float32)
+    combine  per (row, query head): the live chunks' partial results, rescaled to the common max
+
+The arithmetic is flash-decoding's: scores and softmax in float32, probabilities rounded to the
+model dtype for the product with V (as SDPA's kernels do), output rounded once.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+
+from .triton import HAVE_TRITON, cdiv, launch_options, next_pow2, tl, triton
+
+BLOCK_S = 16          # keys per inner iteration of the split kernel
+TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
+
+_active = False
+_original = None
+# keyword arguments that change the math: left to HF's function
+_DECLINE = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
+
+
+def active() -> bool:
+    """True while gdtool's compiled step runs (dynamo guards on it: read, it becomes part of the graph key)."""
+    return _active
+
+
+@contextmanager
+def scope():
+    global _active
+    before, _active = _active, True
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def install() -> None:
+    """Put the dispatcher in front of HF's `sdpa` attention, once per process."""
+    global _original
+    if _original is not None:
+        return
+    from transformers import AttentionInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _original = ALL_ATTENTION_FUNCTIONS["sdpa"]
+    AttentionInterface.register("sdpa", _dispatch)
+
+
+def applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
+    """Whether the packed form computes this call: one query token, grouped heads, a [B, 1, 1, S]
+    mask or none, no dropout, nothing else that changes the math."""
+    b, hq, length, _ = query.shape
+    hkv = key.shape[1]
+    if length != 1 or hq % hkv or dropout or any(kwargs.get(name) for name in _DECLINE):
+        return False
+    if kwargs.get("sliding_window") is not None:
+        return False
+    return attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask, scaling):
+    """[B, Hq, 1, D] query over [B, Hkv, S, D] key/value -> [B, 1, Hq, D], as HF's attention returns it."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)
+    mask = None if attention_mask is None else attention_mask[:, :, :, : key.shape[2]]
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scaling)
+    return out.reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+
+def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    if _active and applies(query, key, attention_mask, dropout, kwargs):
+        return decode_attention(query, key, value, attention_mask, scaling), None
+    return _original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+# -------------------------------------------------------------------- the fast step: split-KV
+
+def split_kv_reference(q, k_cache, v_cache, mask, slot, scale):
+    """q [B, Hq, D], caches [B, Hkv, C, D], mask [B, C] (nonzero = attend), slot [] -> [B, Hq * D].
+    SDPA over the packed query heads of each group (attention's form), slots <= slot only."""
+    b, hq, d = q.shape
+    hkv, c = k_cache.shape[1], k_cache.shape[2]
+    live = torch.arange(c, device=q.device) <= slot
+    keep = (mask != 0) & live[None, :]
+    qp = q.reshape(b, hkv, hq // hkv, d)
+    out = F.scaled_dot_product_attention(qp, k_cache, v_cache, attn_mask=keep[:, None, None, :], scale=scale)
+    return out.reshape(b, hq * d)
+
+
+def split_plan(batch: int, hkv: int, cache_len: int) -> tuple[int, int]:
+    """(chunk, splits): chunks a multiple of BLOCK_S, enough of them for TARGET_PROGRAMS programs."""
+    want = max(1, TARGET_PROGRAMS // max(1, batch * hkv))
+    chunk = max(BLOCK_S, cdiv(cdiv(cache_len, want), BLOCK_S) * BLOCK_S)
+    return chunk, cdiv(cache_len, chunk)
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
+                      C, stride_mask, qk_scale,
+                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
+                      BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+                      PDL: tl.constexpr):
+        bh = tl.program_id(0)
+        s = tl.program_id(1)
+        b = bh // HKV
+        hk = bh % HKV
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        live = tl.load(slot_ptr) + 1
+        start = s * CHUNK
+        if start < live:
+            g = tl.arange(0, BLOCK_G)
+            d = tl.arange(0, D)
+            q = tl.load(q_ptr + ((b * HQ + hk * G + g) * D)[:, None] + d[None, :], mask=(g < G)[:, None], other=0.0)
+            m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+            l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
+            kv = kc_ptr + (bh.to(tl.int64) * C) * D
+            vv = vc_ptr + (bh.to(tl.int64) * C) * D
+            end = tl.minimum(start + CHUNK, live)
+            for j0 in range(0, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
+                j = start + j0 + tl.arange(0, BLOCK_S)
+                inside = j < end
+                keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
+                k = tl.load(kv + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+                v = tl.load(vv + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+                scores = tl.dot(q, tl.trans(k)) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
+                scores = tl.where(keep[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far
+                p = tl.exp2(scores - m_safe[:, None])
+                alpha = tl.exp2(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            row = (b * HQ + hk * G + g) * SPLITS + s
+            tl.store(m_ptr + row, m_i, mask=g < G)
+            tl.store(l_ptr + row, l_i, mask=g < G)
+            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+
+    @triton.jit
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr,
+                        D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                        PDL: tl.constexpr):
+        bh = tl.program_id(0)  # row * Hq + query head
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        live = tl.load(slot_ptr) + 1
+        n_live = (live + CHUNK - 1) // CHUNK
+        s = tl.arange(0, BLOCK_SPLITS)
+        valid = s < n_live
+        m = tl.load(m_ptr + bh * SPLITS + s, mask=valid, other=float("-inf"))
+        l = tl.load(l_ptr + bh * SPLITS + s, mask=valid, other=0.0)
+        d = tl.arange(0, D)
+        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        top = tl.max(m, axis=0)
+        w = tl.where(valid, tl.exp2(m - top), 0.0)
+        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
+
+
+def split_kv(q, k_cache, v_cache, mask, slot, scale):
+    """Triton split-KV attention: same arguments and result as `split_kv_reference`."""
+    b, hq, d = q.shape
+    hkv, c = k_cache.shape[1], k_cache.shape[2]
+    g = hq // hkv
+    chunk, splits = split_plan(b, hkv, c)
+    m = torch.empty(b * hq * splits, device=q.device, dtype=torch.float32)
+    l = torch.empty_like(m)
+    acc = torch.empty(b * hq * splits, d, device=q.device, dtype=torch.float32)
+    out = torch.empty(b, hq * d, device=q.device, dtype=q.dtype)
+    opts = launch_options(q.device)
+    _attention_split_kernel[(b * hkv, splits)](
+        q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
+        HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
+        num_warps=4, **opts)
+    _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, D=d, CHUNK=chunk, SPLITS=splits,
+                               BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4 if d >= 128 else 2, **opts)
+    return out

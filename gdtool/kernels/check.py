@@ -1,0 +1,233 @@
+"""Each decode kernel against a float64 computation of the same function, on fresh random inputs.
+
+    results = check_all("cuda")        # or "cpu" under TRITON_INTERPRET=1 (Triton's interpreter)
+    [r for r in results if not r.ok]
+
+For every kernel and shape: ||out - exact|| / ||exact|| where `exact` is the function in float64
+with no intermediate rounding, for the kernel and for its torch reference (HF's eager arithmetic in
+the model dtype); the kernel passes when its error is under the dtype's tolerance and under twice
+the reference's own error plus a rounding unit (it may differ from the reference by rounding, not
+by more than the reference differs from the exact result). Outputs are poisoned (NaN) before each
+call, so an unwritten element fails. Exact equalities where the function is discrete (argmax, the
+cache slots that must stay untouched).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import attention, gemv, sampling
+
+# ||out - exact|| / ||exact|| for one product-and-round chain, by the precision of the operands
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+UNIT = {torch.float32: 1e-6, torch.bfloat16: 4e-3, torch.float16: 5e-4}
+
+
+@dataclass
+class Result:
+    name: str
+    shape: str
+    dtype: str
+    error: float           # kernel vs float64
+    reference_error: float  # torch reference vs float64
+    tolerance: float
+    ok: bool
+    note: str = ""
+
+
+class _Impl:
+    """The kernels under test: Triton's, or (impl="reference", where there is no Triton) the torch
+    references themselves, which then are checked against float64 alone."""
+    triton = True
+
+    def gemv(self, x, g, eps, w, w2, r, out_f32, config=None):
+        if self.triton:
+            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config)
+        if w2 is not None:
+            return gemv.gate_up_reference(x, g, eps, w, w2)
+        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32)
+
+    def qkv_rope(self, *args, config=None):
+        if self.triton:
+            return gemv.qkv_rope(*args, config=config)
+        return gemv.qkv_rope_reference(*args)
+
+    def attention(self, *args):
+        return (attention.split_kv if self.triton else attention.split_kv_reference)(*args)
+
+    def argmax(self, x):
+        return (sampling.argmax if self.triton else sampling.argmax_reference)(x)
+
+
+_impl = _Impl()
+
+
+def _rel(out, exact) -> float:
+    out = out.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out - exact).norm() / exact.norm().clamp_min(1e-30))
+
+
+def _judge(name, shape, dtype, out, ref, exact, note="") -> Result:
+    e, r = _rel(out, exact), _rel(ref, exact)
+    tol = TOLERANCE[dtype]
+    ok = e == e and e < tol and e <= 2 * r + UNIT[dtype]
+    return Result(name, shape, str(dtype).replace("torch.", ""), e, r, tol, ok, note)
+
+
+def _exact_norm(x, g, eps):
+    x = x.double()
+    return g.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=False, config=None) -> Result:
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype) if norm else None
+    r = torch.randn(m, n, generator=gen, device=device).to(dtype) if residual else None
+    out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config)
+    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32)
+    xn = _exact_norm(x, g, 1e-5) if norm else x.double()
+    exact = xn @ w.double().T + (r.double() if residual else 0)
+    flags = "".join(f for f, on in (("+norm", norm), ("+res", residual), ("->f32", out_f32)) if on)
+    return _judge("rms_gemv" + flags, f"{m}x{k} @ {k}x{n}", dtype, out, ref, exact,
+                  "" if config is None else f"config {config}")
+
+
+def check_gate_up(m, n, k, dtype, device, gen, config=None) -> Result:
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    wg = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    wu = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    out = _impl.gemv(x, g, 1e-5, wg, wu, None, False, config=config)
+    ref = gemv.gate_up_reference(x, g, 1e-5, wg, wu)
+    xn = _exact_norm(x, g, 1e-5)
+    exact = F.silu(xn @ wg.double().T) * (xn @ wu.double().T)
+    return _judge("gate_up", f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
+
+
+def _rope_exact(t, cos, sin):
+    return t * cos + gemv.rotate_half(t) * sin
+
+
+def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None) -> list[Result]:
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    ws = [(torch.randn(h * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for h in (hq, hkv, hkv)]
+    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    scaling = 1.0 + 0.25 * float(torch.rand(1, generator=gen, device=device))
+    slot = torch.randint(0, cache_len, (), generator=gen, device=device)
+    caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    theirs = [c.clone() for c in caches]
+    rope = (positions, inv_freq, scaling)
+    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, config=config)
+    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot)
+    xn = _exact_norm(x, g, 1e-5)
+    qe, ke, ve = (xn @ w.double().T for w in ws)
+    freqs = (positions.float() * inv_freq[None, :]).double()  # the angle is defined in float32 (HF's)
+    emb = torch.cat((freqs, freqs), -1)
+    c, s = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
+    qe = _rope_exact(qe.view(m, hq, d), c, s)
+    ke = _rope_exact(ke.view(m, hkv, d), c, s)
+    ve = ve.view(m, hkv, d)
+    i = int(slot)
+    others = torch.ones(cache_len, dtype=torch.bool, device=device)
+    others[i] = False
+    untouched = all(torch.equal(a[:, :, others], b[:, :, others]) for a, b in zip(mine, caches))
+    shape = f"{m}x{k}, heads {hq}/{hkv}x{d}, cache {cache_len}"
+    results = [_judge("qkv_rope: q", shape, dtype, q, q_ref, qe),
+               _judge("qkv_rope: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
+               _judge("qkv_rope: v at slot", shape, dtype, mine[1][:, :, i], theirs[1][:, :, i], ve)]
+    results[-1].ok = results[-1].ok and untouched
+    results[-1].note = "other slots untouched" if untouched else "OTHER SLOTS CHANGED"
+    return results
+
+
+def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -> Result:
+    q = torch.randn(m, hq, d, generator=gen, device=device).to(dtype)
+    kc = torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype)
+    vc = torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype)
+    mask = torch.ones(m, cache_len, dtype=torch.long, device=device)
+    mask[:, live:] = 0
+    if pad:  # left padding: row r masks its first r * pad slots
+        for r in range(m):
+            mask[r, : min(r * pad, live - 1)] = 0
+    slot = torch.tensor(live - 1, device=device)
+    scale = d ** -0.5
+    out = _impl.attention(q, kc, vc, mask, slot, scale)
+    ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale)
+    keep = (mask != 0)[:, None, None, :]
+    qd = q.double().view(m, hkv, hq // hkv, d)
+    scores = (qd @ kc.double().transpose(-1, -2)) * scale
+    p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    exact = (p @ vc.double()).reshape(m, hq * d)
+    chunk, splits = attention.split_plan(m, hkv, cache_len)
+    return _judge("decode_attention", f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of {cache_len}"
+                  + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact, f"{splits} chunks of {chunk}")
+
+
+def check_argmax(m, v, device, gen) -> Result:
+    x = torch.randn(m, v, generator=gen, device=device).to(torch.bfloat16).float()  # bf16 logits: ties
+    x[0, : v // 3] = x[0].max()          # a tie across blocks: the first index wins
+    if m > 1:
+        x[1, 5] = float("nan")           # NaN wins, as in torch.argmax
+    if m > 2:
+        x[2] = float("-inf")
+    out = _impl.argmax(x)
+    ref = sampling.argmax_reference(x)
+    ok = torch.equal(out, ref)
+    return Result("argmax", f"{m}x{v}", "float32", 0.0 if ok else 1.0, 0.0, 0.0, ok,
+                  "exact" if ok else f"got {out.tolist()} want {ref.tolist()}")
+
+
+def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
+              impl: str = "triton") -> list[Result]:
+    """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B shapes.
+    impl="reference" checks the torch references instead (what runs without Triton)."""
+    if impl not in ("triton", "reference"):
+        raise ValueError(f"impl={impl!r}: 'triton' or 'reference'")
+    _impl.triton = impl == "triton"
+    device = torch.device(device)
+    large = device.type == "cuda" if large is None else large
+    gen = torch.Generator(device=device).manual_seed(seed)
+    results = []
+    small = [(1, 96, 128), (3, 40, 64), (4, 64, 256)]
+    for m, n, k in small:
+        for norm, res, f32 in ((True, False, False), (False, True, False), (True, False, True)):
+            results.append(check_gemv(m, n, k, dtype, device, gen, norm, res, f32, config=(4, 4, 2)))
+        results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))  # default config
+        results.append(check_gate_up(m, n, k, dtype, device, gen, config=(4, 4, 2)))
+    results.append(check_gemv(2, 200, 128, dtype, device, gen, True, False, True, config=(8, 8, 2)))  # lm_head's
+    results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen)
+    results += check_qkv_rope(1, 128, 8, 2, 32, 20, dtype, device, gen, config=(4, 4, 2))
+    for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
+        results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
+    results.append(check_argmax(3, 5000, device, gen))
+    if large:
+        for m in (1, 4):
+            for n, k in ((2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)):
+                results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))
+            results.append(check_gemv(m, 128256, 2048, dtype, device, gen, True, False, True))
+            results.append(check_gate_up(m, 8192, 2048, dtype, device, gen))
+            results.append(check_gate_up(m, 14336, 4096, dtype, device, gen))
+            results += check_qkv_rope(m, 2048, 32, 8, 64, 384, dtype, device, gen)
+            results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen)
+            for live in (1, 129, 383, 4000):
+                cache = 384 if live < 384 else 4096
+                results.append(check_attention(m, 32, 8, 64, cache, live, dtype, device, gen, pad=7 * (m > 1)))
+            results.append(check_attention(m, 32, 8, 128, 384, 200, dtype, device, gen))
+        results.append(check_argmax(64, 128256, device, gen))
+    return results
+
+
+def table(results) -> str:
+    lines = ["| kernel | shape | dtype | err vs float64 | torch ref err | tol | ok | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        lines.append(f"| {r.name} | {r.shape} | {r.dtype} | {r.error:.2e} | {r.reference_error:.2e} | {r.tolerance:g} | "
+                     f"{'yes' if r.ok else 'NO'} | {r.note} |")
+    return "\n".join(lines)

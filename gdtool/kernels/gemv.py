@@ -1,0 +1,293 @@
+"""Matrix-vector products for the decode step at small batch (1-4 rows), at the copy bandwidth.
+
+At batch 1 a decode step is a chain of matrix-vector products: every weight byte is read once and
+used for one multiply-add, so the step takes as long as reading the weights does. cuBLAS and
+inductor's matmuls run the layers' small products (2048 x 2048 ... 16384 x 2048) at ~3 TB/s on an
+H200, against ~4.3 TB/s for a plain copy. The kernels here read each program's weight rows in one
+or a few wide tiles (16-byte loads, issued before anything waits), with enough programs to keep
+every multiprocessor's loads in flight, and fold in the small operations around the product:
+
+    rms_gemv    y = [RMSNorm](x) @ W.T  [+ residual]       (o, down and lm_head: one kernel each)
+    gate_up     a = silu(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side)
+    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T; RoPE on q and k (angles computed in the kernel from the
+                positions, as HF's rotary embedding computes them); k and v written to the cache slot
+
+Each kernel keeps the rounding points of HF's eager module sequence (the product rounded to the
+model dtype, then the norm, SiLU, residual add, RoPE each rounded as eager PyTorch rounds them), so
+it differs from HF's kernels only in the order of the multiply-adds. `*_reference` are those eager
+sequences in torch: what runs where Triton does not (a CPU), and what the tests compare against.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
+
+MAX_ROWS = 4   # batch rows the kernels handle; larger batches keep inductor's / cuBLAS's matmuls
+
+
+# -- torch references: HF's eager arithmetic, rounding point for rounding point ---------------------
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """LlamaRMSNorm.forward."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rms_gemv_reference(x, norm_weight, eps, weight, residual=None, out_f32=False):
+    n = rms_norm_reference(x, norm_weight, eps) if norm_weight is not None else x
+    y = F.linear(n, weight)
+    if residual is not None:
+        y = residual + y
+    return y.float() if out_f32 else y
+
+
+def gate_up_reference(x, norm_weight, eps, gate_weight, up_weight):
+    n = rms_norm_reference(x, norm_weight, eps)
+    return F.silu(F.linear(n, gate_weight)) * F.linear(n, up_weight)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_angles_reference(positions, inv_freq, scaling, dtype):
+    """cos, sin [B, D] as HF's rotary embedding computes them for positions [B, 1]."""
+    freqs = positions.float() * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
+    """Returns q [B, Hq, D] after RoPE; writes k (after RoPE) and v at `slot` of the [B, Hkv, C, D] caches.
+    positions [B, 1] int, inv_freq [D / 2] and scaling: HF's rotary embedding's buffer and factor."""
+    b = x.shape[0]
+    d = k_cache.shape[-1]
+    cos, sin = rope_angles_reference(positions, inv_freq, scaling, x.dtype)
+    n = rms_norm_reference(x, norm_weight, eps)
+    q = F.linear(n, wq).view(b, -1, d)
+    k = F.linear(n, wk).view(b, -1, d)
+    v = F.linear(n, wv).view(b, -1, d)
+    c, s = cos[:, None, :], sin[:, None, :]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    index = slot.reshape(1)
+    k_cache.index_copy_(2, index, k[:, :, None])
+    v_cache.index_copy_(2, index, v[:, :, None])
+    return q
+
+
+# -- Triton kernels -------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+    @triton.jit
+    def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr):
+        """x [BLOCK_M, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
+        with HF's roundings where NORM (x * rstd in float32 -> model dtype, times the weight -> model dtype)."""
+        x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
+            g = tl.load(g_ptr + k3, mask=k3 < K, other=0.0)
+            x = (g.to(tl.float32) * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+        return x
+
+    @triton.jit
+    def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, res_ptr, y_ptr,
+                         M, N, stride_x, stride_res, stride_y, eps, nprog,
+                         ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
+                         OUT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
+        # loads issued before the current one is summed, and reads (and normalizes) x once.
+        pid = tl.program_id(0)
+        rm3 = tl.arange(0, BLOCK_M)[:, None, None]
+        k3 = tl.arange(0, BLOCK_K)[None, None, :]
+        kmask = k3 < K
+        n3 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
+        # The weights are never written during a step: load the first tile before waiting on the
+        # previous kernel, so these loads overlap its tail (PDL).
+        w = tl.load(w_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
+        w2 = w
+        if GATE_UP:
+            w2 = tl.load(w2_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM)
+        out_ty = x_ptr.dtype.element_ty
+        rm2 = tl.arange(0, BLOCK_M)[:, None]
+        for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
+            t = pid + i * nprog
+            n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
+            w_next = tl.load(w_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
+            w2_next = w_next
+            if GATE_UP:
+                w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
+            y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2).to(out_ty)      # [BLOCK_M, BLOCK_N]
+            if GATE_UP:  # F.silu(gate) * up, each rounded as eager rounds it
+                up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
+                gate = y.to(tl.float32)
+                a = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+                y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
+            rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+            omask = (rm2 < M) & (rn2 < N)
+            if RESIDUAL:
+                r = tl.load(res_ptr + rm2 * stride_res + rn2, mask=omask, other=0.0)
+                y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+            if OUT_F32:
+                tl.store(y_ptr + rm2 * stride_y + rn2, y.to(tl.float32), mask=omask)
+            else:
+                tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
+            w = w_next
+            w2 = w2_next
+
+    @triton.jit
+    def _qkv_tile(t, wq_ptr, wk_ptr, wv_ptr, k3, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                  D: tl.constexpr, HB: tl.constexpr):
+        """Tile t: HB dims of one head's first half and the same HB dims of its second half (the pairs
+        RoPE mixes, so the rotation happens in registers): (head, dims of the first half, weight pointers)."""
+        per_head: tl.constexpr = (D // 2) // HB
+        h = t // per_head
+        d1 = (t % per_head) * HB + tl.arange(0, HB)
+        if h < HQ:
+            base = wq_ptr + (h * D).to(tl.int64) * K
+        elif h < HQ + HKV:
+            base = wk_ptr + ((h - HQ) * D).to(tl.int64) * K
+        else:
+            base = wv_ptr + ((h - HQ - HKV) * D).to(tl.int64) * K
+        rows = base + d1[None, :, None] * K + k3
+        return h, d1, rows, rows + (D // 2) * K
+
+    @triton.jit
+    def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                         M, C, stride_x, stride_pos, scaling, eps, nprog,
+                         ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                         HB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
+        k3 = tl.arange(0, BLOCK_K)[None, None, :]
+        kmask = k3 < K
+        rm3 = tl.arange(0, BLOCK_M)[:, None, None]
+        h, d1, p1, p2 = _qkv_tile(pid, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
+        w1 = tl.load(p1, mask=kmask, other=0.0)   # weights first, then wait (PDL)
+        w2 = tl.load(p2, mask=kmask, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True).to(tl.float32)
+        out_ty = x_ptr.dtype.element_ty
+        rm = tl.arange(0, BLOCK_M)[:, None]
+        slot = tl.load(slot_ptr)
+        for i in range(ITERS):
+            t = pid + i * nprog
+            h_next, d1_next, p1_next, p2_next = _qkv_tile(t + nprog, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
+            more = t + nprog < tiles
+            w1_next = tl.load(p1_next, mask=kmask & more, other=0.0)
+            w2_next = tl.load(p2_next, mask=kmask & more, other=0.0)
+            rmask = (rm < M) & (t < tiles)
+            y1 = tl.sum(x * w1.to(tl.float32), axis=2).to(out_ty).to(tl.float32)   # [BLOCK_M, HB]
+            y2 = tl.sum(x * w2.to(tl.float32), axis=2).to(out_ty).to(tl.float32)
+            d2 = d1 + D // 2
+            if h < HQ + HKV:
+                # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
+                # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
+                # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
+                pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
+                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+                c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
+                s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
+                r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
+                r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
+            else:
+                r1 = y1.to(out_ty)
+                r2 = y2.to(out_ty)
+            if h < HQ:
+                base = q_ptr + (rm * HQ + h) * D
+                tl.store(base + d1[None, :], r1, mask=rmask)
+                tl.store(base + d2[None, :], r2, mask=rmask)
+            else:
+                keep = rmask & (slot < C)  # a slot past the cache is never written (HF's index_copy_ would fail)
+                if h < HQ + HKV:
+                    base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
+                else:
+                    base = vc_ptr + ((rm * HKV + (h - HQ - HKV)).to(tl.int64) * C + slot) * D
+                tl.store(base + d1[None, :], r1, mask=keep)
+                tl.store(base + d2[None, :], r2, mask=keep)
+            h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
+
+
+# -- launch configurations ------------------------------------------------------------------------
+# (BLOCK_N rows per tile, num_warps, programs per multiprocessor). Each tile is ~16 KB of weights,
+# the x rows are read once per program, and the grid is a few programs per multiprocessor, each
+# streaming its tiles with one tile's loads always in flight.
+
+def _programs(tiles: int, device, per_sm: int) -> int:
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        sms = 2  # Triton's interpreter: a few programs, each looping over several tiles
+    return max(1, min(tiles, sms * per_sm))
+
+
+def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, programs per SM) for an [m, k] x [k, n] product (`tiles` weights per call:
+    2 for gate/up): tiles of ~16 KB (both weights together), 8 warps, 2 programs per SM."""
+    block_k = next_pow2(k)
+    block_n = max(1, min(16, (8192 // block_k) // tiles))
+    warps = 8 if block_k >= 2048 else 4
+    per_sm = 2 if warps == 8 else 4
+    if block_k <= 2048 and block_n < 16 and n > 64 * block_n * 132 * per_sm:
+        # a long stream of tiles per program (llama-1b's lm_head: ~120): 32 KB tiles measured faster on
+        # the H200, 128 against 140 us (profiles/h200/decode-kernels/gemv.csv)
+        block_n *= 2
+    return block_n, warps, per_sm
+
+
+def _out_rows(m: int) -> int:
+    return next_pow2(m)
+
+
+def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None):
+    """Triton `rms_gemv` / `gate_up` (weight2 given): x [M, K] (M <= MAX_ROWS) -> [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight2 is not None and norm_weight is None:
+        raise ValueError("gate/up is fused with the RMSNorm that precedes it; give norm_weight")
+    block_n, warps, per_sm = config or gemv_config(m, n, k, 2 if weight2 is not None else 1)
+    y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_f32 else x.dtype)
+    res = residual if residual is not None else y
+    tiles = triton.cdiv(n, block_n)
+    grid = (_programs(tiles, x.device, per_sm),)
+    _rms_gemv_kernel[grid](
+        x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight, res, y,
+        m, n, x.stride(0), res.stride(0), y.stride(0), float(eps), grid[0],
+        ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
+        OUT_F32=out_f32, BLOCK_M=_out_rows(m), BLOCK_N=block_n, BLOCK_K=next_pow2(k), num_warps=warps,
+        **launch_options(x.device))
+    return y
+
+
+def qkv_rope_config(k: int, d: int) -> tuple[int, int, int]:
+    """(HB, num_warps, programs per SM): 2 * HB weight rows per tile, ~16 KB."""
+    hb = max(1, min(d // 2, 4096 // next_pow2(k)))
+    return hb, (8 if next_pow2(k) >= 2048 else 4), 2
+
+
+def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, config=None):
+    m, k = x.shape
+    _, hkv, c, d = k_cache.shape
+    hq = wq.shape[0] // d
+    hb, warps, per_sm = config or qkv_rope_config(k, d)
+    q = torch.empty(m, hq, d, device=x.device, dtype=x.dtype)
+    tiles = (hq + 2 * hkv) * ((d // 2) // hb)
+    grid = (_programs(tiles, x.device, per_sm),)
+    _qkv_rope_gemv_kernel[grid](
+        x, norm_weight, wq, wk, wv, positions, inv_freq, q, k_cache, v_cache, slot,
+        m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), grid[0],
+        ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, BLOCK_M=_out_rows(m), BLOCK_K=next_pow2(k), num_warps=warps,
+        **launch_options(x.device))
+    return q

@@ -1,0 +1,45 @@
+"""The decode kernels behind one call each: Triton where it runs, the torch reference elsewhere.
+
+`fast_triton.usable` decides per call: CUDA tensors with Triton present, or Triton's CPU
+interpreter (TRITON_INTERPRET=1, the CPU tests); otherwise (a CPU build of torch) the torch
+reference runs, with the same arguments and result. The fast decode forward calls these eagerly
+(no torch.compile around them): captured in gdtool's graph, a call costs its kernel alone.
+
+    rms_gemv(x, norm_weight?, eps, weight, weight2?, residual?, out_f32)  -> [M, N]  (weight2: gate/up)
+    qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot) -> q
+    decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
+    argmax(x)                                                               -> [M] int64
+(`!`: written in place, at the cache slot.)
+"""
+from __future__ import annotations
+
+from . import attention, gemv, sampling
+from .triton import usable
+
+
+def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32):
+    if usable(x, weight):
+        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32)
+    if weight2 is not None:
+        return gemv.gate_up_reference(x, norm_weight, eps, weight, weight2)
+    return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32)
+
+
+def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
+    if usable(x, wq, k_cache):
+        return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
+                           slot)
+    return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
+                                   v_cache, slot)
+
+
+def decode_attention(q, k_cache, v_cache, mask, slot, scale):
+    if usable(q, k_cache):
+        return attention.split_kv(q, k_cache, v_cache, mask, slot, scale)
+    return attention.split_kv_reference(q, k_cache, v_cache, mask, slot, scale)
+
+
+def argmax(x):
+    if usable(x):
+        return sampling.argmax(x)
+    return sampling.argmax_reference(x)

@@ -1,0 +1,86 @@
+"""What the hand-written decode kernels need from Triton, and whether it is there.
+
+Triton comes with CUDA builds of torch; CPU builds have none. Every kernel module imports Triton
+through here, so that without it the modules still import (their torch references run instead),
+and programmatic dependent launch (PDL) is switched in one place.
+
+PDL (Hopper and later): a kernel launched with it may start while the previous kernel in the stream
+is still running; it must call `gdc_wait()` before it reads anything that kernel wrote. The decode
+kernels issue their weight loads first (weights are never written during a step), then wait: the
+loads of one kernel overlap the tail of the one before. Inside a captured graph the launch attribute
+becomes a programmatic edge between the two kernel nodes.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+try:  # a CPU build of torch has no Triton: the kernels' torch references run instead
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the environment
+    triton = None
+    tl = None
+
+HAVE_TRITON = triton is not None
+
+# Off unless asked for (GDTOOL_PDL=1 or `pdl(True)`): see docs/fast.md for what was measured.
+_pdl = os.environ.get("GDTOOL_PDL", "0") not in ("0", "false", "off", "")
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1, read when kernels are defined)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("0", "")
+
+
+def usable(*tensors) -> bool:
+    """Whether the Triton kernels run on these tensors: CUDA tensors with Triton present, or any tensors
+    under Triton's interpreter (the CPU tests)."""
+    if not HAVE_TRITON:
+        return False
+    if interpreting():
+        return True
+    return all(t.is_cuda for t in tensors)
+
+
+def pdl_supported(device) -> bool:
+    import torch
+    if not HAVE_TRITON or interpreting() or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def pdl_enabled() -> bool:
+    """Whether the next kernel launches use PDL (where the device supports it). Read at launch: a captured
+    graph keeps what was set when it was captured."""
+    return _pdl
+
+
+def set_pdl(enabled: bool) -> None:
+    global _pdl
+    _pdl = bool(enabled)
+
+
+@contextmanager
+def pdl(enabled: bool):
+    """Launch the decode kernels with (True) or without (False) programmatic dependent launch."""
+    global _pdl
+    before, _pdl = _pdl, bool(enabled)
+    try:
+        yield
+    finally:
+        _pdl = before
+
+
+def launch_options(device) -> dict:
+    """Keyword arguments for a kernel launch: the PDL attribute, and the flag that makes the kernel wait."""
+    use = _pdl and pdl_supported(device)
+    return {"launch_pdl": True, "PDL": True} if use else {"PDL": False}
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
