@@ -289,3 +289,33 @@ def test_a_graph_break_falls_back_with_a_warning(model, monkeypatch):
     assert torch.equal(out.tokens, hf.tokens)
     table = fast.compiles(model)
     assert not table.fullgraph.iloc[0] and table.note.iloc[0].startswith("graph break")
+
+
+def test_compiled_step_on_sliding_windows_compiles_once_per_window_phase():
+    """A sliding layer's Python counter picks its update branch, and dynamo specializes on it: the counters are
+    pinned on their phase's side of "full", so a decode whose window fills midway compiles two steps, once each."""
+    model = gdtool.load_model("tiny-gemma3", seed=0)  # sliding layers (window 8) beside a full one
+    fast.forget(model)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=3)  # the window fills at decode step 2
+    hf = _decode(model, prompt, mode="step-graph", do_sample=False, max_new_tokens=7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled", max_new_tokens=7)
+        again = _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled", max_new_tokens=7)
+    assert not [w for w in caught if str(w.message).startswith("gdtool:")]  # no graph break, no recompile
+    assert torch.equal(first.tokens, hf.tokens) and torch.equal(again.tokens, first.tokens)  # fp32 CPU: same tokens
+    table = fast.compiles(model)
+    assert sorted(table.step.str.extract(r"windows(\d+)of")[0].astype(int)) == [0, 1]  # not full, then full
+    assert (table.compiles == 1).all() and table.fullgraph.all()
+
+
+def test_compiled_step_refuses_linear_attention_layers():
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    config = Qwen3NextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                             layer_types=["linear_attention", "full_attention"], num_experts=0)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    prompt = gdtool.random_prompts(model, batch=1, lengths=4)
+    with pytest.raises(gdtool.core.feed.Unsupported, match="linear-attention.*use kernels='hf'"):
+        _decode(model, prompt, mode="step-graph", do_sample=False, kernels="compiled")

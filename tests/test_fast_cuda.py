@@ -88,3 +88,19 @@ def test_sort_free_sampler_matches_hf_sampler_on_this_gpu():
         assert torch.equal(fast_tokens, hf_tokens)
     else:  # only tied tokens at the top-p boundary can differ
         assert (fast_tokens == hf_tokens).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("arch,pattern", [("mistral", "sliding"), ("gemma3_text", "mixed"), ("gpt_oss", "mixed"),
+                                          ("cohere2", "mixed"), ("olmo3", "mixed")])
+def test_compiled_step_on_sliding_windows_captured_equals_uncaptured(arch, pattern):
+    import windows
+    # window 6: prompt 4 fills it at the second decode step, so both window phases run, captured and not
+    model = windows.build(arch, 6, pattern).to(device="cuda", dtype=torch.bfloat16)
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(2, 4), seed=4)
+    for settings in (dict(do_sample=False), SAMPLING):
+        captured = _decode(model, prompt, max_new_tokens=12, **settings)
+        direct = _decode(model, prompt, max_new_tokens=12, capture=False, **settings)
+        assert captured.replays == captured.steps > 0
+        assert torch.equal(captured.tokens, direct.tokens), (arch, settings)
+    table = fast.compiles(model)
+    assert (table.compiles == 1).all() and table.fullgraph.all(), table

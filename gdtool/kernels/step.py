@@ -24,6 +24,11 @@ rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and
 update (`forward.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
 
+Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
+phase, as the graph modes capture one graph per phase: their Python counters are pinned on the phase's
+side of "full" before each call (`_window_phase`), so the step compiles once per phase, not once per
+step. Linear-attention and state-space layers are refused (use kernels="hf").
+
 Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
 settings, which buffers exist), each with its own code object so dynamo's recompile limit never
 sends a long sweep back to eager; a second `decode()` with the same shapes compiles nothing.
@@ -133,10 +138,17 @@ class CompiledStep(Step):
         super().__init__(*args, **kwargs)
         if part not in ("step", "forward"):
             raise ValueError(f"part={part!r} must be 'step' or 'forward'")
-        if not compat.full_attention_only(self.cache):
-            # a sliding-window layer keeps a python counter: the compiled step would recompile every step
-            raise ValueError(f"kernels={kernels!r} supports static caches of full-attention layers only; this model "
-                             "has sliding-window or other layers; use kernels='hf'")
+        layers = compat.cache_layers(self.cache)
+        other = sorted({type(layer).__name__ for layer in layers
+                        if type(layer).__name__ != "StaticLayer" and not compat.is_sliding(layer)})
+        if other:
+            raise feed.Unsupported(f"kernels={kernels!r} supports static caches of full-attention and sliding-window "
+                                   f"layers; this model also has {other[0]} (linear-attention, state-space or other "
+                                   "layers, whose state the compiled step does not model); use kernels='hf'")
+        # sliding layers branch on a Python counter, which dynamo specializes on: one compiled step per
+        # window phase, with the counters pinned where the phase takes its branch (`_window_phase`)
+        self.sliding = [layer for layer in layers if compat.is_sliding(layer)]
+        self._by_phase: dict = {}
         self.part = part
         self.kernels = kernels
         # kernels="fast": gdtool's decode forward where it applies (a Llama model at small batch), the
@@ -202,10 +214,23 @@ class CompiledStep(Step):
             return self._run(_update_only, self.select(logits))
         self._run(_select_update, logits)
 
+    def _window_phase(self) -> tuple:
+        """Which sliding windows are full, with each layer's Python counter pinned to one value on its side
+        of "full". The counter only picks the update's branch (the slot comes from the cache's tensor
+        counter, the mask from the shifted frame of `core/feed.py`), and dynamo specializes the step on
+        it: a counter moving every step would compile the step again every step."""
+        phase = []
+        for layer in self.sliding:
+            full = layer.cumulative_length_int >= layer.max_cache_len
+            layer.cumulative_length_int = layer.max_cache_len if full else layer.max_cache_len - 1
+            phase.append(full)
+        return tuple(phase)
+
     def _run(self, body, *args):
-        if self._compiled is None:
-            self._compiled = _compiled_for(self, body)
-        entry = self._compiled
+        phase = self._window_phase()
+        if phase not in self._by_phase:
+            self._by_phase[phase] = _compiled_for(self, body, phase)
+        entry = self._compiled = self._by_phase[phase]
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
@@ -236,12 +261,12 @@ class CompiledStep(Step):
         return result
 
 
-def _compiled_for(step: CompiledStep, body) -> _Compiled:
-    """The model's compiled function for this step's shape key, made on first use."""
-    key = _key(step)
+def _compiled_for(step: CompiledStep, body, phase: tuple = ()) -> _Compiled:
+    """The model's compiled function for this step's shape key (and window phase), made on first use."""
+    key = _key(step) + (phase,)
     table = step.model.__dict__.setdefault(_ATTR, {})
     if key not in table:
-        name = _name(step)
+        name = _name(step) + (f"_windows{sum(phase)}of{len(phase)}full" if phase else "")
         fn = None if body is None else torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                                      options=INDUCTOR_OPTIONS)
         table[key] = _Compiled(fn, name, kernels=_kernels_note(step))
