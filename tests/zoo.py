@@ -30,6 +30,7 @@ SMALL = [
     (r"num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts", 4),
     (r"num_experts_per_tok|moe_topk|moe_k|num_experts_per_token", 2),
     (r"n_shared_experts|num_shared_experts", 1),
+    (r"n_group|num_expert_group", 2), (r"topk_group", 1),  # grouped routing over the 4 experts
     (r"max_position_embeddings|n_positions|n_ctx|max_seq_len|seq_length", 256),
     # mixture-of-experts layers from the first or second layer on, so a 2-layer model has one
     (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index", 1),
@@ -86,9 +87,26 @@ def shrink(d: dict) -> dict:
     return kw
 
 
+HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
+# model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
+# generate() cannot decode, or leaves a hybrid without its attention layer (text config of a nested config)
+KNOBS = {
+    # attention every 2nd layer from layer 1 (the default period of 8 leaves 2 layers all Mamba); no CUDA kernels
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_dt_rank=8, use_mamba_kernels=False),
+    "bamba": dict(attn_layer_indices=[1], **MAMBA2),  # its default has no attention layer
+    "granitemoehybrid": dict(HYBRID, **MAMBA2),        # its default is all Mamba
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], head_dim=16, lru_width=64),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),  # default: attention indices of 32 layers
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),  # heads x head = expand x hidden
+}
+
+
 def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
+    overrides = dict(KNOBS.get(model_type, {}), **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         d = cls().to_dict()
