@@ -107,6 +107,23 @@ def check_cache(cache, mode: str, model) -> None:
                           "between steps is not modelled); use mode='eager'")
 
 
+def check_prefilled(cache, mode: str, model) -> None:
+    """After the prefill, before any graph: refuse the caches that grow a position history. Qwen4-Exp's
+    indexer concatenates every forward's 3-D positions onto a tensor bound on the cache (5.17:
+    `cache.position_ids`; later: the first indexed layer's `indexer_position_ids`), so each step reads a
+    longer tensor than the last, a shape no graph can hold (and its token selection loops on the host)."""
+    if mode == "eager":
+        return
+    held = [("cache", "position_ids", getattr(cache, "position_ids", None))]
+    held += [(f"cache layer {i}", "indexer_position_ids", getattr(layer, "indexer_position_ids", None))
+             for i, layer in enumerate(compat.cache_layers(cache))]
+    for where, name, value in held:
+        if isinstance(value, torch.Tensor):
+            raise Unsupported(f"{type(model).__name__} keeps the positions of every token so far in `{name}` on its "
+                              f"{where}, a tensor that grows by one at every step, so no graph can hold it; use "
+                              "mode='eager'")
+
+
 def experts_modules(model) -> list:
     """The experts blocks that dispatch through transformers' experts implementations."""
     return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]

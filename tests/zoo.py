@@ -44,6 +44,15 @@ def architectures() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+def image_text_architectures() -> list[str]:
+    """Image-text-to-text model types whose class (what generate() decodes a text prompt with) is not the
+    causal-LM class of the same type: Gemma 3, Qwen3-VL, Mistral 3, LLaVA... loaded as users load them."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return sorted(t for t, cls in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()
+                  if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) != cls)
+
+
 def _small(d: dict) -> dict:
     out = {}
     for key, value in d.items():
@@ -87,6 +96,10 @@ def shrink(d: dict) -> dict:
     return kw
 
 
+# Qwen4-Exp's sparse-attention indexer (default: no indexer fields) and linear-attention heads, at tiny size
+QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 hc_lowrank=8, ple_embed_dim=64)
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
 # model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
@@ -98,8 +111,35 @@ KNOBS = {
     "bamba": dict(attn_layer_indices=[1], **MAMBA2),  # its default has no attention layer
     "granitemoehybrid": dict(HYBRID, **MAMBA2),        # its default is all Mamba
     "recurrent_gemma": dict(block_types=["recurrent", "attention"], head_dim=16, lru_width=64),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),  # default: attention indices of 32 layers
+    # a convolution layer and an attention layer (LFM2's default is attention in every layer)
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),  # heads x head = expand x hidden
+    # Zamba's shared transformer block is tied across its hybrid layers: two of them, after a Mamba layer
+    # (the hybrid layer reads [hidden, embeddings] concatenated: attention width 2 x hidden)
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                  attention_hidden_size=128, mamba_dt_rank=8, use_mamba_kernels=False),
+    # the shared block reads [hidden, embeddings] concatenated: attention width 2 x hidden
+    "zamba2": dict(attention_hidden_size=128, n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, chunk_size=16,
+                   kv_channels=16, num_query_groups=2, hybrid_layer_ids=[1], use_mamba_kernels=False),
+    "deepseek_v2": dict(num_experts_per_tok=2),  # the default (None) routes to no expert
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),  # defaults are None
+    "glm4_moe_lite": dict(num_key_value_heads=4),  # multi-head latent attention: a key/value head per query head
+    "nemotron": dict(num_key_value_heads=2),  # the default (None) breaks the attention's head groups
+    "hunyuan_v1_dense": dict(head_dim=16), "hunyuan_v1_moe": dict(head_dim=16),  # default head_dim None
+    "ministral": dict(head_dim=16),
+    # nested attention / FFN configs the shrinker does not enter; the attention config lacks rope_theta
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128)),
+    # RoPE per layer type (the default has none), its multimodal sections summing to head_dim / 2
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[3, 3, 2])}),
+    # per-layer widths and key/value sharing sized for 2 layers (the default shares the last 15 of 35)
+    "gemma3n_text": dict(intermediate_size=[128, 128], num_kv_shared_layers=0, hidden_size_per_layer_input=16,
+                         laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB),
+    "qwen4_exp_text": QWEN4_EXP,
+    "qwen4_exp": QWEN4_EXP,
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),  # the assistant has no per-layer inputs
 }
 
 
@@ -116,6 +156,9 @@ def tiny_config(model_type: str, **overrides):
             kw[sub] = dict(shrink(d[sub]), **overrides)
         if not nested:
             kw.update(overrides)
+        for key, value in d.items():  # vision, audio, ... towers: small too (a text prompt never runs them)
+            if key not in nested and isinstance(value, dict) and "model_type" in value:
+                kw[key] = dict(shrink(value), **KNOBS.get(f"{model_type}.{key}", {}))
         return cls(**kw)
 
 
@@ -126,18 +169,20 @@ class NotTiny(Exception):
     """The shrunk config still has fields this builder does not know: too big for the zoo."""
 
 
-def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, **overrides):
-    from transformers import AutoModelForCausalLM
+def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, image_text: bool = False, **overrides):
+    """The tiny model of `model_type`: its causal-LM class, or with `image_text` its image-text-to-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     config = tiny_config(model_type, **overrides)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        params = sum(p.numel() for p in auto.from_config(config).parameters())
     if params > MAX_PARAMS:
         raise NotTiny(f"{params / 1e6:.0f}M parameters after shrinking")
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     return model.to(device).eval() if device is not None else model.eval()
 
 
