@@ -100,6 +100,8 @@ def shrink(d: dict) -> dict:
 QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
                  linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
                  hc_lowrank=8, ple_embed_dim=64)
+INKLING2 = dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
+MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
 # model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
@@ -140,6 +142,19 @@ KNOBS = {
     "qwen4_exp_text": QWEN4_EXP,
     "qwen4_exp": QWEN4_EXP,
     "gemma4_assistant": dict(hidden_size_per_layer_input=0),  # the assistant has no per-layer inputs
+    # size fields under names the shrinker does not know
+    "inkling2_text": INKLING2, "inkling2_loop_text": INKLING2,
+    "roc_bert": dict(shape_vocab_size=64, pronunciation_vocab_size=64, shape_embed_dim=16, pronunciation_embed_dim=16,
+                     is_decoder=True),
+    "xlm": dict(emb_dim=64),
+    "blt": dict(encoder_hash_byte_group_vocab=VOCAB),
+    # its causal-LM class refuses a config that is not a decoder; axial position factors summing to hidden
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32]),
+    # multimodal RoPE sections (time, height, width) summing to head_dim / 2
+    "qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE,
+    "hunyuan_vl": dict(MROPE, head_dim=16),
+    "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
+    "gemma4": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
 }
 
 
@@ -152,17 +167,17 @@ def tiny_config(model_type: str, **overrides):
         d = cls().to_dict()
         kw = shrink(d)
         nested = [k for k in ("text_config", "decoder") if isinstance(d.get(k), dict)]
+        for key, value in d.items():  # vision, audio, ... towers: small too (a text prompt never runs them)
+            if key not in nested and isinstance(value, dict) and "model_type" in value:
+                kw[key] = shrink(value)
         for sub in nested:
             kw[sub] = dict(shrink(d[sub]), **overrides)
         if not nested:
             kw.update(overrides)
-        for key, value in d.items():  # vision, audio, ... towers: small too (a text prompt never runs them)
-            if key not in nested and isinstance(value, dict) and "model_type" in value:
-                kw[key] = dict(shrink(value), **KNOBS.get(f"{model_type}.{key}", {}))
         return cls(**kw)
 
 
-MAX_PARAMS = 5_000_000
+MAX_PARAMS = 12_000_000  # image-text models keep a small vision tower beside the text model
 
 
 class NotTiny(Exception):
@@ -223,6 +238,12 @@ CASES = [
       ("step-graph", 0), ("device-loop", None)]),
     ("sampling", SAMPLING, [("eager", 1), ("forward-graph", 1), ("step-graph", 4), ("device-loop", None)]),
 ]
+# the architectures the knob table or the image-text list brought in run these on a CPU (the zoo's CPU time
+# is bounded in CI); every case and mode above runs for them under `pytest -m cuda`
+SAMPLED_CASES = [
+    ("greedy", dict(do_sample=False), [("forward-graph", 1), ("step-graph", 3)]),
+    ("sampling", SAMPLING, [("eager", 1), ("device-loop", None)]),
+]
 NEW_TOKENS = 12
 
 
@@ -248,7 +269,7 @@ def _reference(model, ids, mask, seed, **settings):
         raise GenerateFailed(f"{type(error).__name__}: {str(error)[:160]}") from error
 
 
-def run_architecture(model, device) -> dict:
+def run_architecture(model, device, cases=None) -> dict:
     """Decode `model` in every mode and case; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
     Raises AssertionError on any mismatch with generate(), GenerateFailed when there is no reference."""
     import gdtool
@@ -260,7 +281,7 @@ def run_architecture(model, device) -> dict:
     early, late = int(plain[0, 2]), int(plain[1, 6])
     eos = [early, late] if early != late else [early]
     results = {}
-    for case, settings, modes in CASES:
+    for case, settings, modes in cases or CASES:
         settings = dict(settings, eos_token_id=eos, pad_token_id=1)
         ref_tokens, ref_scores = _reference(model, ids, mask, 5, **settings)
         for mode, poll in modes:
@@ -277,3 +298,62 @@ def run_architecture(model, device) -> dict:
             results[key] = "pass"
     del gdtool
     return results
+
+
+# -- one architecture as a JSON outcome, in this process or a fresh one ---------------------------------
+
+def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: bool = False,
+            sampled: bool = False) -> dict:
+    """What the zoo test asserts on, as JSON: {"status": "ran", "results": [[case, mode, poll, result]...],
+    "cache": [cache layer kinds]}, or "not built" / "small vocabulary" / "generate failed" / "mismatch" with "error"."""
+    from gdtool import compat
+    try:
+        model = build(model_type, image_text=image_text, **overrides)
+    except Exception as error:  # noqa: BLE001 - reported, and asserted on by the test
+        return {"status": "not built", "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    size = getattr(model.get_input_embeddings(), "num_embeddings", VOCAB)
+    if size < VOCAB:
+        return {"status": "small vocabulary", "error": f"a vocabulary of {size} < {VOCAB} prompt ids"}
+    model = model.to(device)
+    try:
+        results = run_architecture(model, device, SAMPLED_CASES if sampled else CASES)
+    except GenerateFailed as error:
+        return {"status": "generate failed", "error": str(error)}
+    except AssertionError as error:
+        return {"status": "mismatch", "error": str(error)}
+    try:
+        layers = compat.cache_layers(compat.static_cache(model, 16))
+    except Exception:  # noqa: BLE001 - generate() built one above, so this does not happen
+        layers = []
+    kinds = [("linear" if compat.is_linear(layer) else "") + ("attention" if hasattr(layer, "keys") else "")
+             for layer in layers]
+    return {"status": "ran", "results": [[*key, result] for key, result in results.items()], "cache": kinds}
+
+
+MARK = "zoo-outcome: "
+
+
+def outcome_in_subprocess(timeout: float = 1200, **kwargs) -> dict:
+    """`outcome(**kwargs)` in a fresh Python process: a CUDA error (a device-side assert, a poisoned
+    context) ends that process only, not the architectures after it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(here, "zoo.py"), json.dumps(kwargs)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    return {"status": "crashed", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    args = json.loads(sys.argv[1])
+    if args.get("device") == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    print(MARK + json.dumps(outcome(**args)), flush=True)
