@@ -81,6 +81,11 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         raise Unsupported(f"attention implementation {impl!r} is not supported by the graph modes; load the model with "
                           "attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
     if device is not None and device.type == "cuda":
+        looped = _host_looped_experts(model)
+        if looped:
+            raise Unsupported(f"{name}'s {looped} loops over the experts its tokens hit, found on the host "
+                              "(`nonzero` and `.item()`, not one of transformers' experts implementations that "
+                              "generate() switches to batched_mm), which no CUDA graph can capture; use mode='eager'")
         eager_experts = [type(m).__name__ for m in experts_modules(model) if _experts_impl(m) == "eager"]
         if eager_experts:
             raise Unsupported(f"{name}'s experts ({eager_experts[0]}) run experts_implementation='eager', which loops "
@@ -122,6 +127,24 @@ def check_prefilled(cache, mode: str, model) -> None:
             raise Unsupported(f"{type(model).__name__} keeps the positions of every token so far in `{name}` on its "
                               f"{where}, a tensor that grows by one at every step, so no graph can hold it; use "
                               "mode='eager'")
+
+
+def _host_looped_experts(model) -> str | None:
+    """An experts block of the model's own (LongCat-Flash's, with its zero experts) that loops over the experts
+    hit with `nonzero` on the host: generate() runs that loop on a GPU too, so there is no capturable equivalent
+    with the same bits (each expert's GEMM sees only its tokens)."""
+    experts = set(map(id, experts_modules(model)))
+    for module in model.modules():
+        cls = type(module)
+        if "Experts" not in cls.__name__ or id(module) in experts:
+            continue
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        if ".nonzero(" in source:
+            return cls.__name__
+    return None
 
 
 def experts_modules(model) -> list:
@@ -337,7 +360,7 @@ class Feed:
         optimize = getattr(self.model, "_optimize_model_for_decode", None)
         experts = optimize() if optimize is not None and experts_modules(self.model) else contextlib.nullcontext()
         frame = self.windows.patched(self.cache) if self.windows else contextlib.nullcontext()
-        with experts, frame, compat.capturable_masks():
+        with experts, frame, compat.capturable_masks(), compat.capturable_positions(self.model, self.cache_len):
             yield
 
     # -- phases of the sliding layers --

@@ -47,3 +47,37 @@ def test_the_cli_runs_an_image_text_checkpoint(checkpoint, capsys):
     finally:
         torch.set_num_threads(threads)
     assert "mistral3" in capsys.readouterr().out
+
+
+def _host_reads(fn):
+    """The aten calls of `fn` that read a device value on the host (what a CUDA graph cannot capture)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    reads = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.is_nonzero.default, torch.ops.aten._local_scalar_dense.default):
+                reads.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Watch():
+        out = fn()
+    return out, reads
+
+
+def test_xglm_positions_are_read_without_a_host_read_while_decoding():
+    """XGLM's position table checks `2 + seq_len + cache length` against its size, a host read when the cache
+    length is the static cache's device counter; while decoding, gdtool looks the rows up without that check,
+    with the same values."""
+    from gdtool import compat
+    model = zoo.build("xglm")
+    table = model.model.embed_positions
+    positions, counter = torch.tensor([[5], [9]]), torch.tensor(9)
+    plain, reads = _host_reads(lambda: table(positions, counter))
+    assert reads  # the comparison with a tensor counter
+    with compat.capturable_positions(model, cache_len=32):
+        patched, reads = _host_reads(lambda: table(positions, counter))
+    assert not reads and torch.equal(patched, plain)
+    assert "forward" not in vars(table)  # put back after decoding
+    with compat.capturable_positions(model, cache_len=table.weights.size(0)):  # a table too short keeps its check
+        assert "forward" not in vars(table)
