@@ -81,11 +81,11 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         raise Unsupported(f"attention implementation {impl!r} is not supported by the graph modes; load the model with "
                           "attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
     if device is not None and device.type == "cuda":
-        looped = _host_looped_experts(model)
-        if looped:
-            raise Unsupported(f"{name}'s {looped} loops over the experts its tokens hit, found on the host "
-                              "(`nonzero` and `.item()`, not one of transformers' experts implementations that "
-                              "generate() switches to batched_mm), which no CUDA graph can capture; use mode='eager'")
+        routed = _host_routed_experts(model)
+        if routed:
+            raise Unsupported(f"{name}'s {routed[0]} finds which tokens each expert gets on the host (`{routed[1]}`; "
+                              "it is not one of transformers' experts implementations, which generate() switches to "
+                              "batched_mm), and no CUDA graph can capture a host read; use mode='eager'")
         eager_experts = [type(m).__name__ for m in experts_modules(model) if _experts_impl(m) == "eager"]
         if eager_experts:
             raise Unsupported(f"{name}'s experts ({eager_experts[0]}) run experts_implementation='eager', which loops "
@@ -129,21 +129,24 @@ def check_prefilled(cache, mode: str, model) -> None:
                               "mode='eager'")
 
 
-def _host_looped_experts(model) -> str | None:
-    """An experts block of the model's own (LongCat-Flash's, with its zero experts) that loops over the experts
-    hit with `nonzero` on the host: generate() runs that loop on a GPU too, so there is no capturable equivalent
-    with the same bits (each expert's GEMM sees only its tokens)."""
+def _host_routed_experts(model) -> tuple[str, str] | None:
+    """(class, host op) of an experts or gating block of the model's own that finds on the host which tokens go
+    to which expert: LongCat-Flash's experts loop over `nonzero` (its zero experts keep it off transformers'
+    experts implementations), JetMoE's gating splits the tokens by `expert_size.tolist()`. generate() runs
+    those host reads on a GPU too, and no capturable form gives the same bits (each expert's GEMM sees only
+    its own tokens)."""
     experts = set(map(id, experts_modules(model)))
     for module in model.modules():
         cls = type(module)
-        if "Experts" not in cls.__name__ or id(module) in experts:
+        if not any(word in cls.__name__ for word in ("Experts", "Gating")) or id(module) in experts:
             continue
         try:
             source = inspect.getsource(cls.forward)
         except (OSError, TypeError):
             continue
-        if ".nonzero(" in source:
-            return cls.__name__
+        for op in (".nonzero(", ".tolist()"):
+            if op in source:
+                return cls.__name__, op.strip(".")
     return None
 
 
