@@ -86,8 +86,10 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 18):  # 
                       "musicgen": "text_encoder", "musicgen_melody": "text_encoder"})
 # image-text type -> what generate() raises on a text-only prompt: the model needs pixels, or is an encoder-decoder
 IMAGE_TEXT_GENERATE_FAILS = {
-    "blip": "pixel_values", "blip-2": "pixel_values", "instructblip": "pixel_values",
-    "instructblipvideo": "pixel_values", "kosmos-2": "pixel_values", "pix2struct": "too many indices",
+    # generate() hands the prompt to the vision tower as its main input (`pixel_values.shape` unpacked)
+    "blip": "not enough values to unpack", "blip-2": "not enough values to unpack",
+    "instructblip": "not enough values to unpack", "instructblipvideo": "not enough values to unpack",
+    "kosmos-2": "not enough values to unpack", "pix2struct": "too many indices",
     "idefics": "pixel_values", "udop": "decoder_start_token_id", "vision-encoder-decoder": "decoder_start_token_id",
     "mistral4": "must match the size",  # the tiny config's RoPE width, not generate(): a knob to find
 }

@@ -309,9 +309,9 @@ def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: b
     from gdtool import compat
     try:
         model = build(model_type, image_text=image_text, **overrides)
+        size = getattr(model.get_input_embeddings(), "num_embeddings", VOCAB)
     except Exception as error:  # noqa: BLE001 - reported, and asserted on by the test
         return {"status": "not built", "error": f"{type(error).__name__}: {str(error)[:300]}"}
-    size = getattr(model.get_input_embeddings(), "num_embeddings", VOCAB)
     if size < VOCAB:
         return {"status": "small vocabulary", "error": f"a vocabulary of {size} < {VOCAB} prompt ids"}
     model = model.to(device)
