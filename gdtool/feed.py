@@ -136,10 +136,9 @@ def _host_routed_experts(model) -> tuple[str, str] | None:
     those host reads on a GPU too, and no capturable form gives the same bits (each expert's GEMM sees only
     its own tokens)."""
     experts = set(map(id, experts_modules(model)))
-    for module in model.modules():
-        cls = type(module)
-        if not any(word in cls.__name__ for word in ("Experts", "Gating")) or id(module) in experts:
-            continue
+    classes = {type(m) for m in model.modules() if id(m) not in experts
+               and any(word in type(m).__name__ for word in ("Experts", "Gating"))}
+    for cls in sorted(classes, key=lambda c: c.__name__):
         try:
             source = inspect.getsource(cls.forward)
         except (OSError, TypeError):
