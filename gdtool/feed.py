@@ -190,6 +190,7 @@ class Windows:
             base += size
         self.group_of = {i: g for g, (_, _, members) in enumerate(self.groups) for i in members}
         self.query = None  # per group: [] long tensor, the shifted query offset of the current step
+        self.position = None  # [] long tensor: tokens cached before the current step
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -203,7 +204,7 @@ class Windows:
             columns = torch.arange(size, device=mask.device) + offset
             parts.append(mask.gather(1, columns.expand(mask.shape[0], size)))
             query.append(position - offset + base)
-        self.query = query
+        self.query, self.position = query, position
         return torch.cat(parts, dim=1)
 
     @contextlib.contextmanager
@@ -224,7 +225,16 @@ class Windows:
                 return query_offset(layer_idx, *args, **kwargs)
             return self.query[group]
 
+        seq_length = cache.get_seq_length
+
+        def get_seq_length(*args, **kwargs):
+            # 5.17's sliding layer answers with its Python counter, which a graph would keep at its capture value
+            # (EXAONE 4.5 derives its positions from it); the same count, from the device
+            length = seq_length(*args, **kwargs)
+            return self.position if isinstance(length, int) and length and self.position is not None else length
+
         cache.get_mask_sizes, cache.get_query_offset = get_mask_sizes, get_query_offset
+        cache.get_seq_length = get_seq_length
         updates = {}
         for i in self.layers:
             layer = compat.cache_layers(cache)[i]
@@ -233,7 +243,8 @@ class Windows:
         try:
             yield
         finally:
-            del cache.get_mask_sizes, cache.get_query_offset
+            del cache.get_mask_sizes, cache.get_query_offset, cache.get_seq_length
+            self.position = None
             for i, update in updates.items():
                 layer = compat.cache_layers(cache)[i]
                 if layer.__dict__.get("update") is not None:

@@ -85,6 +85,7 @@ if not OLDEST:
 if OLDEST:  # configs that 5.17 cannot build at tiny size and later releases can
     IMAGE_TEXT_NOT_BUILT.update({"aria": "_attn_implementation", "minicpmv4_6": "model_type",
                                  "video_llama_3": "model_type", "vision-encoder-decoder": "sub-configurations"})
+    GENERATE_FAILS.update({"llama4": "block_sequence_ids", "llama4_text": "block_sequence_ids"})  # 5.17's chunked mask
     NOT_BUILT.update({"gemma4_assistant": "vocab_size", "gemma4_unified_assistant": "vocab_size",
                       "musicgen": "text_encoder", "musicgen_melody": "text_encoder"})
 # image-text type -> what generate() raises on a text-only prompt: the model needs pixels, or is an encoder-decoder
@@ -123,11 +124,8 @@ IDS = [c[0] for c in CASES]
 # recomputes the sequence at every step) and appends a mask token in prepare_inputs_for_generation; gdtool
 # feeds it a static cache and crashes in the prefill (mask of 8 keys vs a cache of 18). Open: it must become
 # a refusal ("takes no cache" by the name generate() uses); later releases fail in generate() itself.
-# 5.17's EXAONE 4.5 image-text model (sliding + full layers) differs from generate() in the graph modes from
-# decode step 2 (eager passes): open; the sliding layers' framed 2-D mask is the suspect.
 # (model type, image-text) -> why: reported as xfail without running, until fixed
-KNOWN_FAILURES = {("xlm", False): "5.17: gdtool feeds XLM a cache generate() does not",
-                  ("exaone4_5", True): "5.17: graph modes differ from generate() from step 2"} if OLDEST else {}
+KNOWN_FAILURES = {("xlm", False): "5.17: gdtool feeds XLM a cache generate() does not"} if OLDEST else {}
 
 
 def _check(model_type, overrides, image_text, device):
