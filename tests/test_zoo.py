@@ -201,6 +201,9 @@ def test_hybrids_keep_an_attention_layer():
         if model_type not in zoo.architectures():
             continue  # not in this transformers release
         from gdtool import compat
-        layers = compat.cache_layers(compat.static_cache(zoo.build(model_type), 16))
-        assert any(compat.is_linear(layer) for layer in layers), model_type
+        model = zoo.build(model_type)
+        layers = compat.cache_layers(compat.static_cache(model, 16))
+        # 5.17's RecurrentGemma keeps its recurrent state on the modules, not in the cache
+        recurrent = "recurrent" in (getattr(model.config, "block_types", None) or ())
+        assert recurrent or any(compat.is_linear(layer) for layer in layers), model_type
         assert any(hasattr(layer, "keys") for layer in layers), model_type
