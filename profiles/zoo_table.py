@@ -1,13 +1,13 @@
 """Which architectures each mode decodes bit for bit like generate(): the zoo test's table.
 
-Runs the zoo of `tests/zoo.py` (every causal-LM architecture of the installed transformers, tiny random
-models, greedy and sampling with EOS and left padding, every mode and polling setting, against
-generate(static)) exactly as `tests/test_zoo.py` does, and writes the outcome per architecture and mode
+Runs the zoo of `tests/zoo.py` (every causal-LM architecture of the installed transformers and every
+image-text-to-text one fed text only, tiny random models, greedy and sampling with EOS and left padding,
+every mode and polling setting, against generate(static)) as `pytest -m cuda tests/test_zoo.py` does, and writes the outcome per architecture and mode
 as markdown: `pass`, `refused (<reason>)`, or why the architecture is not in the zoo (its tiny config
 does not build, or generate() itself cannot decode it). Also rewrites the summary block of README.md
 between its `zoo-summary` markers.
 
-    python profiles/zoo_table.py --out docs/zoo.md --readme README.md       # CPU, a few minutes
+    python profiles/zoo_table.py --out docs/zoo.md --readme README.md       # CPU, about an hour on 2 cores
 """
 from __future__ import annotations
 
@@ -25,23 +25,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 MODES = ("eager", "forward-graph", "step-graph", "device-loop")
 
 
-def outcome(model_type: str, overrides: dict, device: str = "cpu") -> dict:
+def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: bool = False) -> dict:
     import zoo
-    try:
-        model = zoo.build(model_type, **overrides)
-    except Exception as error:  # noqa: BLE001 - any failure means the tiny config is not in the zoo
-        return {"status": f"not built: {type(error).__name__}"}
-    embeddings = model.get_input_embeddings()
-    if getattr(embeddings, "num_embeddings", zoo.VOCAB) < zoo.VOCAB:
-        return {"status": "not built: vocabulary too small"}
-    try:
-        results = zoo.run_architecture(model.to(device), device)
-    except zoo.GenerateFailed as error:
-        return {"status": f"generate() fails: {str(error).split(':')[0]}"}
-    except AssertionError as error:
-        return {"status": f"MISMATCH: {str(error)[:120]}"}
+    found = zoo.outcome(model_type, overrides, device, image_text=image_text)  # every case, as the cuda zoo runs
+    status, error = found["status"], found.get("error", "")
+    if status in ("not built", "small vocabulary"):
+        return {"status": f"not built: {error.split(':')[0] if status == 'not built' else 'vocabulary too small'}"}
+    if status == "generate failed":
+        return {"status": f"generate() fails: {error.split(':')[0]}"}
+    if status != "ran":
+        return {"status": f"MISMATCH: {error[:120]}"}
     per_mode = {}
-    for (_, mode, _), result in results.items():
+    for _, mode, _, result in found["results"]:
         if result != "pass":
             reason = re.sub(r"\s+", " ", result.removeprefix("refused: "))[:110]
             per_mode[mode] = f"refused: {reason}"
@@ -101,6 +96,11 @@ def main(argv=None) -> int:
         for name, overrides in variants:
             rows.append((name, outcome(model_type, overrides)))
             print(f"[{time.perf_counter() - start:6.0f} s] {name}: {rows[-1]}", flush=True)
+    causal = set(zoo.architectures())
+    for model_type in zoo.image_text_architectures():  # fed text only, through the image-text class
+        name = f"{model_type}:image-text" if model_type in causal else f"{model_type} (image-text)"
+        rows.append((name, outcome(model_type, {}, image_text=True)))
+        print(f"[{time.perf_counter() - start:6.0f} s] {name}: {rows[-1]}", flush=True)
     Path(args.out).write_text(render(rows, env))
     if args.readme:
         text = Path(args.readme).read_text()

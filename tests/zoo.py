@@ -30,6 +30,7 @@ SMALL = [
     (r"num_experts|num_local_experts|n_routed_experts|moe_num_experts|num_routed_experts", 4),
     (r"num_experts_per_tok|moe_topk|moe_k|num_experts_per_token", 2),
     (r"n_shared_experts|num_shared_experts", 1),
+    (r"n_group|num_expert_group", 2), (r"topk_group", 1),  # grouped routing over the 4 experts
     (r"max_position_embeddings|n_positions|n_ctx|max_seq_len|seq_length", 256),
     # mixture-of-experts layers from the first or second layer on, so a 2-layer model has one
     (r"first_k_dense_replace|num_dense_layers|moe_layer_start_index", 1),
@@ -41,6 +42,15 @@ LAYER_COUNTS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 def architectures() -> list[str]:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def image_text_architectures() -> list[str]:
+    """Image-text-to-text model types whose class (what generate() decodes a text prompt with) is not the
+    causal-LM class of the same type: Gemma 3, Qwen3-VL, Mistral 3, LLaVA... loaded as users load them."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+    return sorted(t for t, cls in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()
+                  if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) != cls)
 
 
 def _small(d: dict) -> dict:
@@ -86,14 +96,80 @@ def shrink(d: dict) -> dict:
     return kw
 
 
+# Qwen4-Exp's sparse-attention indexer (default: no indexer fields) and linear-attention heads, at tiny size
+QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=2,
+                 linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                 hc_lowrank=8, ple_embed_dim=64)
+INKLING2 = dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
+MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
+HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
+MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
+# model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
+# generate() cannot decode, or leaves a hybrid without its attention layer (text config of a nested config)
+KNOBS = {
+    # attention every 2nd layer from layer 1 (the default period of 8 leaves 2 layers all Mamba); no CUDA kernels
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_dt_rank=8, use_mamba_kernels=False),
+    "bamba": dict(attn_layer_indices=[1], **MAMBA2),  # its default has no attention layer
+    "granitemoehybrid": dict(HYBRID, **MAMBA2),        # its default is all Mamba
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"], head_dim=16, lru_width=64),
+    # a convolution layer and an attention layer (LFM2's default is attention in every layer)
+    "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),  # heads x head = expand x hidden
+    # Zamba's shared transformer block is tied across its hybrid layers: two of them, after a Mamba layer
+    # (the hybrid layer reads [hidden, embeddings] concatenated: attention width 2 x hidden)
+    "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
+                  attention_hidden_size=128, mamba_dt_rank=8, use_mamba_kernels=False),
+    # the shared block reads [hidden, embeddings] concatenated: attention width 2 x hidden
+    "zamba2": dict(attention_hidden_size=128, n_mamba_heads=8, mamba_headdim=16, mamba_d_state=16, chunk_size=16,
+                   kv_channels=16, num_query_groups=2, hybrid_layer_ids=[1], use_mamba_kernels=False),
+    "deepseek_v2": dict(num_experts_per_tok=2),  # the default (None) routes to no expert
+    "dots1": dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2),  # defaults are None
+    "glm4_moe_lite": dict(num_key_value_heads=4),  # multi-head latent attention: a key/value head per query head
+    "nemotron": dict(num_key_value_heads=2),  # the default (None) breaks the attention's head groups
+    "hunyuan_v1_dense": dict(head_dim=16), "hunyuan_v1_moe": dict(head_dim=16),  # default head_dim None
+    "ministral": dict(head_dim=16),
+    # nested attention / FFN configs the shrinker does not enter; the attention config lacks rope_theta
+    "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                 ffn_config=dict(ffn_hidden_size=128)),
+    # RoPE per layer type (the default has none), its multimodal sections summing to head_dim / 2
+    "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0,
+                                                                        mrope_section=[3, 3, 2])}),
+    # per-layer widths and key/value sharing sized for 2 layers (the default shares the last 15 of 35)
+    "gemma3n_text": dict(intermediate_size=[128, 128], num_kv_shared_layers=0, hidden_size_per_layer_input=16,
+                         laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB),
+    "qwen4_exp_text": QWEN4_EXP,
+    "qwen4_exp": QWEN4_EXP,
+    "gemma4_assistant": dict(hidden_size_per_layer_input=0),  # the assistant has no per-layer inputs
+    # size fields under names the shrinker does not know
+    "inkling2_text": INKLING2, "inkling2_loop_text": INKLING2,
+    "roc_bert": dict(shape_vocab_size=64, pronunciation_vocab_size=64, shape_embed_dim=16, pronunciation_embed_dim=16,
+                     is_decoder=True),
+    "xlm": dict(emb_dim=64),
+    "blt": dict(encoder_hash_byte_group_vocab=VOCAB),
+    # its causal-LM class refuses a config that is not a decoder; axial position factors summing to hidden
+    "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32]),
+    # multimodal RoPE sections (time, height, width) summing to head_dim / 2
+    "qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE,
+    "hunyuan_vl": dict(MROPE, head_dim=16),
+    "gemma4_text": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
+    "gemma4": dict(vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=16),
+}
+
+
 def tiny_config(model_type: str, **overrides):
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
+    overrides = dict(KNOBS.get(model_type, {}), **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         d = cls().to_dict()
         kw = shrink(d)
         nested = [k for k in ("text_config", "decoder") if isinstance(d.get(k), dict)]
+        for key, value in d.items():  # vision, audio, ... towers: small too (a text prompt never runs them)
+            if key not in nested and isinstance(value, dict) and "model_type" in value:
+                kw[key] = shrink(value)
         for sub in nested:
             kw[sub] = dict(shrink(d[sub]), **overrides)
         if not nested:
@@ -101,25 +177,27 @@ def tiny_config(model_type: str, **overrides):
         return cls(**kw)
 
 
-MAX_PARAMS = 5_000_000
+MAX_PARAMS = 12_000_000  # image-text models keep a small vision tower beside the text model
 
 
 class NotTiny(Exception):
     """The shrunk config still has fields this builder does not know: too big for the zoo."""
 
 
-def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, **overrides):
-    from transformers import AutoModelForCausalLM
+def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, image_text: bool = False, **overrides):
+    """The tiny model of `model_type`: its causal-LM class, or with `image_text` its image-text-to-text class."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     config = tiny_config(model_type, **overrides)
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+        params = sum(p.numel() for p in auto.from_config(config).parameters())
     if params > MAX_PARAMS:
         raise NotTiny(f"{params / 1e6:.0f}M parameters after shrinking")
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = auto.from_config(config, dtype=dtype)
     return model.to(device).eval() if device is not None else model.eval()
 
 
@@ -160,6 +238,12 @@ CASES = [
       ("step-graph", 0), ("device-loop", None)]),
     ("sampling", SAMPLING, [("eager", 1), ("forward-graph", 1), ("step-graph", 4), ("device-loop", None)]),
 ]
+# the architectures the knob table or the image-text list brought in run these on a CPU (the zoo's CPU time
+# is bounded in CI); every case and mode above runs for them under `pytest -m cuda`
+SAMPLED_CASES = [
+    ("greedy", dict(do_sample=False), [("forward-graph", 1), ("step-graph", 3)]),
+    ("sampling", SAMPLING, [("eager", 1), ("device-loop", None)]),
+]
 NEW_TOKENS = 12
 
 
@@ -185,7 +269,7 @@ def _reference(model, ids, mask, seed, **settings):
         raise GenerateFailed(f"{type(error).__name__}: {str(error)[:160]}") from error
 
 
-def run_architecture(model, device) -> dict:
+def run_architecture(model, device, cases=None) -> dict:
     """Decode `model` in every mode and case; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
     Raises AssertionError on any mismatch with generate(), GenerateFailed when there is no reference."""
     import gdtool
@@ -197,7 +281,7 @@ def run_architecture(model, device) -> dict:
     early, late = int(plain[0, 2]), int(plain[1, 6])
     eos = [early, late] if early != late else [early]
     results = {}
-    for case, settings, modes in CASES:
+    for case, settings, modes in cases or CASES:
         settings = dict(settings, eos_token_id=eos, pad_token_id=1)
         ref_tokens, ref_scores = _reference(model, ids, mask, 5, **settings)
         for mode, poll in modes:
@@ -214,3 +298,62 @@ def run_architecture(model, device) -> dict:
             results[key] = "pass"
     del gdtool
     return results
+
+
+# -- one architecture as a JSON outcome, in this process or a fresh one ---------------------------------
+
+def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: bool = False,
+            sampled: bool = False) -> dict:
+    """What the zoo test asserts on, as JSON: {"status": "ran", "results": [[case, mode, poll, result]...],
+    "cache": [cache layer kinds]}, or "not built" / "small vocabulary" / "generate failed" / "mismatch" with "error"."""
+    from gdtool.core import compat
+    try:
+        model = build(model_type, image_text=image_text, **overrides)
+        size = getattr(model.get_input_embeddings(), "num_embeddings", VOCAB)
+    except Exception as error:  # noqa: BLE001 - reported, and asserted on by the test
+        return {"status": "not built", "error": f"{type(error).__name__}: {str(error)[:300]}"}
+    if size < VOCAB:
+        return {"status": "small vocabulary", "error": f"a vocabulary of {size} < {VOCAB} prompt ids"}
+    model = model.to(device)
+    try:
+        results = run_architecture(model, device, SAMPLED_CASES if sampled else CASES)
+    except GenerateFailed as error:
+        return {"status": "generate failed", "error": str(error)}
+    except AssertionError as error:
+        return {"status": "mismatch", "error": str(error)}
+    try:
+        layers = compat.cache_layers(compat.static_cache(model, 16))
+    except Exception:  # noqa: BLE001 - generate() built one above, so this does not happen
+        layers = []
+    kinds = [("linear" if compat.is_linear(layer) else "") + ("attention" if hasattr(layer, "keys") else "")
+             for layer in layers]
+    return {"status": "ran", "results": [[*key, result] for key, result in results.items()], "cache": kinds}
+
+
+MARK = "zoo-outcome: "
+
+
+def outcome_in_subprocess(timeout: float = 1200, **kwargs) -> dict:
+    """`outcome(**kwargs)` in a fresh Python process: a CUDA error (a device-side assert, a poisoned
+    context) ends that process only, not the architectures after it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(here), here, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.join(here, "zoo.py"), json.dumps(kwargs)], capture_output=True,
+                          text=True, env=env, timeout=timeout)
+    for line in proc.stdout.splitlines():
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    return {"status": "crashed", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    args = json.loads(sys.argv[1])
+    if args.get("device") == "cuda":
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    print(MARK + json.dumps(outcome(**args)), flush=True)

@@ -5,6 +5,9 @@
 - The static cache: sized like generate() sizes it, and rewound after warm-up.
 - The eager-attention mask: 5.17 makes its 0.0 with `torch.tensor(0.0, device=...)`, a host-to-device
   copy that a CUDA graph cannot capture; later releases use `torch.zeros(())` (`capturable_masks`).
+- XGLM's sinusoidal positions: 5.17 compares `2 + seq_len + cache.get_seq_length()` (a device tensor
+  there) with its table size to grow the table, a host read; the table already covers a cache that fits the
+  model's positions, so while decoding that comparison is skipped (`capturable_positions`).
 - Whether the repetition penalty sees left pads: up to 5.2x generate() penalizes every id of
   `input_ids`, pads included; later releases skip each row's left padding (`prompt_ignore_length`).
 """
@@ -141,3 +144,35 @@ def capturable_masks():
         yield
     finally:
         mapping["eager"] = original
+
+
+@contextlib.contextmanager
+def capturable_positions(model, cache_len: int):
+    """While decoding, XGLM-style sinusoidal position tables read without their grow-the-table check.
+
+    `XGLMSinusoidalPositionalEmbedding.forward` computes `max_pos = 2 + seq_len + past_key_values_length` and
+    rebuilds its table when `max_pos > table size`. With a static cache, 5.17's `past_key_values_length` is the
+    cache's device counter, so the comparison is a host read (`is_nonzero`) that no graph can capture. A decode
+    step never needs more than `offset + cache_len` rows, and gdtool validates that prompt + new tokens fit the
+    model's positions, so where the table has them the branch is never taken: the lookup alone is the same
+    computation. Tables too short for the cache keep the original forward (and its host read)."""
+    patched = []
+    for module in model.modules():
+        if type(module).__name__ != "XGLMSinusoidalPositionalEmbedding":
+            continue
+        weights = getattr(module, "weights", None)
+        if not isinstance(weights, torch.Tensor) or weights.size(0) < module.offset + cache_len:
+            continue
+
+        def lookup(position_ids, *cache_length, module=module, **named):  # 5.17 and later name it differently
+            bsz, seq_len = position_ids.size()
+            position_ids = position_ids + module.offset
+            return module.weights.index_select(0, position_ids.view(-1)).view(bsz, seq_len,
+                                                                            module.weights.shape[-1]).detach()
+        module.forward = lookup
+        patched.append(module)
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward

@@ -81,6 +81,11 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         raise Unsupported(f"attention implementation {impl!r} is not supported by the graph modes; load the model with "
                           "attn_implementation='sdpa' (or 'eager'), or use mode='eager'")
     if device is not None and device.type == "cuda":
+        routed = _host_routed_experts(model)
+        if routed:
+            raise Unsupported(f"{name}'s {routed[0]} finds which tokens each expert gets on the host (`{routed[1]}`; "
+                              "it is not one of transformers' experts implementations, which generate() switches to "
+                              "batched_mm), and no CUDA graph can capture a host read; use mode='eager'")
         eager_experts = [type(m).__name__ for m in experts_modules(model) if _experts_impl(m) == "eager"]
         if eager_experts:
             raise Unsupported(f"{name}'s experts ({eager_experts[0]}) run experts_implementation='eager', which loops "
@@ -105,6 +110,43 @@ def check_cache(cache, mode: str, model) -> None:
     if unknown:
         raise Unsupported(f"the graph modes do not know the cache layer {unknown[0]} (what it keeps on the host "
                           "between steps is not modelled); use mode='eager'")
+
+
+def check_prefilled(cache, mode: str, model) -> None:
+    """After the prefill, before any graph: refuse the caches that grow a position history. Qwen4-Exp's
+    indexer concatenates every forward's 3-D positions onto a tensor bound on the cache (5.17:
+    `cache.position_ids`; later: the first indexed layer's `indexer_position_ids`), so each step reads a
+    longer tensor than the last, a shape no graph can hold (and its token selection loops on the host)."""
+    if mode == "eager":
+        return
+    held = [("cache", "position_ids", getattr(cache, "position_ids", None))]
+    held += [(f"cache layer {i}", "indexer_position_ids", getattr(layer, "indexer_position_ids", None))
+             for i, layer in enumerate(compat.cache_layers(cache))]
+    for where, name, value in held:
+        if isinstance(value, torch.Tensor):
+            raise Unsupported(f"{type(model).__name__} keeps the positions of every token so far in `{name}` on its "
+                              f"{where}, a tensor that grows by one at every step, so no graph can hold it; use "
+                              "mode='eager'")
+
+
+def _host_routed_experts(model) -> tuple[str, str] | None:
+    """(class, host op) of an experts or gating block of the model's own that finds on the host which tokens go
+    to which expert: LongCat-Flash's experts loop over `nonzero` (its zero experts keep it off transformers'
+    experts implementations), JetMoE's gating splits the tokens by `expert_size.tolist()`. generate() runs
+    those host reads on a GPU too, and no capturable form gives the same bits (each expert's GEMM sees only
+    its own tokens)."""
+    experts = set(map(id, experts_modules(model)))
+    classes = {type(m) for m in model.modules() if id(m) not in experts
+               and any(word in type(m).__name__ for word in ("Experts", "Gating"))}
+    for cls in sorted(classes, key=lambda c: c.__name__):
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            continue
+        for op in (".nonzero(", ".tolist()"):
+            if op in source:
+                return cls.__name__, op.strip(".")
+    return None
 
 
 def experts_modules(model) -> list:
@@ -148,6 +190,7 @@ class Windows:
             base += size
         self.group_of = {i: g for g, (_, _, members) in enumerate(self.groups) for i in members}
         self.query = None  # per group: [] long tensor, the shifted query offset of the current step
+        self.position = None  # [] long tensor: tokens cached before the current step
 
     def __bool__(self) -> bool:
         return bool(self.layers)
@@ -161,7 +204,7 @@ class Windows:
             columns = torch.arange(size, device=mask.device) + offset
             parts.append(mask.gather(1, columns.expand(mask.shape[0], size)))
             query.append(position - offset + base)
-        self.query = query
+        self.query, self.position = query, position
         return torch.cat(parts, dim=1)
 
     @contextlib.contextmanager
@@ -182,7 +225,16 @@ class Windows:
                 return query_offset(layer_idx, *args, **kwargs)
             return self.query[group]
 
+        seq_length = cache.get_seq_length
+
+        def get_seq_length(*args, **kwargs):
+            # 5.17's sliding layer answers with its Python counter, which a graph would keep at its capture value
+            # (EXAONE 4.5 derives its positions from it); the same count, from the device
+            length = seq_length(*args, **kwargs)
+            return self.position if isinstance(length, int) and length and self.position is not None else length
+
         cache.get_mask_sizes, cache.get_query_offset = get_mask_sizes, get_query_offset
+        cache.get_seq_length = get_seq_length
         updates = {}
         for i in self.layers:
             layer = compat.cache_layers(cache)[i]
@@ -191,7 +243,8 @@ class Windows:
         try:
             yield
         finally:
-            del cache.get_mask_sizes, cache.get_query_offset
+            del cache.get_mask_sizes, cache.get_query_offset, cache.get_seq_length
+            self.position = None
             for i, update in updates.items():
                 layer = compat.cache_layers(cache)[i]
                 if layer.__dict__.get("update") is not None:
@@ -320,7 +373,7 @@ class Feed:
         optimize = getattr(self.model, "_optimize_model_for_decode", None)
         experts = optimize() if optimize is not None and experts_modules(self.model) else contextlib.nullcontext()
         frame = self.windows.patched(self.cache) if self.windows else contextlib.nullcontext()
-        with experts, frame, compat.capturable_masks():
+        with experts, frame, compat.capturable_masks(), compat.capturable_positions(self.model, self.cache_len):
             yield
 
     # -- phases of the sliding layers --

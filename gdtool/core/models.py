@@ -129,10 +129,22 @@ def preset_config(name: str):
     return config
 
 
+def model_class(config):
+    """The auto class generate() decodes a checkpoint of `config` with: its causal-LM class, or for an
+    image-text-to-text checkpoint (Gemma 3 4B+, Qwen3-VL, Mistral 3, LLaVA...) the whole image-text model,
+    which generate() decodes from a text prompt alone (no pixels: the vision tower never runs)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def default_attention(config) -> str:
     """sdpa where the architecture has it (gpt-oss, with its attention sinks, has not: eager)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None) or \
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING.get(type(config), None)
     return "sdpa" if model_cls is None or getattr(model_cls, "_supports_sdpa", True) else "eager"
 
 
@@ -173,12 +185,13 @@ def load_model(name_or_path: str, seed: int = 0, dtype: torch.dtype | str | None
     if check_local(str(name_or_path)):
         name_or_path = os.path.expanduser(name_or_path)
         try:
+            from transformers import AutoConfig
+            config = AutoConfig.from_pretrained(name_or_path)
             if attn_implementation is None:
-                from transformers import AutoConfig
-                attn_implementation = default_attention(AutoConfig.from_pretrained(name_or_path))
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype,
-                                                         attn_implementation=attn_implementation)
-        except OSError as err:  # no weights, a config that is not JSON: transformers' own words, on one line
+                attn_implementation = default_attention(config)
+            model = model_class(config).from_pretrained(name_or_path, dtype=dtype,
+                                                        attn_implementation=attn_implementation)
+        except (OSError, ValueError) as err:  # no weights, a config that is not JSON: transformers' own words
             reason = " ".join(str(err).split())
             raise ValueError(f"model folder {name_or_path} holds no checkpoint transformers can load: "
                              f"{reason}") from None

@@ -127,7 +127,7 @@ class Parser(argparse.ArgumentParser):
 
     def add_lengths(self, default):
         return self.list_option("--lengths", item=lengths_item, default=default, splitter=split_lengths,
-                                help="response-length distributions (gdtool.workloads): fixed:N, uniform:LO:HI, "
+                                help="response-length distributions (gdtool.measure.workloads): fixed:N, uniform:LO:HI, "
                                      "geom:MEAN:CAP, list:A,B,C (one per row), emp:A,B,C (drawn), eos-off")
 
     def add_model(self, cuda: bool | None = None):

@@ -360,6 +360,7 @@ class Engine:
     def _capture(self, generator, timings, waits) -> int:
         """Warm up and capture this mode's graph, one per phase of the sliding layers; leave state, cache
         and generator as after the prefill."""
+        feed.check_prefilled(self.cache, self.mode, self.model)
         snapshot, layers, rng = self.state.snapshot(), self.feed.snapshot(), generator.get_state()
         fn = self.step.forward if self.mode == "forward-graph" else self.step
         keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
