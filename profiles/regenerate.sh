@@ -73,7 +73,7 @@ for nb in $notebooks; do
   [[ $nb == 02 ]] && params=(-p results "sweeps/$(basename "$csv")" -p lengths "$lengths")
   [[ $nb == 01 && -n "${NB01_YAML:-}" ]] && params=(-y "$NB01_YAML")
   stamp "notebook $path"
-  if ! timeout "$nb_timeout" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
+  if ! timeout "$nb_timeout" "$python" -m gdtool.frontends.notebook "$path" "$path" --kernel python3 --cwd notebooks \
       --execution-timeout "$nb_timeout" --no-progress-bar "${params[@]}" > "$path.log" 2>&1; then
     tail -n 5 "$path.log"
     stamp "FAILED: $path (see its error cell and $path.log)"

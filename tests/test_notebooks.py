@@ -62,8 +62,9 @@ def _execute(name, tmp_path, monkeypatch, parameters=None) -> tuple[list[dict], 
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     out = tmp_path / f"{name}.ipynb"
     start = time.perf_counter()
-    papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=parameters or {},
-                               kernel_name="python3", cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=300)
+    from gdtool.frontends import notebook
+    notebook.execute(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=parameters or {},
+                     kernel_name="python3", cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=300)
     seconds = time.perf_counter() - start
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
