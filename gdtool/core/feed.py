@@ -240,6 +240,9 @@ class Windows:
             layer = compat.cache_layers(cache)[i]
             updates[i] = layer.update
             layer.update = _full_window_update(layer, layer.update)
+            # the layers answer too: a model may put its own cache.get_mask_sizes in place at every forward
+            # (5.17's RecurrentGemma binds one that asks its first attention layer), over the one above
+            layer.get_mask_sizes = _framed_sizes(layer.get_mask_sizes, *self.groups[self.group_of[i]][:2])
         try:
             yield
         finally:
@@ -247,8 +250,16 @@ class Windows:
             self.position = None
             for i, update in updates.items():
                 layer = compat.cache_layers(cache)[i]
-                if layer.__dict__.get("update") is not None:
-                    del layer.update
+                for name in ("update", "get_mask_sizes"):
+                    if layer.__dict__.get(name) is not None:
+                        delattr(layer, name)
+
+
+def _framed_sizes(mask_sizes, size: int, base: int):
+    """A sliding layer's mask sizes in the shifted frame for one new token, its own otherwise."""
+    def get_mask_sizes(query_length, *args, **kwargs):
+        return (size, base) if query_length == 1 else mask_sizes(query_length, *args, **kwargs)
+    return get_mask_sizes
 
 
 def _full_window_update(layer, update):
