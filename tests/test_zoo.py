@@ -13,6 +13,7 @@ error poisons its process's context; it must not fail the architectures after it
 takes that path on a CPU too.
 """
 import os
+import re
 
 import transformers
 
@@ -39,18 +40,30 @@ GRAPH_REFUSED = {
 GENERATE_FAILS = {
     "deepseek_v4": "heavily_compressed_attention",  # StaticCache has no layer for its compressed attention
     "gemma4_unified_assistant": "get_seq_length",   # a draft model: its layers read the target model's cache
-    "cpmant": "index_copy_",                         # prepends its prompt tokens, past the static cache's end
+    # prepends its prompt tokens, past the static cache's end (on CUDA: a device-side assert, in its own process)
+    "cpmant": "index_copy_|device-side assert",
     "prophetnet": "must match the size",             # its decoder's mask does not take a static cache
     "xlm": "expanded size",                          # its attention mask is not sized for a static cache
     "xmod": "language unknown",                      # needs a default language set on the model
     "xlstm": "matC_old has wrong shape",             # its own cache, which generate() sizes wrong for 3 rows
 }
+# generate() fails on these on a CPU only (5.17's tiny Falcon-H1 asks for 24 GiB there; on the H200 it decodes)
+CPU_ONLY_GENERATE_FAILS = {"falcon_h1"}
 # state-space models with no attention at all; every other model with linear-attention / state-space layers
 # is a hybrid, and the zoo must build it with an attention layer beside them
 SSM_ONLY = {"mamba", "falcon_mamba", "mamba2"}
 # the same, where transformers' code reads the host inside the forward only on a GPU: 5.17's AriaExperts
 # counts tokens per expert with `.cpu()` (later releases dispatch it through the experts implementations)
-GRAPH_REFUSED_ON_CUDA = {"aria_text": "reads a device value on the host",
+# (H200, torch 2.11, transformers 5.17, at b1a9ab4: each of these refused there with this cause)
+GRAPH_REFUSED_ON_CUDA = {"aria_text": "reads a device value on the host|Cannot copy between CPU and CUDA",
+                         # a CPU tensor copied inside the step that HostConstants does not catch (source not found)
+                         "falcon": "Cannot copy between CPU and CUDA",
+                         # learned / sinusoidal positions from `torch.arange(past_len, ...)` with 5.17's device count
+                         "mvp": r"item reads a device value on the host, at modeling_mvp\.py",
+                         "roformer": r"item reads a device value on the host, at modeling_roformer\.py",
+                         "trocr": r"item reads a device value on the host, at modeling_trocr\.py",
+                         "kosmos-2.5": r"is_nonzero reads a device value on the host, at modeling_kosmos2_5\.py",
+                         "step3p7": "finds which tokens each expert gets on the host",
                          # experts blocks of their own that route on the host (`nonzero`, `expert_size.tolist()`)
                          "longcat_flash": "finds which tokens each expert gets on the host",
                          "jetmoe": "finds which tokens each expert gets on the host",
@@ -62,7 +75,8 @@ GRAPH_REFUSED_ON_CUDA = {"aria_text": "reads a device value on the host",
 # shrinker leaves sizes it does not know). Each is a knob to find, not a decoding problem.
 NOT_BUILT = {
     "dory": "layer_types", "dots3_note": "adapter_in_dim", "dots3_note_text": "NotTiny",
-    "gemma3n": "timm", "gemma4_assistant": "hidden_size_per_layer_input",
+    "gemma3n": "timm|'sliding_attention' is not in list",  # without timm; with it (the GPU machine), 5.17's config
+    "gemma4_assistant": "hidden_size_per_layer_input",
     "musicgen": "Musicgen", "musicgen_melody": "Musicgen",
     "reformer": "vocabulary of",  # its axial position embeddings keep a 320-id vocabulary
     "blt": "vocabulary of",       # bytes: 260 ids
@@ -71,13 +85,13 @@ IMAGE_TEXT_NOT_BUILT = {
     "apertus1p5": "codebook_dim", "chameleon": "AttributeError", "cohere_compass": "full_attention",
     "cosmos3_edge": "mrope_section", "deepseek_ocr2": "TypeError", "diffusion_gemma": "TypeError",
     "dots3_note": "adapter_in_dim", "emu3": "AttributeError", "ernie4_5_vl_moe": "expanded size",
-    "evolla": "Unrecognized configuration class", "fast_vlm": "timm",
+    "evolla": "Unrecognized configuration class", "fast_vlm": "timm|NotTiny",
     "florence2": "NotTiny", "glm46v": "NotTiny", "glm4v": "NotTiny", "glm4v_moe": "NotTiny", "glm5_next": "NotTiny",
     "glm_ocr": "NotTiny", "glmga": "NotTiny", "granite4_vision": "TypeError", "granite_docling": "out_hidden_size",
     "hy_v4_vl": "mrope_section", "inkling2": "text_hidden_size", "inkling2_loop": "text_hidden_size",
     "inkling_mm_model": "scipy", "janus": "NotTiny", "llama4": "NotTiny", "molmo2": "vision_feature_layer",
     "muse_glimmer": "NotTiny", "muse_spark": "out_hidden_size", "nemotron_h_omni": "video_temporal_patch_size",
-    "perception_lm": "timm", "pi0": "NotTiny", "pp_formulanet": "get_input_embeddings",
+    "perception_lm": "timm|NoneType", "pi0": "NotTiny", "pp_formulanet": "get_input_embeddings",
     "qwen2_5_omni_thinker": "embed_dim must be divisible", "qwen3_omni_moe_thinker": "embed_dim must be divisible",
     "t5gemma2": "Imbalanced encoder-decoder", "unlimited_ocr": "NotTiny",
 }
@@ -145,12 +159,18 @@ def _check(model_type, overrides, image_text, device):
     generate_fails = IMAGE_TEXT_GENERATE_FAILS if image_text else GENERATE_FAILS
     if status in ("not built", "small vocabulary"):
         assert model_type in not_built, f"{model_type} does not build: {error}"
-        assert not_built[model_type] in error, error
+        assert re.search(not_built[model_type], error), error
         pytest.skip(f"the tiny config does not build: {error}")
-    assert model_type not in not_built, f"{model_type} builds now: drop it from NOT_BUILT"
+    # a build that needs an optional package (timm, scipy) succeeds where it is installed
+    optional = model_type in not_built and re.search("timm|scipy", not_built[model_type])
+    assert model_type not in not_built or optional, f"{model_type} builds now: drop it from NOT_BUILT"
+    if model_type in CPU_ONLY_GENERATE_FAILS and device != "cpu":
+        generate_fails = {k: v for k, v in generate_fails.items() if k != model_type}
     if status == "generate failed":
-        assert model_type in generate_fails and not _cuda_error(error), f"generate() fails on {model_type}: {error}"
-        assert generate_fails[model_type] in error, error
+        # in its own process a device-side assert is generate()'s failure like any other (cpmant on CUDA)
+        assert model_type in generate_fails and (not _cuda_error(error) or device == "cuda"), \
+            f"generate() fails on {model_type}: {error}"
+        assert re.search(generate_fails[model_type], error), error
         pytest.skip(f"generate() cannot decode the tiny config: {error}")
     assert status == "ran", f"{model_type}: {status}: {error}"
     assert model_type not in generate_fails, f"generate() decodes {model_type} now: drop it from GENERATE_FAILS"
@@ -162,7 +182,7 @@ def _check(model_type, overrides, image_text, device):
         elif mode != "eager" and model_type in GRAPH_REFUSED:
             assert result.startswith("refused") and GRAPH_REFUSED[model_type] in result, (case, mode, poll, result)
         elif mode != "eager" and device == "cuda" and result != "pass" and model_type in GRAPH_REFUSED_ON_CUDA:
-            assert GRAPH_REFUSED_ON_CUDA[model_type] in result, (case, mode, poll, result)
+            assert re.search(GRAPH_REFUSED_ON_CUDA[model_type], result), (case, mode, poll, result)
         else:
             assert result == "pass", (case, mode, poll, result)
     return found
