@@ -31,6 +31,9 @@ PATTERNS = {"sliding": ("sliding_attention", "sliding_attention"), "mixed": ("fu
 REQUIRED = ("mistral", "ministral", "qwen2", "phi3", "gemma2", "gemma3_text", "cohere2", "olmo3", "gpt_oss")
 # config fields the tiny builder leaves unset where the default config has None
 EXTRA = {"ministral": {"head_dim": 16}}
+# architectures whose window has another name, and their layer patterns (a hybrid's "mixed": recurrent + attention)
+OWN_WINDOW = {"recurrent_gemma": ("attention_window_size", "block_types",
+                                  {"sliding": ["attention", "attention"], "mixed": ["recurrent", "attention"]})}
 MODES = ("eager", "forward-graph", "step-graph", "device-loop")
 POLLS = (1, 3, "async", 0)
 
@@ -116,6 +119,9 @@ def coverage(all_cases: list[Case]) -> dict[str, int]:
 
 def _overrides(arch: str, window: int, pattern: str) -> dict | None:
     from transformers import CONFIG_MAPPING
+    if arch in OWN_WINDOW:
+        field, layers, patterns = OWN_WINDOW[arch]
+        return {**zoo.KNOBS.get(arch, {}), field: window, layers: patterns[pattern]}
     base = zoo.window_overrides(arch, window)
     if base is None:
         return None
@@ -141,6 +147,14 @@ def layer_kinds(model) -> str:
                    for layer in compat.cache_layers(cache))
 
 
+def _realized(model, arch: str, pattern: str) -> bool:
+    kinds = layer_kinds(model).replace("-", "")
+    if arch in OWN_WINDOW:  # a recurrent block keeps its state on its module (5.17: a sliding cache layer it never fills)
+        recurrent = "recurrent" in (getattr(model.config, "block_types", None) or ())
+        return "S" in kinds and recurrent == (pattern == "mixed")
+    return "S" in kinds and (("F" in kinds) if pattern == "mixed" else set(kinds) == {"S"})
+
+
 @functools.lru_cache(maxsize=16)
 def build(arch: str, window: int, pattern: str):
     """The tiny model of `arch` with sliding layers of `window` in `pattern`, or None where the config cannot
@@ -149,9 +163,7 @@ def build(arch: str, window: int, pattern: str):
     if overrides is None:
         return None
     model = zoo.build(arch, **overrides)
-    kinds = layer_kinds(model).replace("-", "")
-    realized = "S" in kinds and (("F" in kinds) if pattern == "mixed" else set(kinds) == {"S"})
-    return model if realized else None
+    return model if _realized(model, arch, pattern) else None
 
 
 @functools.lru_cache(maxsize=None)
@@ -176,7 +188,7 @@ def architectures() -> list[str]:
     out = []
     for arch in zoo.architectures():
         try:
-            if zoo.window_overrides(arch, 5) is not None:
+            if arch in OWN_WINDOW or zoo.window_overrides(arch, 5) is not None:
                 out.append(arch)
         except Exception:  # noqa: BLE001 - a config class that cannot be built with defaults
             pass
