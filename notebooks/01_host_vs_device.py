@@ -27,13 +27,21 @@
 # one), so it only pays where the decode is host-bound. This notebook measures both clocks for the
 # four modes at several batch sizes, in-process (`gdtool.measure.timing`, no profiler attached), then sets
 # the figures beside the Nsight Systems sessions committed under `profiles/h200/` (`gdtool.measure.nsys`).
+#
+# Three models, three kinds of step (on a GPU; tiny stand-ins of the same architectures on a CPU):
+# - **llama-1b**: dense, every layer attends over the whole cache;
+# - **gemma-3-1b**: sliding-window attention (five of every six layers attend over the last 512 tokens,
+#   the sixth over all) with four norms per layer and a 262k-token vocabulary: more kernels per step;
+# - **qwen3-30b-a3b**: mixture of experts, 128 experts per layer of which the router picks 8 per token,
+#   so the weights a step reads grow with the batch (more rows route to more experts).
 
 # %% tags=["parameters"]
-models = None              # None: ["llama-1b"] on a GPU
+models = None              # None: ["llama-1b", "gemma-3-1b", "qwen3-30b-a3b"] on a GPU
 batches = [1, 16, 64]
 max_new_tokens = 32        # 31 decode steps per profile (EOS off: every step makes one token per row)
 prompt_len = 128
-cpu = dict(models=["tiny-llama"], batches=[1, 2], max_new_tokens=6, prompt_len=8)   # what runs without a GPU
+cpu = dict(models=["tiny-llama", "tiny-gemma3", "tiny-qwen3-moe"], batches=[1, 2], max_new_tokens=6,
+           prompt_len=8)   # what runs without a GPU
 cpu_fallback = True        # False: run the parameters above even on a CPU (slow)
 sessions = None            # None: the nsys session folders under profiles/h200/
 
@@ -48,7 +56,7 @@ from gdtool.frontends import notebook, options, plot
 from gdtool.measure import nsys, timing
 
 p = notebook.setup(dict(models=models, batches=batches, max_new_tokens=max_new_tokens, prompt_len=prompt_len),
-                   cpu=cpu, gpu=dict(models=["llama-1b"]), cpu_fallback=cpu_fallback)
+                   cpu=cpu, gpu=dict(models=["llama-1b", "gemma-3-1b", "qwen3-30b-a3b"]), cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 pd.set_option("display.max_colwidth", None)   # config names tell HF rows from compiled ones: never cut them
 
@@ -93,7 +101,8 @@ display(measured[["model", "mode", "batch", "steps", *shown, "bound"]].rename(co
 # Solid lines are host time per token, dashed lines device busy time, each mode in its own colour.
 # Where a mode's solid line lies above its dashed line, the GPU waits for the host. Per token, both
 # fall with batch size: the host launches the same kernels for 1 row or 64, and a memory-bound step
-# reads the same weights. Expect eager's host line far above its device line at batch 1 and the
+# reads the same weights (the MoE model's less so: more rows route to more experts, so its step reads
+# more of its weights as the batch grows, until every expert is read). Expect eager's host line far above its device line at batch 1 and the
 # step-graph's host line near the bottom: one replay per step.
 #
 # The lines are the **typical step** (the median step over the batch size, with its p20-p80 band).
@@ -143,11 +152,13 @@ if not p.cuda or compare["device_busy_us_per_token"].isna().all():
     committed = root / "profiles" / "h200" / "profile" / "summary.csv"
     compare = timing.per_token_table(pd.read_csv(committed)) if committed.exists() else pd.DataFrame()
     print(f"in-process side: {committed.relative_to(root)} (this machine measured no device time)")
-if len(compare) and len(traced):
-    fig, axes = plot.agreement(compare, traced)
+both = [m for m in dict.fromkeys(compare["model"]) if m in set(traced["model"])] if len(compare) and len(traced) else []
+print(f"models in both: {both or 'none'}")
+for name in both:
+    fig, axes = plot.agreement(compare, traced, model=name)
     table = fig.gdtool_table
     display(table.round(3))
     busy = table.dropna(subset=["busy_ratio"])
     off = busy[(busy["busy_ratio"] - 1).abs() > 0.10]
-    print(f"device busy per token (mean) within 10% of nsys for {len(busy) - len(off)} of {len(busy)} configs"
+    print(f"{name}: device busy per token (mean) within 10% of nsys for {len(busy) - len(off)} of {len(busy)} configs"
           + ("" if off.empty else f"; not for {', '.join(f'{m} b{b}' for m, b in zip(off['mode'], off['batch']))}"))
