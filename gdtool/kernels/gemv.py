@@ -185,10 +185,13 @@ if HAVE_TRITON:
         for i in range(ITERS):
             t = pid + i * nprog
             h_next, d1_next, p1_next, p2_next = _qkv_tile(t + nprog, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
-            more = t + nprog < tiles
-            w1_next = tl.load(p1_next, mask=kmask & more, other=0.0)
-            w2_next = tl.load(p2_next, mask=kmask & more, other=0.0)
-            rmask = (rm < M) & (t < tiles)
+            # A scalar condition is folded into the bound a tensor is compared with, not and-ed with a
+            # tensor mask: Triton 3.9's interpreter makes `tensor_mask & scalar_bool` an int32 mask and
+            # refuses it ("mask has unsupported dtype"); the compiled kernel is the same either way.
+            kmask_next = k3 < tl.where(t + nprog < tiles, K, 0)   # the next tile past the end reads nothing
+            w1_next = tl.load(p1_next, mask=kmask_next, other=0.0)
+            w2_next = tl.load(p2_next, mask=kmask_next, other=0.0)
+            rmask = rm < tl.where(t < tiles, M, 0)
             y1 = tl.sum(x * w1.to(tl.float32), axis=2).to(out_ty).to(tl.float32)   # [BLOCK_M, HB]
             y2 = tl.sum(x * w2.to(tl.float32), axis=2).to(out_ty).to(tl.float32)
             d2 = d1 + D // 2
@@ -210,7 +213,8 @@ if HAVE_TRITON:
                 tl.store(base + d1[None, :], r1, mask=rmask)
                 tl.store(base + d2[None, :], r2, mask=rmask)
             else:
-                keep = rmask & (slot < C)  # a slot past the cache is never written (HF's index_copy_ would fail)
+                # a slot past the cache is never written (HF's index_copy_ would fail)
+                keep = rm < tl.where((t < tiles) & (slot < C), M, 0)
                 if h < HQ + HKV:
                     base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
                 else:
