@@ -409,7 +409,8 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
-    hb, warps, per_sm, block_k = config or qkv_rope_config(k, d, m, qk_norm is not None)
+    config = config or qkv_rope_config(k, d, m, qk_norm is not None)
+    hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
     if qk_norm is not None and hb != d // 2:
         raise ValueError(f"qkv_rope with a per-head norm needs whole-head tiles: HB = {d // 2}, not {hb}")
     ksplit = triton.cdiv(k, block_k)
