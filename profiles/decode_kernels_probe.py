@@ -42,6 +42,7 @@ from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fa
 SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
     "llama-1b": (2048, 8192, 32, 8, 64, 128256),
     "llama-8b": (4096, 14336, 32, 8, 128, 128256),
+    "qwen3-8b": (4096, 12288, 32, 8, 128, 151936),   # its qkv_rope runs the per-head q/k norm (whole-head tiles)
     "tiny": (64, 128, 4, 2, 16, 4096),   # --device cpu under TRITON_INTERPRET=1: the probe's own dry run
 }
 DEVICE = "cuda"
@@ -136,18 +137,20 @@ def part_gemv(args, rows):
             kc = torch.zeros(m, hkv, 384, d, device=DEVICE, dtype=dtype)
             vc = torch.zeros_like(kc)
             slot = torch.tensor(200, device=DEVICE)
+            qk_norm = (torch.ones(d, device=DEVICE, dtype=dtype),) * 2 + (1e-6,) if model.startswith("qwen3") else None
             wcat = [torch.cat(w) for w in ws]
             variants = [("cublas qkv (one matmul, no RoPE)", None, False,
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
             qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
                          "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]}
-            for config in [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else []):
+            for config in [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else []):  # (HB, warps, per SM)
                 if config is not None and m > 1:
                     continue
                 for pdl in ((False, True) if config is None else (False,)):
                     variants.append((f"triton qkv_rope {config or 'default'}", config, pdl,
                                      lambda config=config: [lambda w=w: fast_gemv.qkv_rope(
-                                         x, g, 1e-5, *w, positions, inv_freq, 1.0, kc, vc, slot, config=config) for w in ws]))
+                                         x, g, 1e-5, *w, positions, inv_freq, 1.0, kc, vc, slot, qk_norm=qk_norm,
+                                         config=config) for w in ws]))
             for label, config, pdl, make in variants:
                 if time.perf_counter() - START > args.budget_s:
                     return

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up a virtual environment for gdtool and run the main job or the tests.
 #   bash scripts/dev.sh run [args...]    python -m gdtool run (default model, the four modes compared)
-#   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU), then the
+#   bash scripts/dev.sh test [args...]   the test suite (CPU; cuda tests skip without a GPU; Triton installed for
+#                                        its interpreter, which runs the decode kernels on the CPU), then the
 #                                        parity, error, window and zoo tests again against the oldest supported
 #                                        transformers, in a second environment (VENV-oldest, ~1.7 GB)
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
@@ -57,6 +58,15 @@ setup() {  # setup VENV [transformers pin]
     fi
 }
 
+interpreter_triton() {  # interpreter_triton VENV: Triton for its CPU interpreter, where torch came without it
+    # A CPU build of torch has no Triton; with it, the tests run the decode kernels themselves on the CPU
+    # against float64 (tests/test_fast_kernels.py). A CUDA build of torch brings its own Triton: left alone.
+    # Measured on 2 cores: ~16 s to download and install (a 286 MB wheel), ~65 s of CPU for the tests it enables.
+    if ! "$1/bin/python" -c "import triton" 2>/dev/null; then
+        "$1/bin/python" -m pip install -q "triton>=3.6,<3.10"
+    fi
+}
+
 browser() {  # Debian's chromium for the notebook browser test (as root, where apt exists)
     if [ -n "${GDTOOL_NO_BROWSER:-}" ]; then
         return
@@ -74,6 +84,7 @@ case "$what" in
         ;;
     test)
         setup "$VENV"
+        interpreter_triton "$VENV"
         browser
         # one worker per core this process may use (nproc; xdist's "auto" counts physical cores, which on a
         # 2-vCPU machine can be 1); --dist loadgroup keeps each xdist_group's tests on one worker

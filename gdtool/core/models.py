@@ -5,6 +5,7 @@ local path loads a real checkpoint (and its tokenizer, when the folder has one).
 
     model = gdtool.load_model("tiny-llama", seed=0)              # CPU-sized, for tests
     model = gdtool.load_model("llama-1b", device="cuda")         # Llama-3.2-1B shapes, bf16
+    model = gdtool.load_model("qwen3-8b", device="cuda")         # Qwen3-8B shapes (q/k norm), bf16
     model = gdtool.load_model("/data/ckpt/Qwen2.5-0.5B")          # a real checkpoint
 """
 from __future__ import annotations
@@ -27,6 +28,9 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                  tie_word_embeddings=True, use_sliding_window=False, bos_token_id=1,
                                  eos_token_id=2)),
+    "tiny-qwen3": ("qwen3", dict(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=2048,
+                                 tie_word_embeddings=True, use_sliding_window=False, bos_token_id=1, eos_token_id=2)),
     "llama-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                                num_attention_heads=32, num_key_value_heads=8, head_dim=64,
                                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
@@ -37,6 +41,12 @@ PRESETS: dict[str, tuple[str, dict]] = {
                                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
                                rope_scaling=_LLAMA3_ROPE_8B, tie_word_embeddings=False, bos_token_id=128000,
                                eos_token_id=128001)),
+    # Qwen3-8B: Llama's layer with a per-head RMSNorm of q and k before RoPE
+    "qwen3-8b": ("qwen3", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                               num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                               max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                               tie_word_embeddings=False, use_sliding_window=False, bos_token_id=151643,
+                               eos_token_id=151645)),
     # Mixture of experts and sliding-window layers, CPU-sized
     "tiny-qwen3-moe": ("qwen3_moe", dict(vocab_size=4096, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,

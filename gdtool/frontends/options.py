@@ -157,7 +157,7 @@ class Parser(argparse.ArgumentParser):
         return self.list_option("--kernels", item=kernels_item, default=default,
                                 help="decode's kernels: hf (HF's own, bitwise generate()), compiled "
                                      "(torch.compile'd, fused) or fast (compiled plus gdtool's Triton decode "
-                                     "kernels where they apply: Llama, batch <= 4, CUDA)")
+                                     "kernels where they apply: Llama, Mistral, Qwen2, Qwen3 at batch <= 8, CUDA)")
 
     def add_device(self):
         return self.add_argument("--device", type=device_type, default=None, metavar="DEVICE",

@@ -113,10 +113,14 @@ def _rope_exact(t, cos, sin):
     return t * cos + gemv.rotate_half(t) * sin
 
 
-def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None) -> list[Result]:
+def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None, bias=False,
+                   qk_norm=False) -> list[Result]:
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     ws = [(torch.randn(h * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for h in (hq, hkv, hkv)]
     g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    biases = tuple(torch.randn(h * d, generator=gen, device=device).to(dtype) for h in (hq, hkv, hkv)) if bias else None
+    norms = (tuple((1 + 0.1 * torch.randn(d, generator=gen, device=device)).to(dtype) for _ in range(2)) + (1e-6,)
+             if qk_norm else None)
     positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
     scaling = 1.0 + 0.25 * float(torch.rand(1, generator=gen, device=device))
@@ -125,24 +129,29 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None)
     mine = [c.clone() for c in caches]
     theirs = [c.clone() for c in caches]
     rope = (positions, inv_freq, scaling)
-    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, config=config)
-    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot)
+    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, biases, norms, config=config)
+    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot, biases, norms)
     xn = _exact_norm(x, g, 1e-5)
     qe, ke, ve = (xn @ w.double().T for w in ws)
+    if bias:
+        qe, ke, ve = (e + b.double() for e, b in zip((qe, ke, ve), biases))
+    qe, ke, ve = qe.view(m, hq, d), ke.view(m, hkv, d), ve.view(m, hkv, d)
+    if qk_norm:
+        qe, ke = _exact_norm(qe, norms[0], norms[2]), _exact_norm(ke, norms[1], norms[2])
     freqs = (positions.float() * inv_freq[None, :]).double()  # the angle is defined in float32 (HF's)
     emb = torch.cat((freqs, freqs), -1)
     c, s = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
-    qe = _rope_exact(qe.view(m, hq, d), c, s)
-    ke = _rope_exact(ke.view(m, hkv, d), c, s)
-    ve = ve.view(m, hkv, d)
+    qe = _rope_exact(qe, c, s)
+    ke = _rope_exact(ke, c, s)
     i = int(slot)
     others = torch.ones(cache_len, dtype=torch.bool, device=device)
     others[i] = False
     untouched = all(torch.equal(a[:, :, others], b[:, :, others]) for a, b in zip(mine, caches))
+    name = "qkv_rope" + ("+bias" if bias else "") + ("+qk_norm" if qk_norm else "")
     shape = f"{m}x{k}, heads {hq}/{hkv}x{d}, cache {cache_len}"
-    results = [_judge("qkv_rope: q", shape, dtype, q, q_ref, qe),
-               _judge("qkv_rope: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
-               _judge("qkv_rope: v at slot", shape, dtype, mine[1][:, :, i], theirs[1][:, :, i], ve)]
+    results = [_judge(f"{name}: q", shape, dtype, q, q_ref, qe),
+               _judge(f"{name}: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
+               _judge(f"{name}: v at slot", shape, dtype, mine[1][:, :, i], theirs[1][:, :, i], ve)]
     results[-1].ok = results[-1].ok and untouched
     results[-1].note = "other slots untouched" if untouched else "OTHER SLOTS CHANGED"
     return results
@@ -187,7 +196,8 @@ def check_argmax(m, v, device, gen) -> Result:
 
 def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
               impl: str = "triton") -> list[Result]:
-    """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B shapes.
+    """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B, Qwen3-8B and
+    Qwen2.5-0.5B shapes, 1 to 16 rows.
     impl="reference" checks the torch references instead (what runs without Triton)."""
     if impl not in ("triton", "reference"):
         raise ValueError(f"impl={impl!r}: 'triton' or 'reference'")
@@ -204,7 +214,18 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_gate_up(m, n, k, dtype, device, gen, config=(4, 4, 2)))
     results.append(check_gemv(2, 200, 128, dtype, device, gen, True, False, True, config=(8, 8, 2)))  # lm_head's
     results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen)
-    results += check_qkv_rope(1, 128, 8, 2, 32, 20, dtype, device, gen, config=(4, 4, 2))
+    results += check_qkv_rope(1, 128, 8, 2, 32, 20, dtype, device, gen, config=(4, 4, 2, 128))
+    results += check_qkv_rope(3, 96, 4, 2, 16, 9, dtype, device, gen, bias=True)            # Qwen2: q/k/v biases
+    results += check_qkv_rope(2, 128, 4, 2, 32, 9, dtype, device, gen, qk_norm=True)        # Qwen3: per-head norm
+    results += check_qkv_rope(3, 128, 4, 2, 32, 9, dtype, device, gen, qk_norm=True, bias=True,
+                              config=(16, 4, 2, 32))                                         # 4 chunks of K
+    # more rows than one pass: the weight tile serves several passes of ROWS_PER_PASS rows
+    for m in (5, 8, 16):
+        results.append(check_gemv(m, 40, 64, dtype, device, gen, True, False, True, config=(4, 4, 2)))
+        results.append(check_gemv(m, 40, 64, dtype, device, gen, False, True, False, config=(4, 4, 2)))
+        results.append(check_gate_up(m, 40, 64, dtype, device, gen, config=(4, 4, 2)))
+        results += check_qkv_rope(m, 64, 4, 2, 16, 9, dtype, device, gen)
+    results += check_qkv_rope(16, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True)
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
     results.append(check_argmax(3, 5000, device, gen))
@@ -221,6 +242,14 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
                 cache = 384 if live < 384 else 4096
                 results.append(check_attention(m, 32, 8, 64, cache, live, dtype, device, gen, pad=7 * (m > 1)))
             results.append(check_attention(m, 32, 8, 128, 384, 200, dtype, device, gen))
+            results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)  # Qwen3-8B
+            results += check_qkv_rope(m, 896, 14, 2, 64, 384, dtype, device, gen, bias=True)       # Qwen2.5-0.5B
+        for m in (8, 16):
+            results.append(check_gemv(m, 4096, 4096, dtype, device, gen, False, True, False))
+            results.append(check_gemv(m, 151936, 4096, dtype, device, gen, True, False, True))
+            results.append(check_gate_up(m, 12288, 4096, dtype, device, gen))
+            results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen)
+            results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)
         results.append(check_argmax(64, 128256, device, gen))
     return results
 

@@ -1,9 +1,10 @@
-"""The decode forward of a Llama model in gdtool's own kernels (`kernels="fast"`, small batch).
+"""The decode forward of a Llama-family model in gdtool's own kernels (`kernels="fast"`, small batch).
 
 HF's forward at one token per row runs, per layer, ~13 kernels around 7 matrix products. This one
 runs six, over HF's own weights and HF's own static cache:
 
-    qkv_rope          RMSNorm + q/k/v products + RoPE + k/v written at the cache slot
+    qkv_rope          RMSNorm + q/k/v products [+ biases] [+ per-head q/k RMSNorm] + RoPE + k/v written
+                      at the cache slot
     decode_attention  split-KV attention over the live slots, then its combine (2 kernels)
     rms_gemv          o projection + residual add
     rms_gemv          RMSNorm + gate/up products + SiLU * up
@@ -16,13 +17,23 @@ HF's rotary embedding computes them. The forward runs eagerly, outside torch.com
 are kernels already); select and update around it stay compiled, and gdtool captures the whole
 step as usual.
 
-`plan(model, batch)` says whether it applies and why not: a Llama decoder layer stack exactly as
-transformers writes it (RMSNorm, SiLU MLP, no biases, no sliding window, a static RoPE), bf16 or
-fp16 weights on CUDA (any float dtype on a CPU, where the operators run their torch references),
-at most `gemv.MAX_ROWS` rows. Anything else keeps the compiled HF forward (`kernels="compiled"`).
+Which models: the families whose decoder layer is Llama's sequence (pre-norm attention and SiLU MLP,
+residual adds), `FAMILIES`; what a family adds is read from its modules, not from its name:
+
+    Llama     the sequence itself
+    Mistral   a sliding window: exact only while it covers the whole cache (window >= cache length:
+              no key ever leaves it), refused otherwise
+    Qwen2     q/k/v biases (nn.Linear's own), added to the product before RoPE
+    Qwen3     q_norm / k_norm: per-head RMSNorm of q and k before RoPE, fused into qkv_rope
+
+`plan(model, batch, cache_len)` says whether it applies, which path runs at this batch
+(`BATCH_PATHS`) and why not: transformers' own modules of one of those families (RMSNorm, SiLU MLP, no
+biases but q/k/v's, a static RoPE), bf16 or fp16 weights on CUDA (any float dtype on a CPU, where the
+operators run their torch references). Anything else keeps the compiled HF forward (`kernels="compiled"`).
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +43,32 @@ from ..core import compat
 from . import gemv, ops
 from . import triton as fast_triton  # not the triton package itself
 
+# Causal-LM classes whose decoder layer runs Llama's sequence; the module classes checked are the
+# family's own (`<Prefix>DecoderLayer`, `<Prefix>MLP`, `<Prefix>RMSNorm`), found beside the model class.
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+# Which forward runs at which batch, in one place: (largest batch, path, why). Read top to bottom, the
+# first row whose batch covers the step's wins. At one row a decode step reads every weight byte for one
+# multiply-add per row; the matrix-vector kernels multiply on the CUDA cores, which on an H200 (~67 TFLOP/s
+# float32, ~4.8 TB/s) keep up with the weight stream to ~14 multiply-adds per weight pair of bytes, i.e.
+# ~8 rows of bf16 weights. Past that the tensor cores of a matmul win. `gemv.MAX_ROWS` (16) lets a GPU
+# sweep move the line (profiles/fast_probe.py); the numbers here are the roofline's until it does.
+BATCH_PATHS = (
+    (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile"),
+    (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile "
+                "(CUDA-core multiply-adds still under the weight stream)"),
+    (None, "compiled", "matrix products: past ~8 rows the CUDA-core multiply-adds outrun the weight stream, "
+                       "inductor's / cuBLAS's tensor-core matmuls win"),
+)
+
+
+def batch_path(batch: int) -> tuple[str, str]:
+    """("gemv" | "compiled", why) for a decode step of `batch` rows (`BATCH_PATHS`)."""
+    for largest, path, why in BATCH_PATHS:
+        if largest is None or batch <= largest:
+            return path, why
+    raise AssertionError("BATCH_PATHS ends with a catch-all row")  # pragma: no cover
+
 
 @dataclass
 class Plan:
@@ -40,20 +77,36 @@ class Plan:
     layers: int = 0
 
 
-def plan(model, batch: int) -> Plan:
-    """Whether `forward` can run this model's decode step at this batch size, and why not."""
-    try:
-        from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP,
-                                                              LlamaRMSNorm)
-    except ImportError:  # pragma: no cover
-        return Plan(False, "transformers has no Llama modules")
-    if type(model) is not LlamaForCausalLM:
-        return Plan(False, f"{type(model).__name__} is not LlamaForCausalLM (the fast forward is Llama's)")
+def _family(model):
+    """The modeling module and class prefix of a supported family, or None."""
+    name = type(model).__name__
+    if name not in FAMILIES:
+        return None, ""
+    return sys.modules[type(model).__module__], name[: -len("ForCausalLM")]
+
+
+def _window(config, attn):
+    """The layer's sliding window, or None: the attention's own attribute (Qwen2/3 set it per layer type),
+    else the config's (Mistral reads it there)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    return getattr(config, "sliding_window", None)
+
+
+def plan(model, batch: int, cache_len: int | None = None) -> Plan:
+    """Whether `forward` can run this model's decode step at this batch size (and cache length, for
+    sliding windows), which path runs at this batch, and why not."""
+    module, prefix = _family(model)
+    if module is None:
+        return Plan(False, f"{type(model).__name__} is not one of {', '.join(FAMILIES)} (the fast forward's "
+                           "families: Llama's decoder layer)")
+    layer_cls, mlp_cls, norm_cls = (getattr(module, prefix + s, None) for s in ("DecoderLayer", "MLP", "RMSNorm"))
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    if batch > gemv.MAX_ROWS:
-        return Plan(False, f"batch {batch} > {gemv.MAX_ROWS} rows: matrix products, not matrix-vector")
+    path, why = batch_path(batch)
+    if path != "gemv":
+        return Plan(False, f"batch {batch}: {why}")
     if param.device.type == "cuda":
         if not fast_triton.HAVE_TRITON:
             return Plan(False, "no Triton")
@@ -62,8 +115,8 @@ def plan(model, batch: int) -> Plan:
     elif not fast_triton.interpreting() and param.device.type != "cpu":
         return Plan(False, f"device {param.device.type}")
     if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False) \
-            or getattr(config, "attention_bias", False) or getattr(config, "pretraining_tp", 1) != 1:
-        return Plan(False, "activation other than SiLU, biases, or tensor-parallel slicing")
+            or getattr(config, "pretraining_tp", 1) != 1:
+        return Plan(False, "activation other than SiLU, MLP biases, or tensor-parallel slicing")
     rotary = inner.rotary_emb
     rope = getattr(rotary, "rope_type", "default")
     if "dynamic" in rope or "longrope" in rope:
@@ -74,24 +127,42 @@ def plan(model, batch: int) -> Plan:
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers:
         return Plan(False, "the model runs a subset of its layers")
+    features = set()
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not LlamaDecoderLayer or type(mlp) is not LlamaMLP \
-                or type(layer.input_layernorm) is not LlamaRMSNorm \
-                or type(layer.post_attention_layernorm) is not LlamaRMSNorm:
-            return Plan(False, "decoder layers other than transformers' Llama layers")
+        if type(layer) is not layer_cls or type(mlp) is not mlp_cls \
+                or type(layer.input_layernorm) is not norm_cls or type(layer.post_attention_layernorm) is not norm_cls:
+            return Plan(False, f"decoder layers other than transformers' {prefix} layers")
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        if any(type(m) is not torch.nn.Linear or m.bias is not None or not m.weight.is_contiguous()
-               for m in linears):
-            return Plan(False, "projections that are not plain, contiguous, bias-free nn.Linear")
+        if any(type(m) is not torch.nn.Linear or not m.weight.is_contiguous() for m in linears):
+            return Plan(False, "projections that are not plain, contiguous nn.Linear")
+        qkv_bias = [m.bias is not None for m in linears[:3]]
+        if any(m.bias is not None for m in linears[3:]) or len(set(qkv_bias)) != 1:
+            return Plan(False, "biases other than on all of q/k/v (o, gate, up and down have none in the kernels)")
+        if qkv_bias[0]:
+            features.add("q/k/v biases")
+        q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        if q_norm is not None or k_norm is not None:
+            if type(q_norm) is not norm_cls or type(k_norm) is not norm_cls \
+                    or q_norm.variance_epsilon != k_norm.variance_epsilon:
+                return Plan(False, f"q/k norms other than two {prefix}RMSNorm of one epsilon")
+            features.add("q/k norm")
+        window = _window(config, attn)
+        if window is not None:
+            if cache_len is None or window < cache_len:
+                return Plan(False, f"sliding window {window} shorter than the cache ({cache_len} slots): the kernels "
+                                   "attend over every live slot (a cache no longer than the window runs them)")
+            features.add(f"window {window} >= cache")
     d = layers[0].self_attn.head_dim
     hidden = config.hidden_size
     if d & (d - 1) or d < 16 or config.num_attention_heads % config.num_key_value_heads:
         return Plan(False, f"head_dim {d} (a power of two >= 16 needed) or uneven head groups")
-    if hidden > 8192 or model.lm_head.bias is not None or type(inner.norm) is not LlamaRMSNorm:
+    if hidden > 8192 or model.lm_head.bias is not None or type(inner.norm) is not norm_cls:
         return Plan(False, "hidden size over 8192 (the norm reads whole rows in one tile) or an lm_head bias")
     backend = "Triton kernels" if fast_triton.usable(param) else "their torch references (no Triton here)"
-    return Plan(True, f"fast decode forward, {len(layers)} layers, {backend}", len(layers))
+    family = prefix + (f" ({', '.join(sorted(features))})" if features else "")
+    return Plan(True, f"fast decode forward, {len(layers)} layers, {family}, batch {batch}: {why}; {backend}",
+                len(layers))
 
 
 def cache_ready(cache) -> str:
@@ -121,9 +192,12 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         attn, mlp = block.self_attn, block.mlp
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
         counter = layer.cumulative_length                   # this step's slot, before HF's update adds 1
+        biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias) if attn.q_proj.bias is not None else None
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) \
+            if getattr(attn, "q_norm", None) is not None else None
         q = ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
                          attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
-                         layer.keys, layer.values, counter)
+                         layer.keys, layer.values, counter, biases, qk_norm)
         o = ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
         h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
         a = ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,

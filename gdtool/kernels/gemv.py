@@ -1,4 +1,4 @@
-"""Matrix-vector products for the decode step at small batch (1-4 rows), at the copy bandwidth.
+"""Matrix-vector products for the decode step at small batch (1-16 rows), at the copy bandwidth.
 
 At batch 1 a decode step is a chain of matrix-vector products: every weight byte is read once and
 used for one multiply-add, so the step takes as long as reading the weights does. cuBLAS and
@@ -9,8 +9,14 @@ every multiprocessor's loads in flight, and fold in the small operations around 
 
     rms_gemv    y = [RMSNorm](x) @ W.T  [+ residual]       (o, down and lm_head: one kernel each)
     gate_up     a = silu(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side)
-    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T; RoPE on q and k (angles computed in the kernel from the
-                positions, as HF's rotary embedding computes them); k and v written to the cache slot
+    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3];
+                RoPE on q and k (angles computed in the kernel from the positions, as HF's rotary
+                embedding computes them); k and v written to the cache slot
+
+Rows: a weight tile, once loaded, serves every batch row; the rows are multiplied in passes of
+`ROWS_PER_PASS` (the x rows of a pass re-read from L1/L2, the weights not), so that 8 or 16 rows
+cost registers of 4 and extra multiply-adds, not extra weight traffic. How far that pays before a
+tensor-core matmul wins is `forward.BATCH_PATHS`'s question (measured on the GPU).
 
 Each kernel keeps the rounding points of HF's eager module sequence (the product rounded to the
 model dtype, then the norm, SiLU, residual add, RoPE each rounded as eager PyTorch rounds them), so
@@ -24,7 +30,8 @@ import torch.nn.functional as F
 
 from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
 
-MAX_ROWS = 4   # batch rows the kernels handle; larger batches keep inductor's / cuBLAS's matmuls
+MAX_ROWS = 16        # batch rows the kernels handle (forward.BATCH_PATHS says which batches use them)
+ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
 
 
 # -- torch references: HF's eager arithmetic, rounding point for rounding point ---------------------
@@ -61,16 +68,24 @@ def rope_angles_reference(positions, inv_freq, scaling, dtype):
     return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
+def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
+                       biases=None, qk_norm=None):
     """Returns q [B, Hq, D] after RoPE; writes k (after RoPE) and v at `slot` of the [B, Hkv, C, D] caches.
-    positions [B, 1] int, inv_freq [D / 2] and scaling: HF's rotary embedding's buffer and factor."""
+    positions [B, 1] int, inv_freq [D / 2] and scaling: HF's rotary embedding's buffer and factor.
+    biases: (bq, bk, bv) of the projections (Qwen2), or None. qk_norm: (q weight, k weight, eps) of
+    the per-head RMSNorm before RoPE (Qwen3), or None."""
     b = x.shape[0]
     d = k_cache.shape[-1]
     cos, sin = rope_angles_reference(positions, inv_freq, scaling, x.dtype)
     n = rms_norm_reference(x, norm_weight, eps)
-    q = F.linear(n, wq).view(b, -1, d)
-    k = F.linear(n, wk).view(b, -1, d)
-    v = F.linear(n, wv).view(b, -1, d)
+    bq, bk, bv = biases if biases is not None else (None, None, None)
+    q = F.linear(n, wq, bq).view(b, -1, d)
+    k = F.linear(n, wk, bk).view(b, -1, d)
+    v = F.linear(n, wv, bv).view(b, -1, d)
+    if qk_norm is not None:
+        q_weight, k_weight, qk_eps = qk_norm
+        q = rms_norm_reference(q, q_weight, qk_eps)
+        k = rms_norm_reference(k, k_weight, qk_eps)
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
@@ -85,7 +100,7 @@ def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, sca
 if HAVE_TRITON:
     @triton.jit
     def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr):
-        """x [BLOCK_M, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
+        """x [ROWS, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
         with HF's roundings where NORM (x * rstd in float32 -> model dtype, times the weight -> model dtype)."""
         x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
         if NORM:
@@ -96,15 +111,40 @@ if HAVE_TRITON:
         return x
 
     @triton.jit
+    def _gemv_tile_out(x, w, w2, t, r0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                       GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, ROWS: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        """Rows r0 .. r0 + ROWS of tile t: the product (gate/up: silu(gate) * up), the residual, the store."""
+        out_ty = x_ptr.dtype.element_ty
+        y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2).to(out_ty)      # [ROWS, BLOCK_N]
+        if GATE_UP:  # F.silu(gate) * up, each rounded as eager rounds it
+            up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
+            gate = y.to(tl.float32)
+            a = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+            y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
+        rm2 = r0 + tl.arange(0, ROWS)[:, None]
+        rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        omask = (rm2 < M) & (rn2 < N)
+        if RESIDUAL:
+            r = tl.load(res_ptr + rm2 * stride_res + rn2, mask=omask, other=0.0)
+            y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
+        if OUT_F32:
+            tl.store(y_ptr + rm2 * stride_y + rn2, y.to(tl.float32), mask=omask)
+        else:
+            tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
+
+    @triton.jit
     def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, res_ptr, y_ptr,
                          M, N, stride_x, stride_res, stride_y, eps, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
-                         OUT_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
-        # loads issued before the current one is summed, and reads (and normalizes) x once.
+        # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
+        # normalized) once per program; more passes: each pass's rows are read again per tile (from
+        # L1/L2), the weight tile in registers serving them all.
         pid = tl.program_id(0)
-        rm3 = tl.arange(0, BLOCK_M)[:, None, None]
+        rm3 = tl.arange(0, ROWS)[:, None, None]
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
         kmask = k3 < K
         n3 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
@@ -117,9 +157,8 @@ if HAVE_TRITON:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM)
-        out_ty = x_ptr.dtype.element_ty
-        rm2 = tl.arange(0, BLOCK_M)[:, None]
+        if PASSES == 1:
+            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
             n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
@@ -127,21 +166,14 @@ if HAVE_TRITON:
             w2_next = w_next
             if GATE_UP:
                 w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
-            y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2).to(out_ty)      # [BLOCK_M, BLOCK_N]
-            if GATE_UP:  # F.silu(gate) * up, each rounded as eager rounds it
-                up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
-                gate = y.to(tl.float32)
-                a = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
-                y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
-            rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
-            omask = (rm2 < M) & (rn2 < N)
-            if RESIDUAL:
-                r = tl.load(res_ptr + rm2 * stride_res + rn2, mask=omask, other=0.0)
-                y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
-            if OUT_F32:
-                tl.store(y_ptr + rm2 * stride_y + rn2, y.to(tl.float32), mask=omask)
+            if PASSES == 1:
+                _gemv_tile_out(x, w, w2, t, 0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                               GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N)
             else:
-                tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
+                for p in tl.static_range(PASSES):
+                    xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM)
+                    _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                                   GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N)
             w = w_next
             w2 = w2_next
 
@@ -163,61 +195,142 @@ if HAVE_TRITON:
         return h, d1, rows, rows + (D // 2) * K
 
     @triton.jit
-    def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
-                         M, C, stride_x, stride_pos, scaling, eps, nprog,
-                         ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                         HB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _qkv_finish(y1, y2, h, d1, live, r0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
+                    q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
+                    BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+        """Rows r0 .. r0 + ROWS of one tile's float32 sums y1, y2 [ROWS, HB] (dims d1 and d1 + D/2 of head
+        h; live: whether the tile exists): bias, per-head norm, RoPE, each rounded as eager rounds it;
+        q stored, k and v written at the cache slot."""
+        out_ty = x_ptr.dtype.element_ty
+        rm = r0 + tl.arange(0, ROWS)[:, None]
+        rmask = rm < tl.where(live, M, 0)
+        d2 = d1 + D // 2
+        if BIAS:  # F.linear with a bias: added to the float32 sum, rounded once
+            if h < HQ:
+                b_base = bq_ptr + h * D
+            elif h < HQ + HKV:
+                b_base = bk_ptr + (h - HQ) * D
+            else:
+                b_base = bv_ptr + (h - HQ - HKV) * D
+            y1 = y1 + tl.load(b_base + d1).to(tl.float32)[None, :]
+            y2 = y2 + tl.load(b_base + d2).to(tl.float32)[None, :]
+        y1 = y1.to(out_ty).to(tl.float32)
+        y2 = y2.to(out_ty).to(tl.float32)
+        if h < HQ + HKV:
+            if QK_NORM:  # the tile is the whole head (HB = D / 2): HF's RMSNorm over its D values
+                rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
+                if h < HQ:
+                    g_base = gq_ptr
+                else:
+                    g_base = gk_ptr
+                g1 = tl.load(g_base + d1).to(tl.float32)[None, :]
+                g2 = tl.load(g_base + d2).to(tl.float32)[None, :]
+                y1 = (g1 * (y1 * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+                y2 = (g2 * (y2 * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+            # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
+            # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
+            # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
+            pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
+            freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+            c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
+            s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
+            r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
+            r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
+        else:
+            r1 = y1.to(out_ty)
+            r2 = y2.to(out_ty)
+        if h < HQ:
+            base = q_ptr + (rm * HQ + h) * D
+            tl.store(base + d1[None, :], r1, mask=rmask)
+            tl.store(base + d2[None, :], r2, mask=rmask)
+        else:
+            # a slot past the cache is never written (HF's index_copy_ would fail)
+            keep = rm < tl.where(live & (slot < C), M, 0)
+            if h < HQ + HKV:
+                base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
+            else:
+                base = vc_ptr + ((rm * HKV + (h - HQ - HKV)).to(tl.int64) * C + slot) * D
+            tl.store(base + d1[None, :], r1, mask=keep)
+            tl.store(base + d2[None, :], r2, mask=keep)
+
+    @triton.jit
+    def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
+                              pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                              M, C, stride_x, stride_pos, scaling, eps, qk_eps, nprog,
+                              ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
+                              D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
+                              BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
+                              QK_NORM: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
-        kmask = k3 < K
-        rm3 = tl.arange(0, BLOCK_M)[:, None, None]
-        h, d1, p1, p2 = _qkv_tile(pid, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
-        w1 = tl.load(p1, mask=kmask, other=0.0)   # weights first, then wait (PDL)
-        w2 = tl.load(p2, mask=kmask, other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True).to(tl.float32)
-        out_ty = x_ptr.dtype.element_ty
-        rm = tl.arange(0, BLOCK_M)[:, None]
-        slot = tl.load(slot_ptr)
-        for i in range(ITERS):
-            t = pid + i * nprog
-            h_next, d1_next, p1_next, p2_next = _qkv_tile(t + nprog, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
-            more = t + nprog < tiles
-            w1_next = tl.load(p1_next, mask=kmask & more, other=0.0)
-            w2_next = tl.load(p2_next, mask=kmask & more, other=0.0)
-            rmask = (rm < M) & (t < tiles)
-            y1 = tl.sum(x * w1.to(tl.float32), axis=2).to(out_ty).to(tl.float32)   # [BLOCK_M, HB]
-            y2 = tl.sum(x * w2.to(tl.float32), axis=2).to(out_ty).to(tl.float32)
-            d2 = d1 + D // 2
-            if h < HQ + HKV:
-                # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
-                # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
-                # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
-                pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
-                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
-                c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
-                s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
-                r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
-                r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
-            else:
-                r1 = y1.to(out_ty)
-                r2 = y2.to(out_ty)
-            if h < HQ:
-                base = q_ptr + (rm * HQ + h) * D
-                tl.store(base + d1[None, :], r1, mask=rmask)
-                tl.store(base + d2[None, :], r2, mask=rmask)
-            else:
-                keep = rmask & (slot < C)  # a slot past the cache is never written (HF's index_copy_ would fail)
-                if h < HQ + HKV:
-                    base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
-                else:
-                    base = vc_ptr + ((rm * HKV + (h - HQ - HKV)).to(tl.int64) * C + slot) * D
-                tl.store(base + d1[None, :], r1, mask=keep)
-                tl.store(base + d2[None, :], r2, mask=keep)
-            h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
+        rm3 = tl.arange(0, ROWS)[:, None, None]
+        if KSPLIT == 1:
+            # Whole rows of K per tile, the next tile's weights loaded before this one is summed.
+            kmask = k3 < K
+            h, d1, p1, p2 = _qkv_tile(pid, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
+            w1 = tl.load(p1, mask=kmask, other=0.0)   # weights first, then wait (PDL)
+            w2 = tl.load(p2, mask=kmask, other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            if PASSES == 1:
+                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True).to(tl.float32)
+            slot = tl.load(slot_ptr)
+            for i in range(ITERS):
+                t = pid + i * nprog
+                h_next, d1_next, p1_next, p2_next = _qkv_tile(t + nprog, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
+                # A scalar condition is folded into the bound a tensor is compared with, not and-ed with a
+                # tensor mask: Triton 3.9's interpreter makes `tensor_mask & scalar_bool` an int32 mask and
+                # refuses it ("mask has unsupported dtype"); the compiled kernel is the same either way.
+                kmask_next = k3 < tl.where(t + nprog < tiles, K, 0)   # the next tile past the end reads nothing
+                w1_next = tl.load(p1_next, mask=kmask_next, other=0.0)
+                w2_next = tl.load(p2_next, mask=kmask_next, other=0.0)
+                for p in tl.static_range(PASSES):
+                    if PASSES == 1:
+                        xp = x
+                    else:
+                        xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
+                                         True).to(tl.float32)
+                    y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
+                    y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
+                    _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
+                                pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+                                HQ, HKV, D, ROWS, BIAS, QK_NORM)
+                h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
+        else:
+            # K in KSPLIT chunks of BLOCK_K (a whole head per tile, HB = D / 2, for the per-head norm: too
+            # many weights for one load); all rows in one pass (ROWS = every row), x's norm computed first.
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            slot = tl.load(slot_ptr)
+            rows_ok = rm3 < M
+            sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
+            for j in range(KSPLIT):
+                kj = j * BLOCK_K + k3
+                xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, axis=2, keep_dims=True)
+            rstd = tl.rsqrt(sq / K + eps)
+            for i in range(ITERS):
+                t = pid + i * nprog
+                h, d1, p1, p2 = _qkv_tile(t, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
+                bound = tl.where(t < tiles, K, 0)
+                y1 = tl.zeros([ROWS, HB], dtype=tl.float32)
+                y2 = tl.zeros([ROWS, HB], dtype=tl.float32)
+                for j in range(KSPLIT):
+                    kj = j * BLOCK_K + k3
+                    w1 = tl.load(p1 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
+                    w2 = tl.load(p2 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
+                    xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
+                    g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
+                    xn = (g.to(tl.float32) * (xr.to(tl.float32) * rstd).to(xr.dtype).to(tl.float32)).to(xr.dtype)
+                    y1 += tl.sum(xn.to(tl.float32) * w1, axis=2)
+                    y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
+                _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
+                            pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+                            HQ, HKV, D, ROWS, BIAS, QK_NORM)
 
 
 # -- launch configurations ------------------------------------------------------------------------
@@ -247,8 +360,14 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     return block_n, warps, per_sm
 
 
-def _out_rows(m: int) -> int:
-    return next_pow2(m)
+def _row_passes(m: int) -> tuple[int, int]:
+    """(ROWS, PASSES): rows multiplied at once against a weight tile, and how many such passes cover m."""
+    if m > MAX_ROWS:
+        raise ValueError(f"{m} rows: the matrix-vector kernels take at most {MAX_ROWS} (forward.BATCH_PATHS "
+                         "sends larger batches to the compiled matmuls)")
+    block_m = next_pow2(m)
+    rows = min(block_m, ROWS_PER_PASS)
+    return rows, block_m // rows
 
 
 def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None):
@@ -258,6 +377,7 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
     if weight2 is not None and norm_weight is None:
         raise ValueError("gate/up is fused with the RMSNorm that precedes it; give norm_weight")
     block_n, warps, per_sm = config or gemv_config(m, n, k, 2 if weight2 is not None else 1)
+    rows, passes = _row_passes(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_f32 else x.dtype)
     res = residual if residual is not None else y
     tiles = triton.cdiv(n, block_n)
@@ -266,28 +386,46 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight, res, y,
         m, n, x.stride(0), res.stride(0), y.stride(0), float(eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
-        OUT_F32=out_f32, BLOCK_M=_out_rows(m), BLOCK_N=block_n, BLOCK_K=next_pow2(k), num_warps=warps,
+        OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), num_warps=warps,
         **launch_options(x.device))
     return y
 
 
-def qkv_rope_config(k: int, d: int) -> tuple[int, int, int]:
-    """(HB, num_warps, programs per SM): 2 * HB weight rows per tile, ~16 KB."""
+def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[int, int, int, int]:
+    """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, ~16 KB. With a per-head
+    norm a tile is a whole head (HB = D / 2), read in chunks of BLOCK_K columns sized so that the
+    [rows, D, BLOCK_K] product stays ~16 K elements."""
+    warps = 8 if next_pow2(k) >= 2048 else 4
+    if qk_norm:
+        block_k = min(next_pow2(k), max(16, next_pow2(16384 // (next_pow2(m) * d))))
+        return d // 2, warps, 2, block_k
     hb = max(1, min(d // 2, 4096 // next_pow2(k)))
-    return hb, (8 if next_pow2(k) >= 2048 else 4), 2
+    return hb, warps, 2, next_pow2(k)
 
 
-def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, config=None):
+def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
+             biases=None, qk_norm=None, config=None):
+    """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
-    hb, warps, per_sm = config or qkv_rope_config(k, d)
+    config = config or qkv_rope_config(k, d, m, qk_norm is not None)
+    hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
+    if qk_norm is not None and hb != d // 2:
+        raise ValueError(f"qkv_rope with a per-head norm needs whole-head tiles: HB = {d // 2}, not {hb}")
+    ksplit = triton.cdiv(k, block_k)
+    rows, passes = _row_passes(m)
+    if ksplit > 1:  # the chunked loop multiplies every row at once
+        rows, passes = next_pow2(m), 1
+    bq, bk, bv = biases if biases is not None else (x, x, x)
+    gq, gk, qk_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
     q = torch.empty(m, hq, d, device=x.device, dtype=x.dtype)
     tiles = (hq + 2 * hkv) * ((d // 2) // hb)
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_gemv_kernel[grid](
-        x, norm_weight, wq, wk, wv, positions, inv_freq, q, k_cache, v_cache, slot,
-        m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), grid[0],
-        ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, BLOCK_M=_out_rows(m), BLOCK_K=next_pow2(k), num_warps=warps,
+        x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_cache, v_cache, slot,
+        m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), float(qk_eps), grid[0],
+        ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
+        BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None, num_warps=warps,
         **launch_options(x.device))
     return q

@@ -6,7 +6,8 @@ reference runs, with the same arguments and result. The fast decode forward call
 (no torch.compile around them): captured in gdtool's graph, a call costs its kernel alone.
 
     rms_gemv(x, norm_weight?, eps, weight, weight2?, residual?, out_f32)  -> [M, N]  (weight2: gate/up)
-    qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot) -> q
+    qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot,
+             biases?, qk_norm?)                                           -> q  (biases: Qwen2; qk_norm: Qwen3)
     decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
 (`!`: written in place, at the cache slot.)
@@ -25,12 +26,13 @@ def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32):
     return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32)
 
 
-def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot):
+def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
+             qk_norm=None):
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                           slot)
+                             slot, biases, qk_norm)
     return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
-                                   v_cache, slot)
+                                   v_cache, slot, biases, qk_norm)
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):

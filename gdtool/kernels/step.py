@@ -20,8 +20,8 @@ it is bitwise equal to itself run uncaptured (`capture=False` calls the same com
 Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same noise, same candidate
 rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 
-`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (a
-Llama model at batch <= 4), by gdtool's own Triton kernels run eagerly around the compiled select and
+`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (Llama,
+Mistral, Qwen2, Qwen3 at small batch: `forward.BATCH_PATHS`), by gdtool's own Triton kernels run eagerly around the compiled select and
 update (`forward.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
 
 Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
@@ -151,9 +151,10 @@ class CompiledStep(Step):
         self._by_phase: dict = {}
         self.part = part
         self.kernels = kernels
-        # kernels="fast": gdtool's decode forward where it applies (a Llama model at small batch), the
+        # kernels="fast": gdtool's decode forward where it applies (a Llama-family model at small batch, a
+        # sliding window no shorter than the cache: plan() reads batch and cache length off the mask), the
         # compiled HF forward elsewhere; `compiles()` says which ran and why.
-        self.fast_plan = forward.plan(self.model, self.state.mask.shape[0]) if kernels == "fast" else None
+        self.fast_plan = forward.plan(self.model, *self.state.mask.shape) if kernels == "fast" else None
         self._compiled = None
         self._cache_checked = False
         attention.install()
