@@ -116,22 +116,23 @@ def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f
 if HAVE_TRITON:
     @triton.jit
     def _router_kernel(x_ptr, w_ptr, ws_ptr, logits_ptr, H, E, stride_x, stride_l,
-                       SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, BLOCK_K)
-        kmask = k[None, :] < H
-        w = tl.load(w_ptr + n[:, None].to(tl.int64) * H + k[None, :], mask=(n[:, None] < E) & kmask, other=0.0)
-        if SHARED:
-            ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
-            w = tl.where(n[:, None] == E, ws, w)
-        x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0)
-        out_ty = x_ptr.dtype.element_ty
-        y = tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1).to(out_ty)
-        tl.store(logits_ptr + m * stride_l + n, y, mask=n < E + SHARED)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kmask = k[None, :] < H
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * H + k[None, :], mask=(n[:, None] < E) & kmask, other=0.0)
+            if SHARED:
+                ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
+                w = tl.where(n[:, None] == E, ws, w)
+            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0)
+            acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
+        tl.store(logits_ptr + m * stride_l + n, acc.to(x_ptr.dtype.element_ty), mask=n < E + SHARED)
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
@@ -161,14 +162,14 @@ if HAVE_TRITON:
     def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
                         M, H, E, I, IS, stride_x, stride_l,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                        W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CHUNKS: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
         one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         out_ty = x_ptr.dtype.element_ty
         k = tl.arange(0, BLOCK_K)
-        kmask = k[None, :] < H
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if p < M * TOPK:
             m = p // TOPK
@@ -193,19 +194,39 @@ if HAVE_TRITON:
             up = su_ptr + n[:, None].to(tl.int64) * H + k[None, :]
             out = sact_ptr + m.to(tl.int64) * IS + n
         nmask = n < rows
-        wg = tl.load(gate, mask=nmask[:, None] & kmask, other=0.0)
-        wu = tl.load(up, mask=nmask[:, None] & kmask, other=0.0)
-        x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
-        g = tl.sum(x * wg.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
-        u = tl.sum(x * wu.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
+        g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kmask = nmask[:, None] & (k[None, :] < H)
+            wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
+            wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
+            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
+            g += tl.sum(x * wg.to(tl.float32), axis=1)
+            u += tl.sum(x * wu.to(tl.float32), axis=1)
+        g = g.to(out_ty).to(tl.float32)
+        u = u.to(out_ty).to(tl.float32)
         a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
         tl.store(out, (a * u).to(out_ty), mask=nmask)
+
+    @triton.jit
+    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
+        acc = tl.zeros(n.shape, dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            i = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            imask = i < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + i[None, :], mask=nmask[:, None] & imask[None, :],
+                        other=0.0)
+            a = tl.load(a_ptr + i, mask=imask, other=0.0).to(tl.float32)
+            acc += tl.sum(a[None, :] * w.to(tl.float32), axis=1)
+        return acc
 
     @triton.jit
     def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, out_ptr,
                      H, I, IS, E, stride_l, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_I: tl.constexpr, BLOCK_IS: tl.constexpr):
+                     BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr, CHUNKS_S: tl.constexpr):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed
         in routing order (float32, rounded once), plus the gated shared expert."""
         t = tl.program_id(0)
@@ -213,28 +234,21 @@ if HAVE_TRITON:
         out_ty = out_ptr.dtype.element_ty
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < H
-        i = tl.arange(0, BLOCK_I)
-        imask = i < I
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in tl.static_range(TOPK):
             expert = tl.load(ids_ptr + m * TOPK + j)
             weight = tl.load(wts_ptr + m * TOPK + j)
-            w = tl.load(d_ptr + expert.to(tl.int64) * H * I + n[:, None].to(tl.int64) * I + i[None, :],
-                        mask=nmask[:, None] & imask[None, :], other=0.0)
-            a = tl.load(act_ptr + (m * TOPK + j).to(tl.int64) * I + i, mask=imask, other=0.0).to(tl.float32)
-            y = tl.sum(a[None, :] * w.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
+            y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
+                          BLOCK_I, CHUNKS)
+            y = y.to(out_ty).to(tl.float32)
             if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
                 acc += y * weight
             else:
                 acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
-            s = tl.arange(0, BLOCK_IS)
-            smask = s < IS
-            ws = tl.load(sd_ptr + n[:, None].to(tl.int64) * IS + s[None, :], mask=nmask[:, None] & smask[None, :],
-                         other=0.0)
-            a = tl.load(sact_ptr + m.to(tl.int64) * IS + s, mask=smask, other=0.0).to(tl.float32)
-            ys = tl.sum(a[None, :] * ws.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
+            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
+            ys = ys.to(out_ty).to(tl.float32)
             g = tl.load(logits_ptr + m * stride_l + E).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
             shared = (gate * ys).to(out_ty).to(tl.float32)
@@ -253,10 +267,18 @@ class Config:
     warps: int = 4
 
 
+MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
+
+
+def _chunks(k: int) -> tuple[int, int]:
+    block = min(next_pow2(k), MAX_CHUNK)
+    return block, -(-k // block)
+
+
 def experts_config(hidden: int, intermediate: int) -> Config:
     """Tiles of ~8 KB of weights per row group: the router's and gate/up's whole rows of `hidden`, down's
     rows of `intermediate` (per routed expert; the k experts' loads of a down tile are independent)."""
-    kh, ki = next_pow2(hidden), next_pow2(intermediate)
+    kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, 4096 // kh)),
                   down_rows=max(1, min(16, 4096 // ki)), warps=8 if kh >= 2048 else 4)
 
@@ -279,21 +301,23 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    block_k = next_pow2(h)
+    block_h, chunks_h = _chunks(h)
     _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
         x, router_weight, shared_router if shared else router_weight, logits, h, e, x.stride(0), logits.stride(0),
-        SHARED=shared, BLOCK_N=cfg.router_rows, BLOCK_K=block_k, num_warps=cfg.warps)
+        SHARED=shared, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
         x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act, shared_act,
         ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_k, num_warps=cfg.warps)
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+    block_i, chunks_i = _chunks(i)
+    block_s, chunks_s = _chunks(i_shared)
     _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
         act, shared_act, ids, weights, logits, down, shared_down if shared else down, out,
         h, i, i_shared, e, logits.stride(0), out.stride(0),
-        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=next_pow2(i),
-        BLOCK_IS=next_pow2(i_shared), num_warps=cfg.warps)
+        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
+        BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
@@ -474,7 +498,7 @@ def plan(model, batch: int) -> Plan:
     result = Plan()
     blocks = [(name, module) for name, module in model.named_modules() if is_moe_block(module)]
     param = next(model.parameters())
-    result.backend = "Triton" if usable(param) else "torch reference (no Triton here)"
+    result.backend = "Triton" if usable(param) else "torch reference (no Triton on this device)"
     for index, (name, block) in enumerate(blocks):
         family = _family(block)
         why = _why_not(block, family, batch)
