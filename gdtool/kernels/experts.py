@@ -415,11 +415,11 @@ def _family(block) -> str:
 
 
 def is_moe_block(module) -> bool:
-    """A sparse-MoE block: a known family's, or any module holding transformers' experts and a router."""
+    """A sparse-MoE block: a known family's, or any module holding transformers' experts (with its router)."""
     if _family(module):
         return True
     experts = getattr(module, "experts", None)
-    return experts is not None and hasattr(experts, "is_concatenated") and hasattr(module, "gate")
+    return isinstance(experts, torch.nn.Module) and hasattr(experts, "is_concatenated")
 
 
 def _why_not(block, family: str, tokens: int) -> str:
