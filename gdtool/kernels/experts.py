@@ -158,7 +158,9 @@ if HAVE_TRITON:
             values = values / tl.sum(values, axis=0)
         return ids, values
 
-    @triton.jit
+    # sizes that both branches of the routed/shared `if` hold must stay runtime integers (Triton would make
+    # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
+    @triton.jit(do_not_specialize=["M", "I", "IS"])
     def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
                         M, H, E, I, IS, stride_x, stride_l,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
