@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import gdtool
+import gdtool.loops.devloop
 from gdtool.kernels import check as fast_check, experts, step as fast, triton as fast_triton
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
