@@ -428,6 +428,11 @@ def run_config(model, cfg: BenchConfig, log=print, on_runner=None) -> list[Runne
             attrs_before = set(vars(model))
             try:
                 _measure(result, planned.make_once(), cfg, planned.warmup_tokens, planned.expects_graphs)
+                if result.kernels == "fast":  # which of gdtool's kernels ran (and where HF's stayed, why)
+                    from ..kernels.step import compiles
+                    used = compiles(model)
+                    if len(used):
+                        result.note = "; ".join(filter(None, [result.note, used.kernels.iloc[-1]]))
             except Exception as error:  # keep measuring the others; the row says what broke
                 traceback.print_exc(limit=8, file=sys.stderr)
                 message = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""

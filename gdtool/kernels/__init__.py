@@ -8,6 +8,8 @@
                   cache write (Triton), 1-16 rows
     attention.py  decode attention: packed grouped-query SDPA for the compiled step; split-KV over the
                   live cache slots for the fast step (Triton)
+    experts.py    mixture-of-experts blocks at small batch (router, gate/up over the routed experts only,
+                  down with the weighted top-k sum; Triton), swapped into the compiled HF forward
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
     fuse.py       q/k/v and gate/up as one weight each
     ops.py        each kernel behind one call: Triton where it runs, the torch reference elsewhere

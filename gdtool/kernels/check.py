@@ -260,3 +260,84 @@ def table(results) -> str:
         lines.append(f"| {r.name} | {r.shape} | {r.dtype} | {r.error:.2e} | {r.reference_error:.2e} | {r.tolerance:g} | "
                      f"{'yes' if r.ok else 'NO'} | {r.note} |")
     return "\n".join(lines)
+
+
+# -- mixture-of-experts blocks (kernels/experts.py) -----------------------------------------------
+# Shapes: (name, tokens, experts, hidden, intermediate, top_k, norm_topk, weights_f32, shared intermediate)
+EXPERTS_SMALL = [("qwen3-moe", 1, 8, 64, 32, 2, True, False, 0), ("qwen3-moe", 3, 16, 96, 40, 4, True, False, 0),
+                 ("olmoe", 4, 8, 64, 48, 2, False, False, 0), ("mixtral", 2, 8, 64, 48, 2, True, True, 0),
+                 ("qwen2-moe", 3, 16, 64, 40, 4, False, False, 56)]
+EXPERTS_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m in (1, 4, 16)] + [
+    ("qwen2-moe-a2.7b", 1, 60, 2048, 1408, 4, False, False, 5632), ("olmoe-1b-7b", 2, 64, 2048, 1024, 8, False, False, 0),
+    ("mixtral-8x7b", 1, 8, 4096, 14336, 2, True, True, 0)]
+
+
+def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
+                  config=None) -> list[Result]:
+    """One MoE block: the routing (exact equality of the expert ids with torch's, routing weights against
+    float64) and the output against float64 on the kernel's own routing (no intermediate rounding)."""
+    from . import experts
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+    x = rand(m, h)
+    router = rand(e, h, scale=h ** -0.5)
+    gate_up = rand(e, 2 * i, h, scale=h ** -0.5)
+    down = rand(e, h, i, scale=i ** -0.5)
+    extra = (rand(shared, h, scale=h ** -0.5), rand(shared, h, scale=h ** -0.5), rand(h, shared, scale=shared ** -0.5),
+             rand(1, h, scale=h ** -0.5)) if shared else ()
+    args = (x, router, gate_up, down, top_k, norm_topk, weights_f32, *extra)
+    seen = {}
+    if _impl.triton:
+        out = experts.block_triton(*args, config=config, intermediates=seen)
+    else:
+        out = experts.block_reference(*args)
+    ref = experts.block_reference(*args)
+    logits_ref, weights_ref, ids_ref = experts.route_reference(x, router, top_k, norm_topk, weights_f32)
+    ids = seen["ids"].long() if seen else ids_ref
+    # float64 on the kernel's routing
+    xd = x.double()
+    probs = torch.softmax(xd @ router.double().T, -1)
+    w = probs.gather(1, ids)
+    if norm_topk:
+        w = w / w.sum(-1, keepdim=True)
+    exact = torch.zeros(m, h, dtype=torch.float64, device=device)
+    for r in range(m):
+        for j in range(top_k):
+            gu = gate_up[ids[r, j]].double() @ xd[r]
+            act = F.silu(gu[:i]) * gu[i:]
+            exact[r] += w[r, j] * (down[ids[r, j]].double() @ act)
+    if shared:
+        sg, su, sd, sr = (t.double() for t in extra)
+        exact += torch.sigmoid(xd @ sr.T) * ((F.silu(xd @ sg.T) * (xd @ su.T)) @ sd.T)
+    shape = f"{m} tokens, top-{top_k} of {e}, {h}x{i}" + (f", shared {shared}" if shared else "")
+    # the same experts, or the same up to ties (torch.topk orders ties as it likes; the kernel: lower id first)
+    probs_ref = torch.softmax(logits_ref, -1, dtype=torch.float)
+    same_ids = torch.equal(ids, ids_ref) or torch.equal(probs_ref.gather(1, ids), probs_ref.gather(1, ids_ref))
+    result = _judge(f"moe_block ({name})", shape, dtype, out, ref, exact,
+                    "" if config is None else f"config {config}")
+    results = [result]
+    if seen:
+        weights = seen["weights"]
+        weights_exact = w
+        routing = _judge(f"moe routing weights ({name})", shape, dtype, weights, weights_ref.float(), weights_exact,
+                         "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
+        routing.ok = routing.ok and same_ids
+        results.append(routing)
+    return results
+
+
+def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
+                      impl: str = "triton") -> list[Result]:
+    """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
+    OLMoE and Mixtral 8x7B shapes; impl="reference" checks the torch reference against float64 alone."""
+    if impl not in ("triton", "reference"):
+        raise ValueError(f"impl={impl!r}: 'triton' or 'reference'")
+    _impl.triton = impl == "triton"
+    device = torch.device(device)
+    large = device.type == "cuda" if large is None else large
+    gen = torch.Generator(device=device).manual_seed(seed)
+    results = []
+    for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
+        results += check_experts(*shape, dtype, device, gen)
+    return results

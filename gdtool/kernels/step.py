@@ -21,8 +21,11 @@ Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same no
 rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 
 `kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (Llama,
-Mistral, Qwen2, Qwen3 at small batch: `forward.BATCH_PATHS`), by gdtool's own Triton kernels run eagerly around the compiled select and
-update (`forward.py`; elsewhere it is exactly "compiled"; `compiles()` says which ran and why).
+Mistral, Qwen2, Qwen3 at small batch: `forward.BATCH_PATHS`), by gdtool's own Triton kernels run eagerly
+around the compiled select and update (`forward.py`). On a mixture of experts of a known family
+(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) at <= 16 tokens per step, the compiled HF forward calls gdtool's
+experts kernels in place of each MoE block (`experts.py`, a custom operator swapped in only for the
+duration of the compiled call). Elsewhere it is exactly "compiled"; `compiles()` says which ran and why.
 
 Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
 phase, as the graph modes capture one graph per phase: their Python counters are pinned on the phase's
@@ -52,7 +55,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import compat, feed, graphs, sampling
-from . import attention, forward, fuse, ops
+from . import attention, experts, forward, fuse, ops
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.step import Step, new_state
@@ -155,6 +158,10 @@ class CompiledStep(Step):
         # sliding window no shorter than the cache: plan() reads batch and cache length off the mask), the
         # compiled HF forward elsewhere; `compiles()` says which ran and why.
         self.fast_plan = forward.plan(self.model, *self.state.mask.shape) if kernels == "fast" else None
+        # kernels="fast" on a mixture of experts: inside the compiled HF forward, each known MoE block
+        # calls gdtool's experts kernels (`experts.scope`, only for the duration of the compiled call)
+        self.moe_plan = experts.plan(self.model, self.state.mask.shape[0]) \
+            if kernels == "fast" and not self.fast_forward else None
         self._compiled = None
         self._cache_checked = False
         attention.install()
@@ -235,7 +242,7 @@ class CompiledStep(Step):
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes(), attention.scope():
+            with _no_function_modes(), attention.scope(), experts.scope(self.moe_plan):
                 result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
@@ -248,7 +255,7 @@ class CompiledStep(Step):
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
-            with _no_function_modes(), attention.scope():
+            with _no_function_modes(), attention.scope(), experts.scope(self.moe_plan):
                 result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
@@ -278,6 +285,9 @@ def _kernels_note(step: CompiledStep) -> str:
     if step.fast_plan is None:
         return step.kernels
     if not step.fast_plan.applies:
+        moe = step.moe_plan.note() if step.moe_plan is not None else ""
+        if moe:
+            return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
     device = next(step.model.parameters()).device
     pdl = "on" if fast_triton.pdl_enabled() and fast_triton.pdl_supported(device) else "off"
@@ -298,7 +308,7 @@ def _key(step: CompiledStep) -> tuple:
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
     base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
-            step.fast_forward)
+            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else ())
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
     return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)

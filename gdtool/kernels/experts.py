@@ -1,0 +1,545 @@
+"""Mixture-of-experts blocks at small batch in gdtool's own kernels (`kernels="fast"`).
+
+The physics. A decode step of Qwen3-30B-A3B at batch 1 must read, per layer, its attention weights
+and the 8 experts (of 128) its one token is routed to: 8 x (gate/up 1536 x 2048 + down 2048 x 768)
+bf16, 75 MB of a layer's 1.2 GB of experts. The step's floor is reading those bytes once (~1.4 ms
+on an H200). HF's experts implementations miss it two ways: `grouped_mm` sorts, histograms and
+runs a grouped GEMM sized for many tokens per expert (and the whole [E, 2I, H] weight is its
+operand), `batched_mm` gathers a copy of every routed expert's weights (`gate_up_proj[ids]`)
+before its batched products: each routed byte is read, written and read again. At a few tokens
+the work is a handful of matrix-vector products whose rows are chosen on the device; that is what
+the kernels here run, reading only the routed experts' rows, straight from HF's parameters:
+
+    router   logits [M, E] = x @ W_router.T (+ Qwen2-MoE's shared-expert gate as row E), rounded
+             to the model dtype as F.linear rounds them                                (1 kernel)
+    gate_up  each program recomputes its row's routing from the logits (softmax in float32, top-k,
+             renormalized where the router does), then for its (row, k-th expert, tile of the
+             intermediate dim): silu(x @ Wg[e].T) * (x @ Wu[e].T), each product and the activation
+             rounded as HF's experts round them; (row, k) pairs of tile 0 write the expert id and
+             routing weight for the next kernel                                        (1 kernel)
+    down     per (row, tile of the hidden dim): sum over the k routed experts, in routing order,
+             of round(round(a_k @ Wd[e_k].T) * w_k), accumulated in float32 and rounded once, as
+             HF's `.sum(dim=1)` over the top-k does; Qwen2-MoE's shared expert (its down product
+             times sigmoid(gate), rounded) added last                                   (1 kernel)
+
+Three launches per layer; no host sync (the expert ids never leave the device, so a CUDA graph
+captures the block whatever the routing); no float atomics (each output element is summed by one
+program in a fixed order), so the block is a deterministic function of its inputs and the captured
+step equals the uncaptured one bit for bit. The arithmetic is HF's `batched_mm` / `grouped_mm`
+(what `generate()` decodes with): the same rounding points, only the order of the multiply-adds
+inside each product differs (and the float32 softmax's exp and sums round differently, by an ulp,
+which moves a routing weight only where it is within an ulp of a rounding boundary). Ties in the
+top-k pick the lower expert id first (torch.topk leaves the order of ties unspecified).
+
+Where the family is known (`FAMILIES`: Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
+OLMoE; transformers 5.x's fused experts `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`,
+concatenated [gate; up], not transposed, no biases, SiLU) and the step has at most `MAX_TOKENS`
+tokens, `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
+its compiled function, like attention's) gives each listed block a forward that calls
+`torch.ops.gdtool.moe_block`: a custom operator, opaque to dynamo and inductor, so the compiled HF
+forward keeps everything else and calls the kernels in place of the block. Outside the scope the
+blocks are HF's: the instance attribute is removed when the compiled call returns, so a step that
+is dropped leaves nothing behind, and HF's kernels, generate() and other compiles of the model never
+see the swap (a captured graph replays no Python, so the scope costs nothing after capture). The
+operator reads HF's parameters where they are (no copy): an in-place update of the weights
+(`param.data.copy_`) is what the next step reads, captured or not.
+
+Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
+batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
+
+    plan(model, batch).table()                # one row per MoE layer: which path runs it, and why
+    moe_block(x, router, gate_up, down, top_k, norm_topk, weights_f32)   # [M, H] -> [M, H]
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from .triton import HAVE_TRITON, next_pow2, tl, triton, usable
+
+MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, HF's block (grouped/batched_mm)
+MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
+# (block class, experts class, router class) per family, by module name in transformers.models
+FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeSparseMoeBlock", "Qwen3MoeExperts", "Qwen3MoeTopKRouter"),
+    "qwen2_moe": ("Qwen2MoeSparseMoeBlock", "Qwen2MoeExperts", "Qwen2MoeTopKRouter"),
+    "mixtral": ("MixtralSparseMoeBlock", "MixtralExperts", "MixtralTopKRouter"),
+    "olmoe": ("OlmoeSparseMoeBlock", "OlmoeExperts", "OlmoeTopKRouter"),
+}
+
+
+# -- torch reference: HF's router and batched_mm experts, rounding point for rounding point --------
+
+def route_reference(x, router_weight, top_k: int, norm_topk: bool, weights_f32: bool):
+    """HF's TopKRouter.forward: (logits [M, E] model dtype, weights [M, k], expert ids [M, k] int64);
+    the weights in float32 where the router keeps them so (Mixtral), else rounded to the model dtype."""
+    logits = F.linear(x, router_weight)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    values, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk:
+        values = values / values.sum(dim=-1, keepdim=True)
+    return logits, (values if weights_f32 else values.to(logits.dtype)), ids
+
+
+def experts_reference(x, ids, weights, gate_up, down):
+    """HF's batched_mm experts forward (generate()'s decode path): [M, H] -> [M, H]."""
+    m, k = ids.shape
+    e = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)
+    gate, up = torch.bmm(gate_up[e], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    y = torch.bmm(down[e], act.unsqueeze(-1)).squeeze(-1)
+    y = y * weights.reshape(-1, 1)
+    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
+
+
+def shared_reference(x, gate_w, up_w, down_w, gate_router):
+    """Qwen2-MoE's shared expert, times the sigmoid of its gate."""
+    shared = F.linear(F.silu(F.linear(x, gate_w)) * F.linear(x, up_w), down_w)
+    return torch.sigmoid(F.linear(x, gate_router)) * shared
+
+
+def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
+                    shared_gate=None, shared_up=None, shared_down=None, shared_router=None):
+    _, weights, ids = route_reference(x, router_weight, top_k, norm_topk, weights_f32)
+    out = experts_reference(x, ids, weights, gate_up, down)
+    if shared_gate is not None:
+        out = out + shared_reference(x, shared_gate, shared_up, shared_down, shared_router)
+    return out
+
+
+# -- Triton kernels -------------------------------------------------------------------------------
+
+if HAVE_TRITON:
+    @triton.jit
+    def _router_kernel(x_ptr, w_ptr, ws_ptr, logits_ptr, H, E, stride_x, stride_l,
+                       SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+        """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
+        as row E; one x row per program (grid: tiles, rows)."""
+        t = tl.program_id(0)
+        m = tl.program_id(1)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kmask = k[None, :] < H
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * H + k[None, :], mask=(n[:, None] < E) & kmask, other=0.0)
+            if SHARED:
+                ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
+                w = tl.where(n[:, None] == E, ws, w)
+            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0)
+            acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
+        tl.store(logits_ptr + m * stride_l + n, acc.to(x_ptr.dtype.element_ty), mask=n < E + SHARED)
+
+    @triton.jit
+    def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+        """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
+        id first), renormalized (NORM). Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
+        e = tl.arange(0, BLOCK_E)
+        live = e < E
+        logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        p = tl.exp(logits - tl.max(logits, axis=0))
+        p = p / tl.sum(p, axis=0)
+        p = tl.where(live, p, -1.0)
+        slots = tl.arange(0, BLOCK_TOPK)
+        ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+        values = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(p, axis=0)
+            pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+            ids = tl.where(slots == j, pick, ids)
+            values = tl.where(slots == j, best, values)
+            p = tl.where(e == pick, -2.0, p)
+        if NORM:
+            values = values / tl.sum(values, axis=0)
+        return ids, values
+
+    # sizes that both branches of the routed/shared `if` hold must stay runtime integers (Triton would make
+    # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
+    @triton.jit(do_not_specialize=["M", "I", "IS"])
+    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
+                        M, H, E, I, IS, stride_x, stride_l,
+                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                        W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        CHUNKS: tl.constexpr):
+        """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
+        one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
+        t = tl.program_id(0)
+        p = tl.program_id(1)
+        out_ty = x_ptr.dtype.element_ty
+        k = tl.arange(0, BLOCK_K)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        if p < M * TOPK:
+            m = p // TOPK
+            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM)
+            slots = tl.arange(0, BLOCK_TOPK)
+            mine = slots == p % TOPK
+            expert = tl.sum(tl.where(mine, ids, 0), axis=0)
+            if t == 0:
+                weight = tl.sum(tl.where(mine, values, 0.0), axis=0)
+                if not W_F32:
+                    weight = weight.to(out_ty).to(tl.float32)
+                tl.store(ids_ptr + p, expert)
+                tl.store(wts_ptr + p, weight)
+            rows = I
+            gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
+            up = gate + I * H
+            out = act_ptr + p.to(tl.int64) * I + n
+        else:
+            m = p - M * TOPK
+            rows = IS
+            gate = sg_ptr + n[:, None].to(tl.int64) * H + k[None, :]
+            up = su_ptr + n[:, None].to(tl.int64) * H + k[None, :]
+            out = sact_ptr + m.to(tl.int64) * IS + n
+        nmask = n < rows
+        g = tl.zeros([BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            kmask = nmask[:, None] & (k[None, :] < H)
+            wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
+            wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
+            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
+            g += tl.sum(x * wg.to(tl.float32), axis=1)
+            u += tl.sum(x * wu.to(tl.float32), axis=1)
+        g = g.to(out_ty).to(tl.float32)
+        u = u.to(out_ty).to(tl.float32)
+        a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
+        tl.store(out, (a * u).to(out_ty), mask=nmask)
+
+    @triton.jit
+    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
+        acc = tl.zeros(n.shape, dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            i = c * BLOCK_K + tl.arange(0, BLOCK_K)
+            imask = i < K
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + i[None, :], mask=nmask[:, None] & imask[None, :],
+                        other=0.0)
+            a = tl.load(a_ptr + i, mask=imask, other=0.0).to(tl.float32)
+            acc += tl.sum(a[None, :] * w.to(tl.float32), axis=1)
+        return acc
+
+    @triton.jit
+    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, out_ptr,
+                     H, I, IS, E, stride_l, stride_out,
+                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr, CHUNKS_S: tl.constexpr):
+        """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed
+        in routing order (float32, rounded once), plus the gated shared expert."""
+        t = tl.program_id(0)
+        m = tl.program_id(1)
+        out_ty = out_ptr.dtype.element_ty
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < H
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            expert = tl.load(ids_ptr + m * TOPK + j)
+            weight = tl.load(wts_ptr + m * TOPK + j)
+            y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
+                          BLOCK_I, CHUNKS)
+            y = y.to(out_ty).to(tl.float32)
+            if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
+                acc += y * weight
+            else:
+                acc += (y * weight).to(out_ty).to(tl.float32)
+        out = acc.to(out_ty)
+        if SHARED:
+            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
+            ys = ys.to(out_ty).to(tl.float32)
+            g = tl.load(logits_ptr + m * stride_l + E).to(tl.float32)
+            gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            shared = (gate * ys).to(out_ty).to(tl.float32)
+            out = (out.to(tl.float32) + shared).to(out_ty)
+        tl.store(out_ptr + m * stride_out + n, out, mask=nmask)
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Config:
+    """Rows per program tile and warps of each kernel (tuned per shape on the H200, `experts_config`)."""
+    router_rows: int
+    gate_up_rows: int
+    down_rows: int
+    warps: int = 4
+
+
+MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
+
+
+def _chunks(k: int) -> tuple[int, int]:
+    block = min(next_pow2(k), MAX_CHUNK)
+    return block, -(-k // block)
+
+
+def experts_config(hidden: int, intermediate: int) -> Config:
+    """Tiles of ~8 KB of weights per row group: the router's and gate/up's whole rows of `hidden`, down's
+    rows of `intermediate` (per routed expert; the k experts' loads of a down tile are independent)."""
+    kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
+    return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, 4096 // kh)),
+                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if kh >= 2048 else 4)
+
+
+def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
+                 shared_gate=None, shared_up=None, shared_down=None, shared_router=None, config=None,
+                 intermediates: dict | None = None):
+    """The three kernels: x [M, H] -> [M, H]. `intermediates`, when given, receives the logits, expert
+    ids, routing weights and activations (what the tests compare)."""
+    m, h = x.shape
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    shared = shared_gate is not None
+    i_shared = shared_gate.shape[0] if shared else 1
+    cfg = config or experts_config(h, i)
+    dev = x.device
+    logits = torch.empty(m, e + shared, device=dev, dtype=x.dtype)
+    ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
+    weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
+    act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
+    shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
+    out = torch.empty(m, h, device=dev, dtype=x.dtype)
+    block_h, chunks_h = _chunks(h)
+    _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
+        x, router_weight, shared_router if shared else router_weight, logits, h, e, x.stride(0), logits.stride(0),
+        SHARED=shared, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+    tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
+    _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
+        x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act, shared_act,
+        ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
+        TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+    block_i, chunks_i = _chunks(i)
+    block_s, chunks_s = _chunks(i_shared)
+    _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
+        act, shared_act, ids, weights, logits, down, shared_down if shared else down, out,
+        h, i, i_shared, e, logits.stride(0), out.stride(0),
+        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
+        BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
+    if intermediates is not None:
+        intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
+                             shared_act=shared_act if shared else None)
+    return out
+
+
+# -- the operator the compiled HF forward calls ----------------------------------------------------
+
+@torch.library.custom_op("gdtool::moe_block", mutates_args=())
+def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+              top_k: int, norm_topk: bool, weights_f32: bool, shared_gate: torch.Tensor | None = None,
+              shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
+              shared_router: torch.Tensor | None = None) -> torch.Tensor:
+    """One MoE block, x [M, H] (M <= MAX_TOKENS) -> [M, H]: the Triton kernels where they run (CUDA, or
+    Triton's interpreter), HF's batched_mm arithmetic in torch elsewhere."""
+    args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
+            shared_gate, shared_up, shared_down, shared_router)
+    if usable(x, gate_up, down):
+        return block_triton(*args)
+    return block_reference(*args)
+
+
+@moe_block.register_fake
+def _(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, shared_gate=None, shared_up=None,
+      shared_down=None, shared_router=None):
+    return torch.empty_like(x)
+
+
+# -- which blocks run it: the plan, and the swap for the duration of a compiled call -------------
+
+@dataclass
+class Layer:
+    index: int            # decoder layer (order of the blocks in the model)
+    name: str             # module path
+    block: object
+    family: str           # transformers model type, or "" where unknown
+    applies: bool
+    reason: str
+    forward: object = None  # the block's forward while the scope is entered
+
+    @property
+    def path(self) -> str:
+        return "gdtool experts kernels" if self.applies else "HF block"
+
+
+@dataclass
+class Plan:
+    """The MoE blocks of a model at one batch size: which run gdtool's kernels, and why not."""
+    layers: list = field(default_factory=list)
+    backend: str = ""
+
+    @property
+    def applies(self) -> bool:
+        return any(layer.applies for layer in self.layers)
+
+    def key(self) -> tuple:
+        return tuple(layer.index for layer in self.layers if layer.applies)
+
+    def note(self) -> str:
+        """One line for the kernels note: layer ranges per path, with the reason where HF's block stays."""
+        if not self.layers:
+            return ""
+        groups: dict = {}
+        for layer in self.layers:
+            groups.setdefault((layer.applies, layer.reason), []).append(layer.index)
+        parts = []
+        for (applies, reason), indices in groups.items():
+            where = f"layers {_ranges(indices)}"
+            parts.append(f"{where} in gdtool's kernels ({reason})" if applies else f"{where} HF's ({reason})")
+        return f"MoE blocks {len([x for x in self.layers if x.applies])}/{len(self.layers)}: " + "; ".join(parts)
+
+    def table(self) -> "pandas.DataFrame":
+        import pandas as pd
+        return pd.DataFrame([dict(layer=x.index, module=x.name, block=type(x.block).__name__, family=x.family,
+                                  path=x.path, reason=x.reason) for x in self.layers],
+                            columns=["layer", "module", "block", "family", "path", "reason"])
+
+
+def _ranges(indices: list) -> str:
+    out, start = [], None
+    for k, i in enumerate(indices):
+        if start is None:
+            start = i
+        if k + 1 == len(indices) or indices[k + 1] != i + 1:
+            out.append(str(start) if start == i else f"{start}-{i}")
+            start = None
+    return ", ".join(out)
+
+
+def _family(block) -> str:
+    for family, (block_name, _, _) in FAMILIES.items():
+        if type(block).__name__ == block_name and type(block).__module__.endswith(f"modeling_{family}"):
+            return family
+    return ""
+
+
+def is_moe_block(module) -> bool:
+    """A sparse-MoE block: a known family's, or any module holding transformers' experts (with its router)."""
+    if _family(module):
+        return True
+    experts = getattr(module, "experts", None)
+    return isinstance(experts, torch.nn.Module) and hasattr(experts, "is_concatenated")
+
+
+def _why_not(block, family: str, tokens: int) -> str:
+    """'' when the kernels compute this block exactly as its HF forward does (up to rounding order)."""
+    if not family:
+        return f"{type(block).__name__} is not a known family ({', '.join(FAMILIES)})"
+    _, experts_name, router_name = FAMILIES[family]
+    experts, router = block.experts, block.gate
+    if type(experts).__name__ != experts_name or type(router).__name__ != router_name:
+        return f"experts or router other than transformers' {experts_name} / {router_name}"
+    if tokens > MAX_TOKENS:
+        return f"{tokens} tokens per step > {MAX_TOKENS}: grouped products, not matrix-vector"
+    flags = dict(has_gate=True, is_concatenated=True, is_transposed=False, has_bias=False,
+                 has_post_expert_norm=False, _is_expert_parallel=False)
+    off = [name for name, want in flags.items() if getattr(experts, name, want) != want]
+    if off:
+        return f"experts with {off[0]}={getattr(experts, off[0])!r} (the kernels read [gate; up] rows, no bias)"
+    if type(experts.act_fn).__name__ not in ("SiLU", "SiLUActivation") or \
+            getattr(experts.config, "hidden_act", "silu") != "silu":
+        return f"experts activation {type(experts.act_fn).__name__}, not SiLU"
+    gate_up, down, router_weight = experts.gate_up_proj, experts.down_proj, router.weight
+    e, two_i, h = gate_up.shape
+    if down.shape != (e, h, two_i // 2) or router_weight.shape != (e, h):
+        return "expert weights not in [E, 2I, H] / [E, H, I] layout"
+    if e > MAX_EXPERTS or router.top_k > e:
+        return f"{e} experts (at most {MAX_EXPERTS}) or top-k {router.top_k} over them"
+    tensors = [gate_up, down, router_weight]
+    if family == "qwen2_moe":
+        mlp, gate = block.shared_expert, block.shared_expert_gate
+        if getattr(mlp.config, "hidden_act", "silu") != "silu" or any(
+                getattr(lin, "bias", None) is not None for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj, gate)):
+            return "a shared expert with biases or an activation other than SiLU"
+        tensors += [mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, gate.weight]
+    if any(not t.is_contiguous() for t in tensors):
+        return "expert weights that are not contiguous"
+    if len({(t.dtype, t.device) for t in tensors}) != 1:
+        return "expert weights of mixed dtypes or devices"
+    if gate_up.device.type == "cuda":
+        if not HAVE_TRITON:
+            return "no Triton"
+        if gate_up.dtype not in (torch.bfloat16, torch.float16):
+            return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
+    return ""
+
+
+def _router_args(block, family: str) -> tuple:
+    router = block.gate
+    # Mixtral's router always renormalizes and keeps its weights in float32; the others round them
+    norm = True if family == "mixtral" else bool(router.norm_topk_prob)
+    return int(router.top_k), norm, family == "mixtral"
+
+
+def make_forward(block, family: str):
+    """The block's forward through `moe_block`: HF's arguments, HF's result ([B, S, H])."""
+    top_k, norm, weights_f32 = _router_args(block, family)
+    original = type(block).forward
+    shared = family == "qwen2_moe"
+
+    def forward(hidden_states):
+        b, s, h = hidden_states.shape
+        if b * s > MAX_TOKENS:  # a shape the step never has (decode is one token per row); HF's block
+            return original(block, hidden_states)
+        experts = block.experts
+        extra = ()
+        if shared:
+            mlp = block.shared_expert
+            extra = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, block.shared_expert_gate.weight)
+        out = torch.ops.gdtool.moe_block(hidden_states.reshape(b * s, h), block.gate.weight, experts.gate_up_proj,
+                                         experts.down_proj, top_k, norm, weights_f32, *extra)
+        return out.reshape(b, s, h)
+    return forward
+
+
+def plan(model, batch: int) -> Plan:
+    """The model's MoE blocks at `batch` rows of one decode token each: which run gdtool's kernels."""
+    result = Plan()
+    blocks = [(name, module) for name, module in model.named_modules() if is_moe_block(module)]
+    param = next(model.parameters())
+    result.backend = "Triton" if usable(param) else "torch reference (no Triton on this device)"
+    for index, (name, block) in enumerate(blocks):
+        family = _family(block)
+        why = _why_not(block, family, batch)
+        layer = Layer(_layer_index(name, index), name, block, family, not why,
+                      why or f"{family}, top-{block.gate.top_k} of {block.experts.gate_up_proj.shape[0]}, "
+                             f"{result.backend}")
+        if layer.applies:
+            layer.forward = make_forward(block, family)
+        result.layers.append(layer)
+    return result
+
+
+def _layer_index(name: str, default: int) -> int:
+    for part in reversed(name.split(".")):
+        if part.isdigit():
+            return int(part)
+    return default
+
+
+_MISSING = object()
+
+
+@contextmanager
+def scope(moe_plan: Plan | None):
+    """The planned blocks run gdtool's kernels inside this scope; each block's own forward is back on exit
+    (whatever happens inside)."""
+    if moe_plan is None or not moe_plan.applies:
+        yield
+        return
+    saved = []
+    try:
+        for layer in moe_plan.layers:
+            if layer.applies:
+                saved.append((layer.block, layer.block.__dict__.get("forward", _MISSING)))
+                layer.block.forward = layer.forward
+        yield
+    finally:
+        for block, before in reversed(saved):
+            if before is _MISSING:
+                block.__dict__.pop("forward", None)
+            else:
+                block.forward = before

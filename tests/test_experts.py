@@ -1,0 +1,214 @@
+"""Mixture-of-experts blocks in gdtool's kernels (gdtool/kernels/experts.py; kernels="fast").
+
+On a CPU: the torch reference (what runs without Triton) against float64 and against HF's blocks of
+each family; the Triton kernels themselves under Triton's CPU interpreter (float32, float16), against
+float64 and against HF's blocks; the plan (which blocks, why not); a tiny Qwen3-MoE decoding with
+kernels="fast" (the operator inside the compiled HF forward), equal to itself uncaptured and to HF's
+tokens, the blocks left unpatched afterwards, and an in-place weight update seen by the next decode.
+On CUDA: the kernels in bf16/fp16 at real shapes, and the fast step captured against uncaptured
+(bitwise) on each family in bf16, with its agreement with HF's kernels.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import gdtool
+import gdtool.loops.devloop
+from gdtool.kernels import check as fast_check, experts, step as fast, triton as fast_triton
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import moe  # noqa: E402  (tests/moe.py: tiny models of each family)
+
+pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
+FAMILIES = list(moe.FIELDS)
+
+
+def _decode(model, prompt, **kw):
+    kw = dict(dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, mode="step-graph", do_sample=False), **kw)
+    return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+
+
+def _against_hf_blocks(dtype=torch.float32, tokens=(1, 3)) -> list[str]:
+    """Each family's HF block against the same block through gdtool's operator; returns the failures."""
+    bad = []
+    for family in FAMILIES:
+        model = moe.build(family, dtype=dtype)
+        for m in tokens:
+            plan = experts.plan(model, m)
+            block = model.model.layers[0].mlp
+            x = torch.randn(m, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(m)).to(dtype)
+            with torch.no_grad():
+                hf = block(x)
+                with experts.scope(plan):
+                    mine = block(x)
+            err = float((hf.float() - mine.float()).abs().max() / hf.float().abs().max())
+            if not err < {torch.float32: 1e-5, torch.float16: 4e-3}[dtype] or "forward" in vars(block):
+                bad.append(f"{family} x{m} {dtype}: relative error {err:.2e}")
+    return bad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_experts_torch_reference_against_float64(dtype):
+    results = fast_check.check_experts_all("cpu", dtype, impl="reference")
+    bad = [r for r in results if not r.ok or not r.reference_error <= r.tolerance]
+    assert not bad, fast_check.table(bad)
+
+
+def test_experts_reference_equals_hf_blocks():
+    """The operator's torch path (HF's batched_mm arithmetic) against HF's own blocks, each family."""
+    assert not _against_hf_blocks()
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_experts_triton_kernels_under_the_interpreter():
+    code = ("import sys, torch\nsys.path.insert(0, 'tests')\n"
+            "from gdtool.kernels import check as fast_check, experts\nimport test_experts as t\n"
+            "for dt in (torch.float32, torch.float16):\n"
+            "    bad = [r for r in fast_check.check_experts_all('cpu', dt) if not r.ok]\n"
+            "    assert not bad, fast_check.table(bad)\n"
+            "experts.MAX_CHUNK = 32  # weight rows read in several chunks\n"
+            "bad = [r for r in fast_check.check_experts_all('cpu', torch.float32, seed=1) if not r.ok]\n"
+            "assert not bad, fast_check.table(bad)\n"
+            "experts.MAX_CHUNK = 4096\n"
+            "bad = t._against_hf_blocks(torch.float32) + t._against_hf_blocks(torch.float16)\n"
+            "assert not bad, bad\n"
+            "print('ok')\n")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def test_plan_names_the_blocks_and_why_not():
+    model = moe.build("qwen3_moe")
+    plan = experts.plan(model, 3)
+    assert plan.applies and plan.key() == (0, 1)
+    assert plan.note().startswith("MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8")
+    table = plan.table()
+    assert list(table.layer) == [0, 1] and set(table.path) == {"gdtool experts kernels"}
+    wide = experts.plan(model, experts.MAX_TOKENS + 1)
+    assert not wide.applies and f"> {experts.MAX_TOKENS}" in wide.note() and "HF's" in wide.note()
+    model.model.layers[1].mlp.experts.has_bias = True
+    mixed = experts.plan(model, 1)
+    assert mixed.key() == (0,) and "layers 1 HF's (experts with has_bias=True" in mixed.note()
+    assert experts.plan(gdtool.load_model("tiny-llama", seed=0), 1).note() == ""
+    oss = experts.plan(gdtool.load_model("tiny-gpt-oss", seed=0), 1)
+    assert oss.layers and not oss.applies and "not a known family" in oss.note()
+
+
+def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
+    """float32 on a CPU: the compiled HF forward calls gdtool's operator for both MoE blocks (its torch path
+    here), gives HF's tokens and logits within rounding, equals itself uncaptured, compiles once, and
+    leaves the blocks as HF made them."""
+    model = gdtool.load_model("tiny-qwen3-moe", seed=0)
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 9), seed=0)
+    calls = []
+    reference = experts.block_reference
+    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    hf = _decode(model, prompt)
+    mine = _decode(model, prompt, kernels="fast")
+    again = _decode(model, prompt, kernels="fast", capture=False)
+    assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
+    assert calls and set(calls) == {(3, 64)}  # one [batch, hidden] call per block and step, nothing else
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
+    table = fast.compiles(model)
+    row = table[table.step.str.endswith("_fast")]
+    assert len(row) == 1 and row.compiles.iloc[0] == 1, table
+    assert "MoE blocks 2/2: layers 0-1 in gdtool's kernels" in row.kernels.iloc[0]
+    agreement = fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
+    assert (agreement.top1_agreement == 1.0).all() and (agreement.max_abs_logit_diff < 1e-4).all(), agreement
+
+
+def test_fast_step_sees_an_in_place_weight_update():
+    """The operator reads HF's parameters where they are: `param.data.copy_` before the next decode is what
+    that decode computes (same compiled step, no recompile), as HF's own kernels see it."""
+    model = moe.build("qwen3_moe")
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=1)
+    continuation = torch.randint(3, 4096, (2, 5), generator=torch.Generator().manual_seed(2))
+
+    def logits(kernels):
+        return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+    before = logits("fast")
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for param in (layer.mlp.experts.gate_up_proj, layer.mlp.experts.down_proj):
+                param.data.copy_(torch.randn(param.shape, generator=gen) * 0.2)
+    after, hf_after = logits("fast"), logits("hf")
+    assert (after - before).abs().max() > 1e-2
+    assert (after - hf_after).abs().max() < 1e-4
+    assert fast.compiles(model).compiles.sum() == 1
+
+
+# -- CUDA ---------------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_experts_kernels_on_cuda(dtype):
+    results = fast_check.check_experts_all("cuda", dtype, large=dtype == torch.bfloat16)
+    bad = [r for r in results if not r.ok]
+    assert not bad, fast_check.table(bad)
+    assert not _against_hf_blocks_cuda(dtype)
+
+
+def _against_hf_blocks_cuda(dtype):
+    bad = []
+    for family in FAMILIES:
+        model = moe.build(family, dtype=dtype, device="cuda")
+        model.set_experts_implementation("batched_mm")  # generate()'s decode path
+        for m in (1, 5, experts.MAX_TOKENS):
+            block = model.model.layers[0].mlp
+            x = torch.randn(m, 1, model.config.hidden_size, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                hf = block(x)
+                with experts.scope(experts.plan(model, m)):
+                    mine = block(x)
+            err = float((hf.float() - mine.float()).abs().max() / hf.float().abs().max())
+            if not err < 2e-2:
+                bad.append(f"{family} x{m}: {err:.2e}")
+    return bad
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family):
+    model = moe.build(family, dtype=torch.bfloat16, device="cuda")
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(5, 12), seed=0)
+    captured = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+    direct = _decode(model, prompt, kernels="fast", max_new_tokens=24, capture=False)
+    assert captured.replays == captured.steps > 0
+    assert torch.equal(captured.tokens, direct.tokens)
+    sampled = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.9, seed=5)
+    assert torch.equal(_decode(model, prompt, kernels="fast", **sampled).tokens,
+                       _decode(model, prompt, kernels="fast", capture=False, **sampled).tokens)
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
+    table = fast.compiles(model)
+    assert (table.compiles == 1).all(), table
+    assert all("MoE blocks 2/2: layers 0-1 in gdtool's kernels" in note and "Triton" in note for note in table.kernels)
+    if gdtool.loops.devloop.device_loop_support() is None:
+        loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
+        assert torch.equal(loop.tokens, captured.tokens)
+    agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
+    assert (agreement.top1_agreement > 0.4).all(), agreement
+
+
+@pytest.mark.cuda
+def test_fast_moe_step_on_cuda_sees_an_in_place_weight_update():
+    """The captured graph reads HF's parameters' storage: an update in place is seen by the next replay."""
+    model = gdtool.load_model("tiny-qwen3-moe", seed=0, device="cuda")
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=1)
+    continuation = torch.randint(3, 4096, (2, 6), generator=torch.Generator().manual_seed(2))
+
+    def logits(kernels):
+        return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+    before = logits("fast")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.down_proj.data.copy_(torch.randn_like(layer.mlp.experts.down_proj) * 0.2)
+    after = logits("fast")
+    assert (after - before).abs().max() > 1e-2
+    assert (fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast").top1_agreement > 0.4).all()
