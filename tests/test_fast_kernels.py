@@ -212,3 +212,18 @@ def test_node_trace_breakdown_classifies_the_fast_kernels():
     for name, cls in (("_rms_gemv_kernel", "matmul"), ("_qkv_rope_gemv_kernel", "matmul"),
                       ("_attention_split_kernel", "attention"), ("_attention_combine_kernel", "attention")):
         assert kernel_breakdown.kernel_class(name) == cls
+
+
+def test_untested_kernel_paths_are_refused_on_cuda(monkeypatch):
+    """A kernel path whose cuda tests have not passed on a GPU is refused there, with the reason and the
+    switch; on a CPU it runs (the interpreter and the torch references are what the CPU tests check)."""
+    from gdtool.kernels import triton as fast_triton
+    monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    why = fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cuda)
+    assert "have not passed their cuda tests" in why and "GDTOOL_UNTESTED_KERNELS=1" in why
+    assert fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cpu) == ""
+    for path in fast_triton.CUDA_TESTED:
+        assert fast_triton.untested_on_cuda(path, cuda) == ""
+    monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+    assert fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cuda) == ""

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, next_pow2, tl, triton, usable
+from .triton import HAVE_TRITON, next_pow2, tl, triton, untested_on_cuda, usable
 
 MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, HF's block (grouped/batched_mm)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
@@ -464,7 +464,7 @@ def _why_not(block, family: str, tokens: int) -> str:
             return "no Triton"
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
-    return ""
+    return untested_on_cuda(f"{family} experts", gate_up.device)
 
 
 def _router_args(block, family: str) -> tuple:

@@ -159,6 +159,11 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
         return Plan(False, f"head_dim {d} (a power of two >= 16 needed) or uneven head groups")
     if hidden > 8192 or model.lm_head.bias is not None or type(inner.norm) is not norm_cls:
         return Plan(False, "hidden size over 8192 (the norm reads whole rows in one tile) or an lm_head bias")
+    path_name = prefix + "".join(f", {f}" for f in sorted(features)) + \
+        (f", <= {gemv.ROWS_PER_PASS} rows" if batch <= gemv.ROWS_PER_PASS else f", {batch} rows")
+    untested = fast_triton.untested_on_cuda(path_name, param.device)
+    if untested:
+        return Plan(False, untested)
     backend = "Triton kernels" if fast_triton.usable(param) else "their torch references (no Triton here)"
     family = prefix + (f" ({', '.join(sorted(features))})" if features else "")
     return Plan(True, f"fast decode forward, {len(layers)} layers, {family}, batch {batch}: {why}; {backend}",

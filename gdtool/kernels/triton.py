@@ -43,6 +43,20 @@ def usable(*tensors) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
+# Kernel paths whose cuda tests (`pytest -m cuda`) last passed on a GPU. A path written or changed since
+# runs on a CPU (Triton's interpreter, the torch references) but is refused on CUDA, with this reason,
+# until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
+CUDA_TESTED = frozenset({"Llama, <= 4 rows"})
+
+
+def untested_on_cuda(path: str, device) -> str:
+    """'' where kernel path `path` may run on `device`; else why it is refused there."""
+    if device.type != "cuda" or path in CUDA_TESTED or os.environ.get("GDTOOL_UNTESTED_KERNELS", "0") not in ("0", ""):
+        return ""
+    return (f"gdtool's kernels for {path} have not passed their cuda tests on a GPU yet (tested: "
+            f"{', '.join(sorted(CUDA_TESTED))}); GDTOOL_UNTESTED_KERNELS=1 runs them anyway")
+
+
 def pdl_supported(device) -> bool:
     import torch
     if not HAVE_TRITON or interpreting() or device.type != "cuda":
