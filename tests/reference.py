@@ -10,7 +10,8 @@ def generate(model, prompt_ids, mask, max_new_tokens, seed=None, **settings):
     out = model.generate(prompt_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          cache_implementation="static", disable_compile=True, output_scores=True,
                          return_dict_in_generate=True, **settings)
-    return out.sequences[:, prompt_ids.shape[1]:], out.scores
+    # the new tokens: after the prompt, or (an encoder-decoder) after the decoder's start token
+    return out.sequences[:, out.sequences.shape[1] - len(out.scores):], out.scores
 
 
 def decode(model, prompt_ids, mask, max_new_tokens, **kwargs):
