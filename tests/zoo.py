@@ -8,6 +8,7 @@ config has a window.
 """
 from __future__ import annotations
 
+import copy
 import re
 import warnings
 
@@ -181,8 +182,9 @@ KNOBS = {
     # its causal-LM class refuses a config that is not a decoder; axial position factors summing to hidden
     "reformer": dict(is_decoder=True, axial_pos_embds_dim=[32, 32]),
     # multimodal RoPE sections (time, height, width) summing to head_dim / 2
-    "qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE,
-    "hunyuan_vl": dict(MROPE, head_dim=16),
+    "qwen2_vl": MROPE, "qwen2_5_vl": MROPE, "paddleocr_vl": MROPE, "qwen2_5_omni_thinker": MROPE,
+    "hunyuan_vl": dict(MROPE, head_dim=16), "cosmos3_edge": dict(MROPE, head_dim=16),
+    "hy_v4_vl": dict(rope_parameters=dict(MROPE["rope_parameters"], mrope_section=[2, 1, 1])),  # qk_rope_head_dim 8
     # sliding-window layers whose head width is the latent attention's (no-RoPE + RoPE parts)
     "dots3_note_text": dict(head_dim=16), "dots3_note": dict(head_dim=16),
     "diffusion_gemma": dict(num_experts=4, top_k_experts=2, moe_intermediate_size=32),  # defaults are None
@@ -195,11 +197,13 @@ KNOBS = {
     # one input, one recurrent and one output layer (its default derives 36 layers from the 72-entry list)
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_recurrent_layers=1, n_output_layers=1,
                  layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
-    "deepseek_ocr2": dict(mlp_layer_types=["dense", "sparse"]),  # the default (None) names no layer's MLP
+    # the defaults (None) name no layer's MLP and route to no expert
+    "deepseek_ocr2": dict(mlp_layer_types=["dense", "sparse"], num_experts_per_tok=2),
     # multimodal RoPE sections summing to the rotary width / 2 (partial rotary: 8 of the 16 head dims)
     "glm4v": MROPE, "glm46v": MROPE, "glmga": MROPE, "glm_ocr": MROPE, "glm5_next": MROPE,
     "glm4v_moe": dict(rope_parameters=dict(MROPE["rope_parameters"], mrope_section=[1, 1, 2])),
 }
+MEDIA_ID = 2  # the id of an image or vision-start token: one a prompt never holds (it draws ids from 3 up)
 # Gemma 4's drafting assistants: a text config without per-layer inputs, MoE or double-wide MLPs, whose layers
 # all share the key/value cache (5.17 has no default text config; later releases one that fails validation)
 ASSISTANT = dict(text_config=dict(model_type="gemma4_text", hidden_size_per_layer_input=0, vocab_size_per_layer_input=0,
@@ -208,10 +212,20 @@ ASSISTANT = dict(text_config=dict(model_type="gemma4_text", hidden_size_per_laye
 # model type -> fields of the outer config of a nested one (KNOBS go to its text config), given to its default too
 OUTER_KNOBS = {
     "gemma4_assistant": ASSISTANT, "gemma4_unified_assistant": ASSISTANT,
-    # the image-token table (the default is None); a text prompt holds no image token
-    "chameleon": dict(vocabulary_map={"<image>": VOCAB - 1}), "emu3": dict(vocabulary_map={"<image>": VOCAB - 1}),
-    # vision layer -> text layer, and the Q-Former window (the defaults are None)
-    "granite4_vision": dict(deepstack_layer_map=[[1, 1]], downsample_rate="1/2"),
+    # the image-token table (the default is None)
+    "chameleon": dict(vocabulary_map={"<image>": MEDIA_ID}), "emu3": dict(vocabulary_map={"<image>": MEDIA_ID}),
+    # the thinkers' position code reads a vision-start id their configs do not have (their talkers' do)
+    "qwen2_5_omni_thinker": dict(vision_start_token_id=MEDIA_ID),
+    "qwen3_omni_moe_thinker": dict(vision_start_token_id=MEDIA_ID),
+    "diffusion_gemma": dict(vision_config=dict(model_type="gemma4_vision")),  # 5.17's default has none
+    # 5.17's default has neither (later releases: ViT and GPT-2)
+    "vision-encoder-decoder": dict(encoder=dict(model_type="vit"), decoder=dict(model_type="bert"),
+                                   decoder_start_token_id=1),
+    "udop": dict(decoder_start_token_id=1),  # encoder-decoders: the default has no decoder start
+    # 5.17's default text config is Llama's, whose fields Granite's layers do not find (later: Granite's); a
+    # vision layer -> text layer map and a Q-Former window (the defaults are None)
+    "granite4_vision": dict(text_config=dict(model_type="granite"), deepstack_layer_map=[[1, 1]],
+                            downsample_rate="1/2"),
 }
 
 
@@ -221,15 +235,18 @@ def tiny_config(model_type: str, **overrides):
     overrides = dict(KNOBS.get(model_type, {}), **overrides)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        d = cls(**OUTER_KNOBS.get(model_type, {})).to_dict()
+        outer = copy.deepcopy(OUTER_KNOBS.get(model_type, {}))  # some configs pop fields of the dicts given
+        d = cls(**copy.deepcopy(outer)).to_dict()
         kw = shrink(d)
         nested = [k for k in ("text_config", "decoder") if isinstance(d.get(k), dict)]
         for sub in nested:
-            given = OUTER_KNOBS.get(model_type, {}).get(sub, {})  # what the default was given, kept
-            kw[sub] = dict(given, **shrink(d[sub]), model_type=d[sub].get("model_type"), **overrides)
+            given = outer.get(sub, {})  # what the default was given, kept
+            kw[sub] = {**given, **shrink(d[sub]), "model_type": d[sub].get("model_type"), **overrides}
         if not nested:
             kw.update(overrides)
-        kw.update({k: v for k, v in OUTER_KNOBS.get(model_type, {}).items() if k not in nested})
+        # a sub-config among them was given to the default above, and shrunk from there
+        kw.update({k: v for k, v in outer.items()
+                   if not (isinstance(v, dict) and "model_type" in v)})
         return cls(**kw)
 
 

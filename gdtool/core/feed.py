@@ -59,6 +59,11 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         if mode != "eager" or dropout or (isinstance(attn_dropout, float) and attn_dropout > 0):
             raise Unsupported("the model is in training mode (models built from a config start that way) and dropout "
                               "would change every token; call model.eval() first")
+    from transformers import GenerationMixin
+    if not isinstance(model, GenerationMixin):
+        raise Unsupported(f"{name} does not decode with transformers' generate() (it is not a GenerationMixin: its "
+                          "own generate(), if any, is not token-by-token decoding, e.g. block diffusion); gdtool "
+                          "reproduces generate()'s decoding only: use the model's own method")
     if getattr(model.config, "is_encoder_decoder", False):
         raise Unsupported(f"{name} is an encoder-decoder model; gdtool decodes decoder-only causal LMs (use its "
                           "*ForCausalLM class, or generate())")
