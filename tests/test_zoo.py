@@ -105,7 +105,6 @@ IMAGE_TEXT_GENERATE_FAILS = {
     "pp_formulanet": "not enough values to unpack",
     "llama4": "image_outputs|block_sequence_ids",  # its output lacks a field generate() reads (5.17: chunked mask)
     "pi0": "has no attribute 'generate'",           # an action model: no generate() at all
-    "mistral4": "must match the size",  # the tiny config's RoPE width, not generate(): a knob to find
 }
 
 

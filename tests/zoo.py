@@ -161,6 +161,7 @@ KNOBS = {
     "nemotron": dict(num_key_value_heads=2),  # the default (None) breaks the attention's head groups
     "hunyuan_v1_dense": dict(head_dim=16), "hunyuan_v1_moe": dict(head_dim=16),  # default head_dim None
     "ministral": dict(head_dim=16),
+    "mistral4": dict(head_dim=16),  # latent attention with partial RoPE: half of head_dim is qk_rope_head_dim
     # nested attention / FFN configs the shrinker does not enter; the attention config lacks rope_theta
     "dbrx": dict(attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
                  ffn_config=dict(ffn_hidden_size=128)),
