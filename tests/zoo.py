@@ -222,6 +222,11 @@ OUTER_KNOBS = {
     # 5.17's default has neither (later releases: ViT and GPT-2)
     "vision-encoder-decoder": dict(encoder=dict(model_type="vit"), decoder=dict(model_type="bert"),
                                    decoder_start_token_id=1),
+    # 5.17's defaults have no text or audio encoder; the causal-LM class is the decoder alone
+    "musicgen": dict(text_encoder=dict(model_type="t5"), audio_encoder=dict(model_type="encodec"),
+                     decoder=dict(model_type="musicgen_decoder")),
+    "musicgen_melody": dict(text_encoder=dict(model_type="t5"), audio_encoder=dict(model_type="encodec"),
+                            decoder=dict(model_type="musicgen_melody_decoder")),
     "udop": dict(decoder_start_token_id=1),  # encoder-decoders: the default has no decoder start
     # 5.17's default text config is Llama's, whose fields Granite's layers do not find (later: Granite's); a
     # vision layer -> text layer map and a Q-Former window (the defaults are None)
@@ -263,15 +268,20 @@ def build(model_type: str, seed: int = 0, dtype=torch.float32, device=None, imag
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     auto = AutoModelForImageTextToText if image_text else AutoModelForCausalLM
     config = tiny_config(model_type, **overrides)
+    make = auto.from_config
+    model_class = auto._model_mapping[type(config)] if type(config) in auto._model_mapping else None
+    if model_class is not None and not isinstance(config, model_class.config_class) and hasattr(config, "decoder"):
+        # the causal-LM class of a composite model (MusicGen) is its decoder, built from the decoder's config
+        config, make = config.decoder, model_class._from_config
     with torch.device("meta"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        params = sum(p.numel() for p in auto.from_config(config).parameters())
+        params = sum(p.numel() for p in make(config).parameters())
     if params > MAX_PARAMS:
         raise NotTiny(f"{params / 1e6:.0f}M parameters after shrinking")
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = auto.from_config(config, dtype=dtype)
+        model = make(config, dtype=dtype)
     return model.to(device).eval() if device is not None else model.eval()
 
 
