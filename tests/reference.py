@@ -10,7 +10,10 @@ def generate(model, prompt_ids, mask, max_new_tokens, seed=None, **settings):
     out = model.generate(prompt_ids, attention_mask=mask, max_new_tokens=max_new_tokens,
                          cache_implementation="static", disable_compile=True, output_scores=True,
                          return_dict_in_generate=True, **settings)
-    return out.sequences[:, prompt_ids.shape[1]:], out.scores
+    # the new tokens: after the prompt, or (an encoder-decoder) after the decoder's start token; a model whose
+    # own generate() gives no scores (block diffusion) returns what follows the prompt
+    new = len(out.scores) if out.scores is not None else out.sequences.shape[1] - prompt_ids.shape[1]
+    return out.sequences[:, out.sequences.shape[1] - new:], out.scores
 
 
 def decode(model, prompt_ids, mask, max_new_tokens, **kwargs):

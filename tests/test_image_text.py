@@ -81,3 +81,26 @@ def test_xglm_positions_are_read_without_a_host_read_while_decoding():
     assert "forward" not in vars(table)  # put back after decoding
     with compat.capturable_positions(model, cache_len=table.weights.size(0)):  # a table too short keeps its check
         assert "forward" not in vars(table)
+
+
+@pytest.mark.parametrize("model_type", ["mvp", "roformer", "trocr"])
+def test_arange_positions_are_read_without_a_host_read_while_decoding(model_type):
+    """5.17's MVP, RoFormer and TrOCR position tables take `torch.arange(past_length, ...)`, a host read when
+    the past length is the static cache's device counter; while decoding, gdtool adds the same positions to the
+    counter on the device. (Later releases take the positions from the model: nothing is patched there.)"""
+    from gdtool.core import compat
+    model = zoo.build(model_type)
+    tables = [m for m in model.modules() if type(m).__name__ in compat.ARANGE_POSITIONS]
+    if not any(compat._reads_past_length_on_host(table) for table in tables):
+        with compat.capturable_positions(model, cache_len=32):
+            assert not any("forward" in vars(table) for table in tables)
+        return
+    for table in tables:
+        for ids, counter in ((torch.ones(3, 4, dtype=torch.long), 0), (torch.ones(3, 1, dtype=torch.long), torch.tensor(9))):
+            arg = ids.shape if model_type == "roformer" else ids
+            plain, reads = _host_reads(lambda: table(arg, counter))
+            assert reads or isinstance(counter, int)
+            with compat.capturable_positions(model, cache_len=32):
+                patched, reads = _host_reads(lambda: table(arg, counter))
+            assert not reads and torch.equal(patched, plain)
+            assert "forward" not in vars(table)

@@ -1,13 +1,16 @@
 """The few places where supported transformers releases differ (5.17 on the GPU machine, newer on PyPI).
 
 - The cache keyword of a model's forward: `past_key_values` (5.17; `cache_params` for Mamba-family
-  classes, as 5.17's generate() names it) or `cache` (later 5.x).
+  classes, as 5.17's generate() names it) or `cache` (later 5.x); and the keywords generate() hands a
+  cache by (`generate_cache_names`).
 - The static cache: sized like generate() sizes it, and rewound after warm-up.
 - The eager-attention mask: 5.17 makes its 0.0 with `torch.tensor(0.0, device=...)`, a host-to-device
   copy that a CUDA graph cannot capture; later releases use `torch.zeros(())` (`capturable_masks`).
-- XGLM's sinusoidal positions: 5.17 compares `2 + seq_len + cache.get_seq_length()` (a device tensor
-  there) with its table size to grow the table, a host read; the table already covers a cache that fits the
-  model's positions, so while decoding that comparison is skipped (`capturable_positions`).
+- Position tables read at `cache.get_seq_length()`, a device tensor in 5.17 (`capturable_positions`): XGLM
+  compares it with its table size to grow the table, a host read; the table already covers a cache that fits
+  the model's positions, so while decoding that comparison is skipped. MVP, RoFormer and TrOCR take
+  `torch.arange(past_length, past_length + seq_len)`, which reads it on the host; while decoding they take
+  `past_length + torch.arange(seq_len)`, the same positions added on the device.
 - Whether the repetition penalty sees left pads: up to 5.2x generate() penalizes every id of
   `input_ids`, pads included; later releases skip each row's left padding (`prompt_ignore_length`).
 """
@@ -26,6 +29,13 @@ def penalty_sees_left_pads() -> bool:
 
 
 PENALTY_SEES_LEFT_PADS = penalty_sees_left_pads()
+
+
+def generate_cache_names() -> list[str]:
+    """The keywords generate() hands a cache by: `past_key_values` and `cache_params` in 5.17, `cache` later.
+    A forward whose cache keyword is not among them (5.17's XLM names it `cache`) gets no cache from generate()."""
+    from transformers.generation import utils
+    return list(getattr(utils, "ALL_CACHE_NAMES", ["past_key_values", "cache_params"]))
 
 
 def forward_kwargs(model) -> tuple[str, bool]:
@@ -146,31 +156,74 @@ def capturable_masks():
         mapping["eager"] = original
 
 
+# position tables that 5.17 indexes with `torch.arange(past_length, past_length + seq_len)`: class -> whether it is a
+# BART-style learned table (ids shifted by `offset`, one row per batch row) or RoFormer's sinusoidal one
+ARANGE_POSITIONS = {"MvpLearnedPositionalEmbedding": True, "TrOCRLearnedPositionalEmbedding": True,
+                    "RoFormerSinusoidalPositionalEmbedding": False}
+
+
+def _reads_past_length_on_host(module) -> bool:
+    try:
+        source = inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return False
+    return "past_key_values_length, past_key_values_length + seq_len" in source
+
+
+def _xglm_lookup(module, cache_len: int):
+    """XGLM's table lookup without its grow-the-table check, where the table covers the cache; else None."""
+    weights = getattr(module, "weights", None)
+    if not isinstance(weights, torch.Tensor) or weights.size(0) < module.offset + cache_len:
+        return None
+
+    def lookup(position_ids, *cache_length, **named):  # 5.17 and later name the cache length differently
+        bsz, seq_len = position_ids.size()
+        position_ids = position_ids + module.offset
+        return module.weights.index_select(0, position_ids.view(-1)).view(bsz, seq_len, module.weights.shape[-1]).detach()
+    return lookup
+
+
+def _arange_lookup(module, learned: bool):
+    """The table read at `past_length + arange(seq_len)`: the positions `torch.arange(past_length, past_length +
+    seq_len)` gives, without reading a tensor `past_length` on the host."""
+    def lookup(input_ids, past_key_values_length=0, position_ids=None):  # input_ids: RoFormer passes the shape
+        if position_ids is None:
+            bsz, seq_len = (input_ids if isinstance(input_ids, torch.Size) else input_ids.shape)[:2]
+            position_ids = past_key_values_length + torch.arange(seq_len, dtype=torch.long, device=module.weight.device)
+            if learned:
+                position_ids = position_ids.expand(bsz, -1)
+        elif learned:
+            position_ids = position_ids.unsqueeze(0)
+        with torch.no_grad():  # a decode step takes no gradients (RoFormer's forward says so itself)
+            return torch.nn.Embedding.forward(module, position_ids + module.offset if learned else position_ids)
+    return lookup
+
+
 @contextlib.contextmanager
 def capturable_positions(model, cache_len: int):
-    """While decoding, XGLM-style sinusoidal position tables read without their grow-the-table check.
+    """While decoding, position tables read without a host read of the cache's length (see the module doc).
 
-    `XGLMSinusoidalPositionalEmbedding.forward` computes `max_pos = 2 + seq_len + past_key_values_length` and
+    XGLM: `XGLMSinusoidalPositionalEmbedding.forward` computes `max_pos = 2 + seq_len + past_key_values_length` and
     rebuilds its table when `max_pos > table size`. With a static cache, 5.17's `past_key_values_length` is the
     cache's device counter, so the comparison is a host read (`is_nonzero`) that no graph can capture. A decode
     step never needs more than `offset + cache_len` rows, and gdtool validates that prompt + new tokens fit the
     model's positions, so where the table has them the branch is never taken: the lookup alone is the same
-    computation. Tables too short for the cache keep the original forward (and its host read)."""
+    computation. Tables too short for the cache keep the original forward (and its host read).
+
+    MVP, RoFormer, TrOCR (`ARANGE_POSITIONS`), where their forward is 5.17's: `torch.arange` with a tensor start
+    reads it on the host (`item`); `past_length + torch.arange(seq_len)` gives the same int64 positions."""
     patched = []
     for module in model.modules():
-        if type(module).__name__ != "XGLMSinusoidalPositionalEmbedding":
+        name = type(module).__name__
+        if name == "XGLMSinusoidalPositionalEmbedding":
+            lookup = _xglm_lookup(module, cache_len)
+        elif name in ARANGE_POSITIONS and _reads_past_length_on_host(module):
+            lookup = _arange_lookup(module, ARANGE_POSITIONS[name])
+        else:
             continue
-        weights = getattr(module, "weights", None)
-        if not isinstance(weights, torch.Tensor) or weights.size(0) < module.offset + cache_len:
-            continue
-
-        def lookup(position_ids, *cache_length, module=module, **named):  # 5.17 and later name it differently
-            bsz, seq_len = position_ids.size()
-            position_ids = position_ids + module.offset
-            return module.weights.index_select(0, position_ids.view(-1)).view(bsz, seq_len,
-                                                                            module.weights.shape[-1]).detach()
-        module.forward = lookup
-        patched.append(module)
+        if lookup is not None:
+            module.forward = lookup
+            patched.append(module)
     try:
         yield
     finally:

@@ -59,6 +59,11 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         if mode != "eager" or dropout or (isinstance(attn_dropout, float) and attn_dropout > 0):
             raise Unsupported("the model is in training mode (models built from a config start that way) and dropout "
                               "would change every token; call model.eval() first")
+    from transformers import GenerationMixin
+    if not isinstance(model, GenerationMixin):
+        raise Unsupported(f"{name} does not decode with transformers' generate() (it is not a GenerationMixin: its "
+                          "own generate(), if any, is not token-by-token decoding, e.g. block diffusion); gdtool "
+                          "reproduces generate()'s decoding only: use the model's own method")
     if getattr(model.config, "is_encoder_decoder", False):
         raise Unsupported(f"{name} is an encoder-decoder model; gdtool decodes decoder-only causal LMs (use its "
                           "*ForCausalLM class, or generate())")
@@ -67,9 +72,14 @@ def check(model, mode: str, device: torch.device | None = None) -> None:
         raise Unsupported(f"{name} keeps a cache of its own, and generate() decodes it with that cache instead of a "
                           "static one; gdtool decodes over transformers' StaticCache only: use generate()")
     params = inspect.signature(model.forward).parameters
-    if not any(k in params for k in ("cache", "past_key_values", "cache_params")):
-        raise Unsupported(f"{name}'s forward takes no cache, so generate() recomputes the whole sequence at every "
-                          "step; gdtool decodes over a static KV cache only: use generate()")
+    taken = [k for k in ("cache", "past_key_values", "cache_params") if k in params]
+    handed = compat.generate_cache_names()
+    if not any(k in handed for k in taken):
+        # 5.17's XLM names its cache `cache`, which that release's generate() does not hand a cache by
+        named = (f" under a name generate() hands one by ({', '.join(handed[:2])}; it takes {taken[0]!r})"
+                 if taken else "")
+        raise Unsupported(f"{name}'s forward takes no cache{named}, so generate() recomputes the whole sequence at "
+                          "every step; gdtool decodes over a static KV cache only: use generate()")
     if getattr(model.generation_config, "use_cache", True) is False:
         raise Unsupported(f"{name}'s generation config has use_cache=False, so generate() decodes it without a cache "
                           "(the whole sequence every step); set model.generation_config.use_cache = True (and "
