@@ -7,16 +7,19 @@ as markdown: `pass`, `refused (<reason>)`, or why the architecture is not in the
 does not build, or generate() itself cannot decode it). Also rewrites the summary block of README.md
 between its `zoo-summary` markers.
 
-    python profiles/zoo_table.py --out docs/zoo.md --readme README.md       # CPU, about an hour on 2 cores
+    python profiles/zoo_table.py --out docs/zoo.md --readme README.md --jobs 2   # CPU, about an hour on 2 cores
 """
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import re
 import sys
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,33 +77,55 @@ def summary(rows: list[tuple[str, dict]], env: str) -> str:
             + f"; {mismatches} mismatches. Every row, with each refusal's reason: `docs/zoo.md`.")
 
 
+def _quiet() -> None:
+    import torch
+    import transformers
+    torch.set_num_threads(1)   # one process per core: extra threads only wait for each other
+    warnings.filterwarnings("ignore")
+    transformers.logging.set_verbosity_error()
+
+
+def _run(case) -> tuple[str, dict]:
+    name, model_type, overrides, image_text = case
+    return name, outcome(model_type, overrides, image_text=image_text)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="docs/zoo.md", help="markdown table to write")
     parser.add_argument("--readme", default=None, help="README whose zoo-summary block to rewrite")
+    parser.add_argument("--jobs", type=int, default=1, help="architectures run at once, one process each "
+                        "(one torch thread per process)")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs {args.jobs}: give 1 or more")
     warnings.filterwarnings("ignore")
     import torch
     import transformers
     import zoo
     transformers.logging.set_verbosity_error()
     env = f"transformers {transformers.__version__}, torch {torch.__version__}, CPU"
-    rows = []
-    start = time.perf_counter()
+    cases = []
     for model_type in zoo.architectures():
         try:
             variants = zoo.variants(model_type)
         except Exception:  # noqa: BLE001
             variants = [(model_type, {})]
-        for name, overrides in variants:
-            rows.append((name, outcome(model_type, overrides)))
-            print(f"[{time.perf_counter() - start:6.0f} s] {name}: {rows[-1]}", flush=True)
+        cases += [(name, model_type, overrides, False) for name, overrides in variants]
     causal = set(zoo.architectures())
     for model_type in zoo.image_text_architectures():  # fed text only, through the image-text class
         name = f"{model_type}:image-text" if model_type in causal else f"{model_type} (image-text)"
-        rows.append((name, outcome(model_type, {}, image_text=True)))
-        print(f"[{time.perf_counter() - start:6.0f} s] {name}: {rows[-1]}", flush=True)
+        cases.append((name, model_type, {}, True))
+    start = time.perf_counter()
+    found = {}
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_quiet) if args.jobs > 1 else nullcontext() as pool:
+        runs = pool.map(_run, cases) if pool else map(_run, cases)
+        for name, row in runs:
+            found[name] = row
+            print(f"[{time.perf_counter() - start:6.0f} s] {name}: {row}", flush=True)
+    rows = [(name, found[name]) for name, *_ in cases]
     Path(args.out).write_text(render(rows, env))
     if args.readme:
         text = Path(args.readme).read_text()
