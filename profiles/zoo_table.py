@@ -7,7 +7,7 @@ as markdown: `pass`, `refused (<reason>)`, or why the architecture is not in the
 does not build, or generate() itself cannot decode it). Also rewrites the summary block of README.md
 between its `zoo-summary` markers.
 
-    python profiles/zoo_table.py --out docs/zoo.md --readme README.md --jobs 2   # CPU, about an hour on 2 cores
+    python profiles/zoo_table.py --out docs/zoo.md --readme README.md --jobs 2   # CPU, ~4 min on 2 cores
 """
 from __future__ import annotations
 
