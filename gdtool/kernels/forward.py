@@ -239,15 +239,13 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
 def cache_ready(cache, model=None) -> str:
     """'' when the static cache has the layout the kernels write, else why not (checked at trace time:
     the cache's tensors exist once the prefill has run). With the model: its rolling-window layers have
-    rolling cache layers of their window's size, and no other layer has one."""
+    rolling cache layers no longer than their window (other layers' windows cover the cache: `plan`)."""
     layers = compat.cache_layers(cache)
     if model is not None:
-        config = model.config
         for block, layer in zip(model.model.layers, layers):
-            rolling = _rolling(block.self_attn)
-            if rolling != compat.is_sliding(layer) or (rolling and layer.max_cache_len != min(
-                    _window(config, block.self_attn), layer.max_cache_len)):
-                return "a cache whose sliding-window layers are not the model's sliding layers"
+            if _rolling(block.self_attn) and not (compat.is_sliding(layer) and layer.max_cache_len <= _window(
+                    model.config, block.self_attn)):
+                return "a sliding layer whose cache layer is not a rolling window of its size"
     for layer in layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         counter = getattr(layer, "cumulative_length", None)
