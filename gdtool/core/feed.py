@@ -205,17 +205,30 @@ class Windows:
     def __bool__(self) -> bool:
         return bool(self.layers)
 
-    def framed_mask(self, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """[B, C + sum(W)] mask, and the shifted query offsets for this step, from device tensors."""
-        position = index + (self.width - 1)  # slot of the token this forward feeds = tokens already cached
-        parts, query = [mask], []
-        for size, base, _ in self.groups:
+    def _columns(self, mask: torch.Tensor, index: torch.Tensor):
+        """The slot of the token this forward feeds (= tokens already cached), and per window size its
+        first key's position and the [B, W] mask over the W keys its window holds, from device tensors."""
+        position = index + (self.width - 1)
+        out = []
+        for size, _, _ in self.groups:
             offset = (position - size + 1).clamp(min=0)
             columns = torch.arange(size, device=mask.device) + offset
-            parts.append(mask.gather(1, columns.expand(mask.shape[0], size)))
-            query.append(position - offset + base)
+            out.append((offset, mask.gather(1, columns.expand(mask.shape[0], size))))
+        return position, out
+
+    def framed_mask(self, mask: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """[B, C + sum(W)] mask, and the shifted query offsets for this step, from device tensors."""
+        position, columns = self._columns(mask, index)
+        query = [position - offset + base for (offset, _), (_, base, _) in zip(columns, self.groups)]
         self.query, self.position = query, position
-        return torch.cat(parts, dim=1)
+        return torch.cat([mask] + [window for _, window in columns], dim=1)
+
+    def layer_masks(self, mask: torch.Tensor, index: torch.Tensor) -> dict:
+        """{sliding layer index: [B, W] mask over its cache's W slots} for one decoded token: slot k of a
+        window holds the key at position offset + k (before it is full, offset 0; once full, the roll
+        keeps the last W keys in order), so these are the 2-D mask's columns at those positions."""
+        _, columns = self._columns(mask, index)
+        return {i: columns[g][1] for i, g in self.group_of.items()}
 
     @contextlib.contextmanager
     def patched(self, cache):

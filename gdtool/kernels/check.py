@@ -42,12 +42,15 @@ class _Impl:
     references themselves, which then are checked against float64 alone."""
     triton = True
 
-    def gemv(self, x, g, eps, w, w2, r, out_f32, config=None):
+    def gemv(self, x, g, eps, w, w2, r, out_f32, config=None, plus_one=False, act="silu"):
         if self.triton:
-            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config)
+            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config, plus_one=plus_one, act=act)
         if w2 is not None:
-            return gemv.gate_up_reference(x, g, eps, w, w2)
-        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32)
+            return gemv.gate_up_reference(x, g, eps, w, w2, plus_one, act)
+        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32, plus_one)
+
+    def rms_add(self, *args):
+        return (gemv.rms_add if self.triton else gemv.rms_add_reference)(*args)
 
     def qkv_rope(self, *args, config=None):
         if self.triton:
@@ -78,35 +81,54 @@ def _judge(name, shape, dtype, out, ref, exact, note="") -> Result:
     return Result(name, shape, str(dtype).replace("torch.", ""), e, r, tol, ok, note)
 
 
-def _exact_norm(x, g, eps):
+def _exact_norm(x, g, eps, plus_one=False):
     x = x.double()
-    return g.double() * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return (1 + g.double() if plus_one else g.double()) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
 
 
-def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=False, config=None) -> Result:
+def _norm_weight(k, dtype, device, gen, plus_one):
+    """Llama's weights sit near 1; Gemma's (1 + w) weights near 0."""
+    return ((0.0 if plus_one else 1.0) + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+
+
+def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=False, config=None,
+               plus_one=False) -> Result:
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
-    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype) if norm else None
+    g = _norm_weight(k, dtype, device, gen, plus_one) if norm else None
     r = torch.randn(m, n, generator=gen, device=device).to(dtype) if residual else None
-    out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config)
-    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32)
-    xn = _exact_norm(x, g, 1e-5) if norm else x.double()
+    out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config, plus_one=plus_one)
+    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32, plus_one)
+    xn = _exact_norm(x, g, 1e-5, plus_one) if norm else x.double()
     exact = xn @ w.double().T + (r.double() if residual else 0)
-    flags = "".join(f for f, on in (("+norm", norm), ("+res", residual), ("->f32", out_f32)) if on)
+    flags = "".join(f for f, on in (("+norm", norm), ("(1+w)", norm and plus_one), ("+res", residual),
+                                    ("->f32", out_f32)) if on)
     return _judge("rms_gemv" + flags, f"{m}x{k} @ {k}x{n}", dtype, out, ref, exact,
                   "" if config is None else f"config {config}")
 
 
-def check_gate_up(m, n, k, dtype, device, gen, config=None) -> Result:
+def check_gate_up(m, n, k, dtype, device, gen, config=None, plus_one=False, act="silu") -> Result:
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     wg = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
     wu = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
-    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
-    out = _impl.gemv(x, g, 1e-5, wg, wu, None, False, config=config)
-    ref = gemv.gate_up_reference(x, g, 1e-5, wg, wu)
-    xn = _exact_norm(x, g, 1e-5)
-    exact = F.silu(xn @ wg.double().T) * (xn @ wu.double().T)
-    return _judge("gate_up", f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
+    g = _norm_weight(k, dtype, device, gen, plus_one)
+    out = _impl.gemv(x, g, 1e-5, wg, wu, None, False, config=config, plus_one=plus_one, act=act)
+    ref = gemv.gate_up_reference(x, g, 1e-5, wg, wu, plus_one, act)
+    xn = _exact_norm(x, g, 1e-5, plus_one)
+    exact = gemv.activation_reference(xn @ wg.double().T, act) * (xn @ wu.double().T)
+    name = "gate_up" + ("" if act == "silu" else f"+{act}") + ("+(1+w)" if plus_one else "")
+    return _judge(name, f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
+
+
+def check_rms_add(m, n, dtype, device, gen, plus_one=True) -> Result:
+    """residual + RMSNorm(y): Gemma's norms after attention and after the MLP."""
+    y = torch.randn(m, n, generator=gen, device=device).to(dtype)
+    r = torch.randn(m, n, generator=gen, device=device).to(dtype)
+    g = _norm_weight(n, dtype, device, gen, plus_one)
+    out = _impl.rms_add(y, g, 1e-6, r, plus_one)
+    ref = gemv.rms_add_reference(y, g, 1e-6, r, plus_one)
+    exact = r.double() + _exact_norm(y, g, 1e-6, plus_one)
+    return _judge("rms_add" + ("(1+w)" if plus_one else ""), f"{m}x{n}", dtype, out, ref, exact)
 
 
 def _rope_exact(t, cos, sin):
@@ -114,12 +136,12 @@ def _rope_exact(t, cos, sin):
 
 
 def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None, bias=False,
-                   qk_norm=False) -> list[Result]:
+                   qk_norm=False, plus_one=False) -> list[Result]:
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     ws = [(torch.randn(h * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for h in (hq, hkv, hkv)]
-    g = (1 + 0.1 * torch.randn(k, generator=gen, device=device)).to(dtype)
+    g = _norm_weight(k, dtype, device, gen, plus_one)
     biases = tuple(torch.randn(h * d, generator=gen, device=device).to(dtype) for h in (hq, hkv, hkv)) if bias else None
-    norms = (tuple((1 + 0.1 * torch.randn(d, generator=gen, device=device)).to(dtype) for _ in range(2)) + (1e-6,)
+    norms = (tuple(_norm_weight(d, dtype, device, gen, plus_one) for _ in range(2)) + (1e-6,)
              if qk_norm else None)
     positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
@@ -129,15 +151,15 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None,
     mine = [c.clone() for c in caches]
     theirs = [c.clone() for c in caches]
     rope = (positions, inv_freq, scaling)
-    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, biases, norms, config=config)
-    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot, biases, norms)
-    xn = _exact_norm(x, g, 1e-5)
+    q = _impl.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, slot, biases, norms, plus_one, config=config)
+    q_ref = gemv.qkv_rope_reference(x, g, 1e-5, *ws, *rope, *theirs, slot, biases, norms, plus_one)
+    xn = _exact_norm(x, g, 1e-5, plus_one)
     qe, ke, ve = (xn @ w.double().T for w in ws)
     if bias:
         qe, ke, ve = (e + b.double() for e, b in zip((qe, ke, ve), biases))
     qe, ke, ve = qe.view(m, hq, d), ke.view(m, hkv, d), ve.view(m, hkv, d)
     if qk_norm:
-        qe, ke = _exact_norm(qe, norms[0], norms[2]), _exact_norm(ke, norms[1], norms[2])
+        qe, ke = _exact_norm(qe, norms[0], norms[2], plus_one), _exact_norm(ke, norms[1], norms[2], plus_one)
     freqs = (positions.float() * inv_freq[None, :]).double()  # the angle is defined in float32 (HF's)
     emb = torch.cat((freqs, freqs), -1)
     c, s = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
@@ -147,7 +169,7 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None,
     others = torch.ones(cache_len, dtype=torch.bool, device=device)
     others[i] = False
     untouched = all(torch.equal(a[:, :, others], b[:, :, others]) for a, b in zip(mine, caches))
-    name = "qkv_rope" + ("+bias" if bias else "") + ("+qk_norm" if qk_norm else "")
+    name = "qkv_rope" + ("+bias" if bias else "") + ("+qk_norm" if qk_norm else "") + ("(1+w)" if plus_one else "")
     shape = f"{m}x{k}, heads {hq}/{hkv}x{d}, cache {cache_len}"
     results = [_judge(f"{name}: q", shape, dtype, q, q_ref, qe),
                _judge(f"{name}: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
@@ -226,6 +248,15 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_gate_up(m, 40, 64, dtype, device, gen, config=(4, 4, 2)))
         results += check_qkv_rope(m, 64, 4, 2, 16, 9, dtype, device, gen)
     results += check_qkv_rope(16, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True)
+    # Gemma 3: the (1 + w) norms (input, per-head q/k, the post norms + residual), GELU-tanh gate/up
+    for m in (1, 3, 6):
+        results.append(check_gemv(m, 96, 128, dtype, device, gen, True, False, True, config=(4, 4, 2), plus_one=True))
+        results.append(check_gate_up(m, 40, 64, dtype, device, gen, config=(4, 4, 2), plus_one=True, act="gelu_tanh"))
+        results.append(check_rms_add(m, 96, dtype, device, gen))
+    results.append(check_gate_up(2, 40, 64, dtype, device, gen, config=(4, 4, 2), act="gelu_tanh"))
+    results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True, plus_one=True)
+    results += check_qkv_rope(3, 128, 4, 1, 32, 9, dtype, device, gen, qk_norm=True, plus_one=True,
+                              config=(16, 4, 2, 32))                                         # chunks of K
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
     results.append(check_argmax(3, 5000, device, gen))
@@ -244,6 +275,14 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_attention(m, 32, 8, 128, 384, 200, dtype, device, gen))
             results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)  # Qwen3-8B
             results += check_qkv_rope(m, 896, 14, 2, 64, 384, dtype, device, gen, bias=True)       # Qwen2.5-0.5B
+            # Gemma-3-1B: hidden 1152 (not a power of two), 4/1 heads x 256, GELU-tanh MLP 6912, tied 262k lm_head
+            results += check_qkv_rope(m, 1152, 4, 1, 256, 512, dtype, device, gen, qk_norm=True, plus_one=True)
+            results.append(check_gemv(m, 1152, 1024, dtype, device, gen, False, False, False))   # o
+            results.append(check_rms_add(m, 1152, dtype, device, gen))
+            results.append(check_gate_up(m, 6912, 1152, dtype, device, gen, plus_one=True, act="gelu_tanh"))
+            results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
+            results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))
+            results.append(check_attention(m, 4, 1, 256, 512, 300, dtype, device, gen, pad=7 * (m > 1)))
         for m in (8, 16):
             results.append(check_gemv(m, 4096, 4096, dtype, device, gen, False, True, False))
             results.append(check_gemv(m, 151936, 4096, dtype, device, gen, True, False, True))

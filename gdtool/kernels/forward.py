@@ -25,6 +25,17 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
               no key ever leaves it), refused otherwise
     Qwen2     q/k/v biases (nn.Linear's own), added to the product before RoPE
     Qwen3     q_norm / k_norm: per-head RMSNorm of q and k before RoPE, fused into qkv_rope
+    Gemma 3   the (1 + w) RMSNorm (a flag of every norm), norms after attention and after the MLP
+              (`rms_add`: residual + norm, 2 more kernels per layer), GELU-tanh gate/up, the scaled
+              embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding
+              layers whose window rolls (`StaticSlidingWindowLayer`: below)
+
+Sliding-window cache layers (Gemma 3's local layers) hold the last W keys. Until the window is full a
+token goes to the slot the layer's tensor counter names, as in a full layer; once full, HF's update
+rolls the window left by one and writes the last slot (and leaves the tensor counter alone). The
+forward takes the same branch on the same Python counter (`cumulative_length_int`, which gdtool pins per
+window phase for a captured graph), rolls the same way, writes slot W - 1 and attends over all W slots,
+masked by the 2-D mask's columns at the window's positions (`core.feed.Windows.layer_masks`).
 
 `plan(model, batch, cache_len)` says whether it applies, which path runs at this batch
 (`BATCH_PATHS`) and why not: transformers' own modules of one of those families (RMSNorm, SiLU MLP, no
@@ -45,7 +56,13 @@ from . import triton as fast_triton  # not the triton package itself
 
 # Causal-LM classes whose decoder layer runs Llama's sequence; the module classes checked are the
 # family's own (`<Prefix>DecoderLayer`, `<Prefix>MLP`, `<Prefix>RMSNorm`), found beside the model class.
-FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+# RMSNorm classes that scale by (1 + weight) in float32 and round once (the kernels' `plus_one`)
+PLUS_ONE_NORMS = ("Gemma3RMSNorm",)
+# the MLP's activation module -> the gate/up kernel's activation
+ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUTanh": "gelu_tanh"}
+# embedding modules: nn.Embedding's lookup, or Gemma's lookup times its embed_scale (run as HF's module)
+EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 
 # Which forward runs at which batch, in one place: (largest batch, path, why). Read top to bottom, the
 # first row whose batch covers the step's wins. At one row a decode step reads every weight byte for one
@@ -85,6 +102,36 @@ def _family(model):
     return sys.modules[type(model).__module__], name[: -len("ForCausalLM")]
 
 
+def _eps(norm) -> float:
+    return norm.variance_epsilon if hasattr(norm, "variance_epsilon") else norm.eps
+
+
+def _activation(mlp):
+    """The gate/up kernel's activation for HF's act_fn module, or None."""
+    act = getattr(mlp, "act_fn", None)
+    name = ACTIVATIONS.get(type(act).__name__)
+    if name == "gelu_tanh" and getattr(act, "act", None) is not None and \
+            getattr(act.act, "keywords", {}).get("approximate") != "tanh":
+        return None  # GELUTanh's Python formula (use_gelu_tanh_python): other roundings
+    return name
+
+
+def _rope(rotary, attn):
+    """(inv_freq, attention_scaling, rope type) of the layer: HF's single rotary embedding, or Gemma 3's
+    per layer type (`{layer_type}_inv_freq`)."""
+    if isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        return rotary.inv_freq, getattr(rotary, "attention_scaling", None), getattr(rotary, "rope_type", "default")
+    kind = getattr(attn, "layer_type", None)
+    types = getattr(rotary, "rope_type", None)
+    return (getattr(rotary, f"{kind}_inv_freq", None), getattr(rotary, f"{kind}_attention_scaling", None),
+            types.get(kind, "default") if isinstance(types, dict) else "default")
+
+
+def _rolling(attn) -> bool:
+    """A layer whose cache is a rolling window (HF's StaticSlidingWindowLayer for layer_types' sliding layers)."""
+    return getattr(attn, "layer_type", None) == "sliding_attention"
+
+
 def _window(config, attn):
     """The layer's sliding window, or None: the attention's own attribute (Qwen2/3 set it per layer type),
     else the config's (Mistral reads it there)."""
@@ -114,16 +161,16 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             return Plan(False, f"{param.dtype} weights on CUDA (bf16 or fp16 only)")
     elif not fast_triton.interpreting() and param.device.type != "cpu":
         return Plan(False, f"device {param.device.type}")
-    if getattr(config, "hidden_act", "silu") != "silu" or getattr(config, "mlp_bias", False) \
-            or getattr(config, "pretraining_tp", 1) != 1:
-        return Plan(False, "activation other than SiLU, MLP biases, or tensor-parallel slicing")
+    if getattr(config, "mlp_bias", False) or getattr(config, "pretraining_tp", 1) != 1:
+        return Plan(False, "MLP biases or tensor-parallel slicing")
+    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if getattr(config, name, None) is not None:
+            return Plan(False, f"{name}={getattr(config, name)} (the kernels have no soft-capping; Gemma 3 sets none)")
+    if getattr(config, "use_bidirectional_attention", False):
+        return Plan(False, "bidirectional attention (the kernels attend causally)")
+    if type(inner.embed_tokens).__name__ not in EMBEDDINGS:
+        return Plan(False, f"embedding {type(inner.embed_tokens).__name__} (the kernels know {', '.join(EMBEDDINGS)})")
     rotary = inner.rotary_emb
-    rope = getattr(rotary, "rope_type", "default")
-    if "dynamic" in rope or "longrope" in rope:
-        return Plan(False, f"RoPE type {rope!r} changes with the sequence length")
-    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor) or \
-            not isinstance(getattr(rotary, "attention_scaling", None), (int, float)):
-        return Plan(False, "a rotary embedding without inv_freq and attention_scaling")
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers:
         return Plan(False, "the model runs a subset of its layers")
@@ -133,6 +180,24 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
         if type(layer) is not layer_cls or type(mlp) is not mlp_cls \
                 or type(layer.input_layernorm) is not norm_cls or type(layer.post_attention_layernorm) is not norm_cls:
             return Plan(False, f"decoder layers other than transformers' {prefix} layers")
+        sandwich = [getattr(layer, n, None) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        if any(m is not None and type(m) is not norm_cls for m in sandwich) or (sandwich[0] is None) != (sandwich[1] is None):
+            return Plan(False, f"norms around the MLP other than two {prefix}RMSNorm")
+        if sandwich[0] is not None:
+            features.add("post norms")
+        if type(layer.input_layernorm).__name__ in PLUS_ONE_NORMS:
+            features.add("(1 + w) norms")
+        act = _activation(mlp)
+        if act is None:
+            return Plan(False, f"activation {type(getattr(mlp, 'act_fn', None)).__name__} (the kernels have SiLU and "
+                               "GELU's tanh form)")
+        if act != "silu":
+            features.add(act)
+        inv_freq, scaling, rope = _rope(rotary, attn)
+        if "dynamic" in rope or "longrope" in rope:
+            return Plan(False, f"RoPE type {rope!r} changes with the sequence length")
+        if not isinstance(inv_freq, torch.Tensor) or not isinstance(scaling, (int, float)):
+            return Plan(False, "a rotary embedding without inv_freq and attention_scaling")
         linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         if any(type(m) is not torch.nn.Linear or not m.weight.is_contiguous() for m in linears):
             return Plan(False, "projections that are not plain, contiguous nn.Linear")
@@ -143,12 +208,13 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             features.add("q/k/v biases")
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if q_norm is not None or k_norm is not None:
-            if type(q_norm) is not norm_cls or type(k_norm) is not norm_cls \
-                    or q_norm.variance_epsilon != k_norm.variance_epsilon:
+            if type(q_norm) is not norm_cls or type(k_norm) is not norm_cls or _eps(q_norm) != _eps(k_norm):
                 return Plan(False, f"q/k norms other than two {prefix}RMSNorm of one epsilon")
             features.add("q/k norm")
         window = _window(config, attn)
-        if window is not None:
+        if window is not None and _rolling(attn):
+            features.add(f"sliding window {window}")
+        elif window is not None:
             if cache_len is None or window < cache_len:
                 return Plan(False, f"sliding window {window} shorter than the cache ({cache_len} slots): the kernels "
                                    "attend over every live slot (a cache no longer than the window runs them)")
@@ -170,10 +236,17 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
                 len(layers))
 
 
-def cache_ready(cache) -> str:
+def cache_ready(cache, model=None) -> str:
     """'' when the static cache has the layout the kernels write, else why not (checked at trace time:
-    the cache's tensors exist once the prefill has run)."""
-    for layer in compat.cache_layers(cache):
+    the cache's tensors exist once the prefill has run). With the model: its rolling-window layers have
+    rolling cache layers no longer than their window (other layers' windows cover the cache: `plan`)."""
+    layers = compat.cache_layers(cache)
+    if model is not None:
+        for block, layer in zip(model.model.layers, layers):
+            if _rolling(block.self_attn) and not (compat.is_sliding(layer) and layer.max_cache_len <= _window(
+                    model.config, block.self_attn)):
+                return "a sliding layer whose cache layer is not a rolling window of its size"
+    for layer in layers:
         keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
         counter = getattr(layer, "cumulative_length", None)
         if keys is None or values is None or keys.dim() != 4 or not keys.is_contiguous() \
@@ -184,30 +257,67 @@ def cache_ready(cache) -> str:
     return ""
 
 
-def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """float32 logits [B, V] of one decode step (tokens, positions [B, 1]; mask [B, C] over the cache slots),
-    writing each layer's key and value at its counter's slot and advancing the counters, as HF's does.
-    Runs eagerly: every line below is one kernel (the embedding, the counters' update) or a call of
-    gdtool's kernels."""
+_LAST_SLOTS: dict = {}  # (device, W): a [] tensor W - 1, the slot a full window writes (kept: graphs read it)
+
+
+def _last_slot(layer) -> torch.Tensor:
+    key = (layer.keys.device, layer.max_cache_len)
+    if key not in _LAST_SLOTS:
+        _LAST_SLOTS[key] = torch.tensor(layer.max_cache_len - 1, device=layer.keys.device)
+    return _LAST_SLOTS[key]
+
+
+def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+            window_masks: dict | None = None) -> torch.Tensor:
+    """float32 logits [B, V] of one decode step (tokens, positions [B, 1]; mask [B, C] over the cache slots;
+    window_masks {layer index: [B, W]} for the sliding layers, `core.feed.Windows.layer_masks`), writing each
+    layer's key and value where HF's update writes them and advancing the counters as it does.
+    Runs eagerly: every line below is one kernel (the embedding, the counters' update, a full window's
+    roll) or a call of gdtool's kernels."""
     inner = model.model
     rotary = inner.rotary_emb
-    h = F.embedding(tokens[:, 0], inner.embed_tokens.weight)          # [B, H]
+    h = inner.embed_tokens(tokens[:, 0])                          # [B, H]: HF's lookup (and Gemma's scale)
     layers = compat.cache_layers(cache)
-    for block, layer in zip(inner.layers, layers):
+    counters = []
+    for i, (block, layer) in enumerate(zip(inner.layers, layers)):
         attn, mlp = block.self_attn, block.mlp
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
-        counter = layer.cumulative_length                   # this step's slot, before HF's update adds 1
+        plus_one = type(norm1).__name__ in PLUS_ONE_NORMS
+        slot, layer_mask = layer.cumulative_length, mask   # this step's slot, before the update adds 1
+        if compat.is_sliding(layer):
+            full = layer.cumulative_length_int >= layer.max_cache_len
+            layer.cumulative_length_int += 1                # HF's update counts every token
+            layer_mask = window_masks[i]
+            if full:  # HF's full-window update: roll left by one, the new key in the last slot, all W live
+                layer.keys.copy_(layer.keys.roll(-1, dims=-2))
+                layer.values.copy_(layer.values.roll(-1, dims=-2))
+                slot = _last_slot(layer)
+        if slot is layer.cumulative_length:
+            counters.append(slot)
         biases = (attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias) if attn.q_proj.bias is not None else None
-        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon) \
+        qk_norm = (attn.q_norm.weight, attn.k_norm.weight, _eps(attn.q_norm)) \
             if getattr(attn, "q_norm", None) is not None else None
-        q = ops.qkv_rope(h, norm1.weight, norm1.variance_epsilon, attn.q_proj.weight, attn.k_proj.weight,
-                         attn.v_proj.weight, positions, rotary.inv_freq, rotary.attention_scaling,
-                         layer.keys, layer.values, counter, biases, qk_norm)
-        o = ops.decode_attention(q, layer.keys, layer.values, mask, counter, attn.scaling)
-        h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
-        a = ops.rms_gemv(h, norm2.weight, norm2.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
-                         None, False)
-        h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
-    torch._foreach_add_([layer.cumulative_length for layer in layers], 1)
+        inv_freq, scaling, _ = _rope(rotary, attn)
+        q = ops.qkv_rope(h, norm1.weight, _eps(norm1), attn.q_proj.weight, attn.k_proj.weight,
+                         attn.v_proj.weight, positions, inv_freq, scaling,
+                         layer.keys, layer.values, slot, biases, qk_norm, plus_one)
+        o = ops.decode_attention(q, layer.keys, layer.values, layer_mask, slot, attn.scaling)
+        act = _activation(mlp)
+        post_mlp = getattr(block, "post_feedforward_layernorm", None)
+        if post_mlp is not None:  # Gemma: norm after attention and after the MLP, then the residual add
+            pre_mlp = block.pre_feedforward_layernorm
+            h = ops.rms_add(ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, None, False), norm2.weight,
+                            _eps(norm2), h, plus_one)
+            a = ops.rms_gemv(h, pre_mlp.weight, _eps(pre_mlp), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
+                             plus_one, act)
+            h = ops.rms_add(ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, None, False), post_mlp.weight,
+                            _eps(post_mlp), h, plus_one)
+        else:
+            h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
+            a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
+                             plus_one, act)
+            h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
+    torch._foreach_add_(counters, 1)  # a full window's counter stays (HF's update leaves it)
     norm = inner.norm
-    return ops.rms_gemv(h, norm.weight, norm.variance_epsilon, model.lm_head.weight, None, None, True)
+    return ops.rms_gemv(h, norm.weight, _eps(norm), model.lm_head.weight, None, None, True,
+                        type(norm).__name__ in PLUS_ONE_NORMS)

@@ -8,10 +8,17 @@ or a few wide tiles (16-byte loads, issued before anything waits), with enough p
 every multiprocessor's loads in flight, and fold in the small operations around the product:
 
     rms_gemv    y = [RMSNorm](x) @ W.T  [+ residual]       (o, down and lm_head: one kernel each)
-    gate_up     a = silu(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side)
-    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3];
-                RoPE on q and k (angles computed in the kernel from the positions, as HF's rotary
-                embedding computes them); k and v written to the cache slot
+    gate_up     a = act(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side; act: SiLU,
+                or GELU's tanh form for Gemma)
+    qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3,
+                Gemma 3]; RoPE on q and k (angles computed in the kernel from the positions, as HF's
+                rotary embedding computes them); k and v written to the cache slot
+    rms_add     h = residual + RMSNorm(y)                 (Gemma's norms after attention and the MLP:
+                                                           a norm over a whole output row, its own kernel)
+
+Two RMSNorms (`plus_one`): Llama's rounds x * rstd to the model dtype, then multiplies by the weight
+(rounded again); Gemma's multiplies x * rstd by (1 + weight) in float32 and rounds once. Every norm
+above takes either, a flag of the kernel, not a kernel of its own.
 
 Rows: a weight tile, once loaded, serves every batch row; the rows are multiplied in passes of
 `ROWS_PER_PASS` (the x rows of a pass re-read from L1/L2, the weights not), so that 8 or 16 rows
@@ -36,24 +43,41 @@ ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the regist
 
 # -- torch references: HF's eager arithmetic, rounding point for rounding point ---------------------
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """LlamaRMSNorm.forward."""
+ACTIVATIONS = {"silu": 0, "gelu_tanh": 1}  # gate/up's activation -> the kernel's ACT flag
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, plus_one: bool = False) -> torch.Tensor:
+    """LlamaRMSNorm.forward; plus_one: Gemma3RMSNorm.forward (times 1 + weight in float32, one rounding)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if plus_one:
+        return (xf * (1.0 + weight.float())).to(x.dtype)
     return weight * xf.to(x.dtype)
 
 
-def rms_gemv_reference(x, norm_weight, eps, weight, residual=None, out_f32=False):
-    n = rms_norm_reference(x, norm_weight, eps) if norm_weight is not None else x
+def activation_reference(x: torch.Tensor, act: str) -> torch.Tensor:
+    """ACT2FN["silu"] or ACT2FN["gelu_pytorch_tanh"] (F.gelu's tanh approximation)."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"act={act!r}: one of {', '.join(ACTIVATIONS)}")
+    return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
+
+
+def rms_gemv_reference(x, norm_weight, eps, weight, residual=None, out_f32=False, plus_one=False):
+    n = rms_norm_reference(x, norm_weight, eps, plus_one) if norm_weight is not None else x
     y = F.linear(n, weight)
     if residual is not None:
         y = residual + y
     return y.float() if out_f32 else y
 
 
-def gate_up_reference(x, norm_weight, eps, gate_weight, up_weight):
-    n = rms_norm_reference(x, norm_weight, eps)
-    return F.silu(F.linear(n, gate_weight)) * F.linear(n, up_weight)
+def gate_up_reference(x, norm_weight, eps, gate_weight, up_weight, plus_one=False, act="silu"):
+    n = rms_norm_reference(x, norm_weight, eps, plus_one)
+    return activation_reference(F.linear(n, gate_weight), act) * F.linear(n, up_weight)
+
+
+def rms_add_reference(y, norm_weight, eps, residual, plus_one=False):
+    """residual + RMSNorm(y): Gemma's post-attention and post-feedforward norms and the residual add."""
+    return residual + rms_norm_reference(y, norm_weight, eps, plus_one)
 
 
 def rotate_half(x):
@@ -69,23 +93,23 @@ def rope_angles_reference(positions, inv_freq, scaling, dtype):
 
 
 def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
-                       biases=None, qk_norm=None):
+                       biases=None, qk_norm=None, plus_one=False):
     """Returns q [B, Hq, D] after RoPE; writes k (after RoPE) and v at `slot` of the [B, Hkv, C, D] caches.
     positions [B, 1] int, inv_freq [D / 2] and scaling: HF's rotary embedding's buffer and factor.
     biases: (bq, bk, bv) of the projections (Qwen2), or None. qk_norm: (q weight, k weight, eps) of
-    the per-head RMSNorm before RoPE (Qwen3), or None."""
+    the per-head RMSNorm before RoPE (Qwen3, Gemma 3), or None. plus_one: both norms are Gemma's."""
     b = x.shape[0]
     d = k_cache.shape[-1]
     cos, sin = rope_angles_reference(positions, inv_freq, scaling, x.dtype)
-    n = rms_norm_reference(x, norm_weight, eps)
+    n = rms_norm_reference(x, norm_weight, eps, plus_one)
     bq, bk, bv = biases if biases is not None else (None, None, None)
     q = F.linear(n, wq, bq).view(b, -1, d)
     k = F.linear(n, wk, bk).view(b, -1, d)
     v = F.linear(n, wv, bv).view(b, -1, d)
     if qk_norm is not None:
         q_weight, k_weight, qk_eps = qk_norm
-        q = rms_norm_reference(q, q_weight, qk_eps)
-        k = rms_norm_reference(k, k_weight, qk_eps)
+        q = rms_norm_reference(q, q_weight, qk_eps, plus_one)
+        k = rms_norm_reference(k, k_weight, qk_eps, plus_one)
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
@@ -99,28 +123,65 @@ def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, sca
 
 if HAVE_TRITON:
     @triton.jit
-    def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr):
+    def _scale_norm(xf, rstd, g, out_ty, PLUS_ONE: tl.constexpr):
+        """The normalized value in the model dtype from float32 x, rstd and the weight g, with HF's
+        roundings: Llama's (x * rstd -> model dtype, times the weight -> model dtype) or, PLUS_ONE,
+        Gemma's (x * rstd * (1 + weight) in float32 -> model dtype)."""
+        if PLUS_ONE:
+            return (xf * rstd * (1.0 + g.to(tl.float32))).to(out_ty)
+        return (g.to(tl.float32) * (xf * rstd).to(out_ty).to(tl.float32)).to(out_ty)
+
+    @triton.jit
+    def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr,
+                    PLUS_ONE: tl.constexpr):
         """x [ROWS, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
-        with HF's roundings where NORM (x * rstd in float32 -> model dtype, times the weight -> model dtype)."""
+        with HF's roundings where NORM (`_scale_norm`)."""
         x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
             g = tl.load(g_ptr + k3, mask=k3 < K, other=0.0)
-            x = (g.to(tl.float32) * (xf * rstd).to(x.dtype).to(tl.float32)).to(x.dtype)
+            x = _scale_norm(xf, rstd, g, x.dtype, PLUS_ONE)
         return x
+
+    @triton.jit
+    def _activation(gate, ACT: tl.constexpr):
+        """float32 SiLU (ACT 0) or GELU's tanh form (ACT 1, as F.gelu(approximate="tanh")) of float32 gate."""
+        if ACT == 0:
+            return gate / (1.0 + tl.exp(-gate))
+        inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        t = tl.exp(-2.0 * tl.abs(inner))           # tanh from exp, stable for either sign
+        th = (1.0 - t) / (1.0 + t)
+        th = tl.where(inner >= 0, th, -th)
+        return 0.5 * gate * (1.0 + th)
+
+    @triton.jit
+    def _rms_add_kernel(y_ptr, g_ptr, res_ptr, out_ptr, stride_y, stride_res, stride_out, eps,
+                        N: tl.constexpr, BLOCK_N: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+        # one program per row: the norm needs the whole row, which the product before it spread over programs
+        row = tl.program_id(0)
+        n = tl.arange(0, BLOCK_N)
+        g = tl.load(g_ptr + n, mask=n < N, other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        y = tl.load(y_ptr + row * stride_y + n, mask=n < N, other=0.0)
+        yf = y.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(yf * yf, axis=0) / N + eps)
+        normed = _scale_norm(yf, rstd, g, y.dtype, PLUS_ONE)
+        r = tl.load(res_ptr + row * stride_res + n, mask=n < N, other=0.0)
+        tl.store(out_ptr + row * stride_out + n, (r.to(tl.float32) + normed.to(tl.float32)).to(y.dtype), mask=n < N)
 
     @triton.jit
     def _gemv_tile_out(x, w, w2, t, r0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
                        GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, ACT: tl.constexpr):
         """Rows r0 .. r0 + ROWS of tile t: the product (gate/up: silu(gate) * up), the residual, the store."""
         out_ty = x_ptr.dtype.element_ty
         y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2).to(out_ty)      # [ROWS, BLOCK_N]
-        if GATE_UP:  # F.silu(gate) * up, each rounded as eager rounds it
+        if GATE_UP:  # act(gate) * up, each rounded as eager rounds it
             up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
-            gate = y.to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate))).to(out_ty)
+            a = _activation(y.to(tl.float32), ACT).to(out_ty)
             y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
         rm2 = r0 + tl.arange(0, ROWS)[:, None]
         rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
@@ -138,7 +199,7 @@ if HAVE_TRITON:
                          M, N, stride_x, stride_res, stride_y, eps, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
         # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
         # normalized) once per program; more passes: each pass's rows are read again per tile (from
@@ -158,7 +219,7 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if PASSES == 1:
-            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM)
+            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
             n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
@@ -168,12 +229,13 @@ if HAVE_TRITON:
                 w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
             if PASSES == 1:
                 _gemv_tile_out(x, w, w2, t, 0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                               GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N)
+                               GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             else:
                 for p in tl.static_range(PASSES):
-                    xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM)
+                    xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
+                                     PLUS_ONE)
                     _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                                   GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N)
+                                   GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             w = w_next
             w2 = w2_next
 
@@ -198,7 +260,7 @@ if HAVE_TRITON:
     def _qkv_finish(y1, y2, h, d1, live, r0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
                     q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                    BIAS: tl.constexpr, QK_NORM: tl.constexpr):
+                    BIAS: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
         """Rows r0 .. r0 + ROWS of one tile's float32 sums y1, y2 [ROWS, HB] (dims d1 and d1 + D/2 of head
         h; live: whether the tile exists): bias, per-head norm, RoPE, each rounded as eager rounds it;
         q stored, k and v written at the cache slot."""
@@ -224,10 +286,10 @@ if HAVE_TRITON:
                     g_base = gq_ptr
                 else:
                     g_base = gk_ptr
-                g1 = tl.load(g_base + d1).to(tl.float32)[None, :]
-                g2 = tl.load(g_base + d2).to(tl.float32)[None, :]
-                y1 = (g1 * (y1 * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
-                y2 = (g2 * (y2 * rstd).to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+                g1 = tl.load(g_base + d1)[None, :]
+                g2 = tl.load(g_base + d2)[None, :]
+                y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
+                y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
             # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
             # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
             # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
@@ -261,7 +323,7 @@ if HAVE_TRITON:
                               ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
-                              QK_NORM: tl.constexpr, PDL: tl.constexpr):
+                              QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -276,7 +338,7 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if PASSES == 1:
-                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True).to(tl.float32)
+                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True, PLUS_ONE).to(tl.float32)
             slot = tl.load(slot_ptr)
             for i in range(ITERS):
                 t = pid + i * nprog
@@ -292,12 +354,12 @@ if HAVE_TRITON:
                         xp = x
                     else:
                         xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
-                                         True).to(tl.float32)
+                                         True, PLUS_ONE).to(tl.float32)
                     y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
                     y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                                 pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
-                                HQ, HKV, D, ROWS, BIAS, QK_NORM)
+                                HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE)
                 h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
         else:
             # K in KSPLIT chunks of BLOCK_K (a whole head per tile, HB = D / 2, for the per-head norm: too
@@ -325,12 +387,12 @@ if HAVE_TRITON:
                     w2 = tl.load(p2 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
                     xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
                     g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
-                    xn = (g.to(tl.float32) * (xr.to(tl.float32) * rstd).to(xr.dtype).to(tl.float32)).to(xr.dtype)
+                    xn = _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE)
                     y1 += tl.sum(xn.to(tl.float32) * w1, axis=2)
                     y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
                 _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                             pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
-                            HQ, HKV, D, ROWS, BIAS, QK_NORM)
+                            HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE)
 
 
 # -- launch configurations ------------------------------------------------------------------------
@@ -370,7 +432,8 @@ def _row_passes(m: int) -> tuple[int, int]:
     return rows, block_m // rows
 
 
-def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None):
+def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None, plus_one=False,
+             act="silu"):
     """Triton `rms_gemv` / `gate_up` (weight2 given): x [M, K] (M <= MAX_ROWS) -> [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
@@ -386,9 +449,20 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight, res, y,
         m, n, x.stride(0), res.stride(0), y.stride(0), float(eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
-        OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), num_warps=warps,
-        **launch_options(x.device))
+        OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
+        ACT=ACTIVATIONS[act], num_warps=warps, **launch_options(x.device))
     return y
+
+
+def rms_add(y, norm_weight, eps, residual, plus_one=False):
+    """Triton `rms_add`: same arguments and result as `rms_add_reference` (y, residual [M, N])."""
+    m, n = y.shape
+    out = torch.empty_like(residual)
+    block_n = next_pow2(n)
+    _rms_add_kernel[(m,)](y, norm_weight, residual, out, y.stride(0), residual.stride(0), out.stride(0), float(eps),
+                          N=n, BLOCK_N=block_n, PLUS_ONE=bool(plus_one), num_warps=8 if block_n >= 2048 else 4,
+                          **launch_options(y.device))
+    return out
 
 
 def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[int, int, int, int]:
@@ -404,7 +478,7 @@ def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
-             biases=None, qk_norm=None, config=None):
+             biases=None, qk_norm=None, plus_one=False, config=None):
     """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
@@ -426,6 +500,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
         x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_cache, v_cache, slot,
         m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), float(qk_eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
-        BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None, num_warps=warps,
+        BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None,
+        PLUS_ONE=bool(plus_one), num_warps=warps,
         **launch_options(x.device))
     return q

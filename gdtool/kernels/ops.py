@@ -5,12 +5,14 @@ interpreter (TRITON_INTERPRET=1, the CPU tests); otherwise (a CPU build of torch
 reference runs, with the same arguments and result. The fast decode forward calls these eagerly
 (no torch.compile around them): captured in gdtool's graph, a call costs its kernel alone.
 
-    rms_gemv(x, norm_weight?, eps, weight, weight2?, residual?, out_f32)  -> [M, N]  (weight2: gate/up)
+    rms_gemv(x, norm_weight?, eps, weight, weight2?, residual?, out_f32, plus_one, act)  -> [M, N]
+                                                                          (weight2: gate/up, act its activation)
     qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot,
-             biases?, qk_norm?)                                           -> q  (biases: Qwen2; qk_norm: Qwen3)
+             biases?, qk_norm?, plus_one)                                 -> q  (biases: Qwen2; qk_norm: Qwen3, Gemma 3)
+    rms_add(y, norm_weight, eps, residual, plus_one)                       -> residual + RMSNorm(y)  (Gemma 3)
     decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
-(`!`: written in place, at the cache slot.)
+(`!`: written in place, at the cache slot. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.)
 """
 from __future__ import annotations
 
@@ -18,21 +20,27 @@ from . import attention, gemv, sampling
 from .triton import usable
 
 
-def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32):
+def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=False, act="silu"):
     if usable(x, weight):
-        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32)
+        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=plus_one, act=act)
     if weight2 is not None:
-        return gemv.gate_up_reference(x, norm_weight, eps, weight, weight2)
-    return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32)
+        return gemv.gate_up_reference(x, norm_weight, eps, weight, weight2, plus_one, act)
+    return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32, plus_one)
+
+
+def rms_add(y, norm_weight, eps, residual, plus_one=False):
+    if usable(y, residual):
+        return gemv.rms_add(y, norm_weight, eps, residual, plus_one)
+    return gemv.rms_add_reference(y, norm_weight, eps, residual, plus_one)
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
-             qk_norm=None):
+             qk_norm=None, plus_one=False):
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                             slot, biases, qk_norm)
+                             slot, biases, qk_norm, plus_one)
     return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
-                                   v_cache, slot, biases, qk_norm)
+                                   v_cache, slot, biases, qk_norm, plus_one)
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):

@@ -192,12 +192,13 @@ class CompiledStep(Step):
         if self._compiled is None and not self._cache_checked:
             # the cache's tensors exist once the prefill has run: check their layout on first use
             self._cache_checked = True
-            why = forward.cache_ready(self.cache)
+            why = forward.cache_ready(self.cache, self.model)
             if why:
                 self.fast_plan = forward.Plan(False, why)
                 return self.forward()
         s = self.state
-        return forward.forward(self.model, self.cache, s.tokens, s.positions, s.mask)
+        windows = self.feed.windows.layer_masks(s.mask, s.index) if self.feed.windows else None
+        return forward.forward(self.model, self.cache, s.tokens, s.positions, s.mask, windows)
 
     def forward(self) -> torch.Tensor:
         if self.fast_forward:
@@ -235,7 +236,9 @@ class CompiledStep(Step):
         return tuple(phase)
 
     def _run(self, body, *args):
-        phase = self._window_phase()
+        # after the fast forward, select and update read no window: no phase, and the counters it advanced
+        # stay where HF's update would leave them
+        phase = self._window_phase() if not self.fast_forward else ()
         if phase not in self._by_phase:
             self._by_phase[phase] = _compiled_for(self, body, phase)
         entry = self._compiled = self._by_phase[phase]
@@ -397,7 +400,10 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     step.prefill(input_ids, attention_mask.long())
     state.tokens.copy_(forced[:, :1])
     use_graph = graphs.can_capture(device) and capture is not False
-    snapshot = state.snapshot()
+    snapshot, windows = state.snapshot(), step.feed.snapshot()
+    if use_graph and len(step.feed.phases(steps)) > 1:
+        raise ValueError(f"teacher_forced: {steps} steps after a prompt of {width} cross a sliding window's edge, "
+                         "and one captured graph holds one window phase; use capture=False, or fewer steps")
     if use_graph:
         graphs.warm_up(step, 2)
         graph = graphs.capture(step, device)
@@ -406,6 +412,7 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         graph.replay()  # compile outside the timed loop
     state.restore(snapshot)
     compat.rewind(cache, width)
+    step.feed.restore(windows)  # the sliding windows as the prefill left them (rewind leaves them)
     timer = _Timer(device)
     timer.start()
     for j in range(1, steps):
