@@ -227,3 +227,19 @@ def test_untested_kernel_paths_are_refused_on_cuda(monkeypatch):
         assert fast_triton.untested_on_cuda(path, cuda) == ""
     monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
     assert fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cuda) == ""
+
+
+def test_fast_path_declined_at_first_use_runs_the_compiled_step(monkeypatch):
+    """The cache check runs at the first step (the cache's tensors exist only after the prefill); when it
+    declines, the step runs the compiled HF forward and its own select/update, not a compiled function
+    made for the other path (one table entry per body and path)."""
+    model = gdtool.load_model("tiny-llama", seed=0)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=1)
+    monkeypatch.setattr(fast_decoder, "cache_ready", lambda *a, **k: "a test's reason")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for mode in ("eager", "step-graph"):
+            mine = _decode(model, prompt, kernels="fast", mode=mode)
+            assert torch.equal(mine.tokens, _decode(model, prompt, mode=mode).tokens), mode
+    assert any("a test's reason" in str(note) for note in fast.compiles(model).to_numpy().ravel())
+    fast.forget(model)

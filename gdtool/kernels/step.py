@@ -239,9 +239,10 @@ class CompiledStep(Step):
         # after the fast forward, select and update read no window: no phase, and the counters it advanced
         # stay where HF's update would leave them
         phase = self._window_phase() if not self.fast_forward else ()
-        if phase not in self._by_phase:
-            self._by_phase[phase] = _compiled_for(self, body, phase)
-        entry = self._compiled = self._by_phase[phase]
+        which = (body.__name__, self.fast_forward, phase)  # a step runs one body per path, but the fast path
+        if which not in self._by_phase:                    # declined at first use changes body mid-decode
+            self._by_phase[which] = _compiled_for(self, body, phase)
+        entry = self._compiled = self._by_phase[which]
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
@@ -274,7 +275,7 @@ class CompiledStep(Step):
 
 def _compiled_for(step: CompiledStep, body, phase: tuple = ()) -> _Compiled:
     """The model's compiled function for this step's shape key (and window phase), made on first use."""
-    key = _key(step) + (phase,)
+    key = _key(step) + (getattr(body, "__name__", None), phase)
     table = step.model.__dict__.setdefault(_ATTR, {})
     if key not in table:
         name = _name(step) + (f"_windows{sum(phase)}of{len(phase)}full" if phase else "")
