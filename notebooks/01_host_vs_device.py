@@ -160,5 +160,5 @@ for name in both:
     display(table.round(3))
     busy = table.dropna(subset=["busy_ratio"])
     off = busy[(busy["busy_ratio"] - 1).abs() > 0.10]
-    print(f"{name}: device busy per token (mean) within 10% of nsys for {len(busy) - len(off)} of {len(busy)} configs"
+    print(f"device busy per token (mean) of {name} within 10% of nsys for {len(busy) - len(off)} of {len(busy)} configs"
           + ("" if off.empty else f"; not for {', '.join(f'{m} b{b}' for m, b in zip(off['mode'], off['batch']))}"))

@@ -9,7 +9,6 @@ On CUDA: the kernels in bf16/fp16 at real shapes, and the fast step captured aga
 (bitwise) on each family in bf16, with its agreement with HF's kernels.
 """
 import os
-import subprocess
 import sys
 
 import pytest
@@ -18,8 +17,8 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 from gdtool.kernels import check as fast_check, experts, step as fast, triton as fast_triton
+from interpreter import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import moe  # noqa: E402  (tests/moe.py: tiny models of each family)
 
@@ -77,10 +76,7 @@ def test_experts_triton_kernels_under_the_interpreter():
             "bad = t._against_hf_blocks(torch.float32) + t._against_hf_blocks(torch.float16)\n"
             "assert not bad, bad\n"
             "print('ok')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900,
-                         cwd=ROOT)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted(code, timeout=900)
 
 
 def test_plan_names_the_blocks_and_why_not():

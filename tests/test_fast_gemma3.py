@@ -7,9 +7,6 @@ Triton's interpreter the kernels themselves decode the same tokens. The kernels 
 tests/test_fast_kernels.py (gdtool/kernels/check.py's Gemma rows). On CUDA (bf16): captured equals
 uncaptured across the window's edge, and gemma-3-1b's teacher-forced agreement with HF's kernels.
 """
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,8 +14,8 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 from gdtool.kernels import step as fast, forward as fast_decoder, triton as fast_triton
+from interpreter import run_interpreted
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
 
 WINDOW = 8  # tiny-gemma3's sliding window
@@ -81,9 +78,7 @@ def test_fast_step_triton_kernels_under_the_interpreter_decode_hf_tokens():
             "from gdtool.kernels import step\n"
             "assert 'Triton kernels' in step.compiles(model).kernels.iloc[-1]\n"
             "print('ok')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted(code, timeout=900)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ itself uncaptured, at one pass of rows and at two.
 Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
 """
 import os
-import subprocess
 import sys
 import warnings
 
@@ -20,6 +19,7 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, triton as fast_triton
+from interpreter import run_interpreted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
@@ -39,9 +39,7 @@ def test_triton_kernels_under_the_interpreter():
             "    bad = [r for r in fast_check.check_all('cpu', dt) if not r.ok]\n"
             "    assert not bad, fast_check.table(bad)\n"
             "print('ok')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted(code, timeout=600)
 
 
 def _decode(model, prompt, **kw):
@@ -152,9 +150,7 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
             "        assert torch.equal(mine.argmax(-1), ref.argmax(-1)), (name, batch)\n"
             "        assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (name, batch, (mine - ref).abs().max())\n"
             "print('ok')\n")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout[-3000:] + run.stderr[-3000:]
+    run_interpreted(code, timeout=600)
 
 
 # -- CUDA ---------------------------------------------------------------------------------------

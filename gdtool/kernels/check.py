@@ -216,17 +216,23 @@ def check_argmax(m, v, device, gen) -> Result:
                   "exact" if ok else f"got {out.tolist()} want {ref.tolist()}")
 
 
-def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
-              impl: str = "triton") -> list[Result]:
-    """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B, Qwen3-8B and
-    Qwen2.5-0.5B shapes, 1 to 16 rows.
-    impl="reference" checks the torch references instead (what runs without Triton)."""
+def _begin(device, large, seed: int, impl: str):
+    """What every check_*_all starts with: which implementation runs, the device, whether the large
+    (real-model) shapes run (on CUDA by default), and the seeded generator."""
     if impl not in ("triton", "reference"):
         raise ValueError(f"impl={impl!r}: 'triton' or 'reference'")
     _impl.triton = impl == "triton"
     device = torch.device(device)
     large = device.type == "cuda" if large is None else large
-    gen = torch.Generator(device=device).manual_seed(seed)
+    return device, large, torch.Generator(device=device).manual_seed(seed)
+
+
+def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
+              impl: str = "triton") -> list[Result]:
+    """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B, Qwen3-8B and
+    Qwen2.5-0.5B shapes, 1 to 16 rows.
+    impl="reference" checks the torch references instead (what runs without Triton)."""
+    device, large, gen = _begin(device, large, seed, impl)
     results = []
     small = [(1, 96, 128), (3, 40, 64), (4, 64, 256)]
     for m, n, k in small:
@@ -370,12 +376,7 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
                       impl: str = "triton") -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE and Mixtral 8x7B shapes; impl="reference" checks the torch reference against float64 alone."""
-    if impl not in ("triton", "reference"):
-        raise ValueError(f"impl={impl!r}: 'triton' or 'reference'")
-    _impl.triton = impl == "triton"
-    device = torch.device(device)
-    large = device.type == "cuda" if large is None else large
-    gen = torch.Generator(device=device).manual_seed(seed)
+    device, large, gen = _begin(device, large, seed, impl)
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
