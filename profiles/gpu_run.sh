@@ -13,6 +13,13 @@
 #   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
 #   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
 #                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
+#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts)
+#   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15)
+#   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
+#   bench-qwen3-8b, bench-gemma, bench-moe   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
+#                  the fast paths whose cuda tests have not passed yet run too)
+#   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
+#   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   bench-1b, bench-8b   python -m gdtool bench
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
 #   devloop-host   device-loop host time per token, geometric lengths
@@ -110,6 +117,24 @@ for p in "$@"; do
            --batches 64 --select-kernels compiled ${SELECT_VARIANTS:+--select-variants "$SELECT_VARIANTS"} ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
+    tests-kernels) part tests-kernels 300 "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider \
+           tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py ;;
+    tests-zoo) part tests-zoo 560 "$py" -m pytest -v -rfEs -m cuda -n ${TEST_WORKERS:-15} -p no:cacheprovider tests/test_zoo.py ;;
+    nsys-sliding-moe) part nsys-sliding-moe 400 bash -c "cp -r profiles/h200/nsys-sliding-moe $work/ && \
+           $py -m gdtool profile --nsys --model qwen3-30b-a3b --batch 16 --trace graph \
+           --modes eager forward-graph step-graph --max-new-tokens 48 --no-eos --no-progress --out $work/nsys-sliding-moe" ;;
+    bench-qwen3-8b) part bench-qwen3-8b ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
+           --model qwen3-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes step-graph device-loop --peers gpt-fast \
+           --kernels hf,compiled,fast --out "$work/bench-qwen3-8b" ;;
+    bench-gemma) part bench-gemma ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
+           --model gemma-3-1b --batch ${BENCH_BATCHES:-1,64} --max-new-tokens 256 --repeats 2 --modes step-graph device-loop \
+           --peers generate-static --kernels hf,compiled,fast --out "$work/bench-gemma" ;;
+    bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
+           --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers none \
+           --kernels hf,compiled,fast --out "$work/bench-moe" ;;
+    moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
+    kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
+           --models llama-8b,qwen3-8b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
        failed+=("$p") ;;
   esac
