@@ -309,6 +309,17 @@ def test_compiled_step_on_sliding_windows_compiles_once_per_window_phase():
     assert (table.compiles == 1).all() and table.fullgraph.all()
 
 
+def test_compiled_eager_mode_across_a_sliding_window_edge_decodes_hf_tokens():
+    """Eager mode calls the compiled forward directly each step, with nothing putting the sliding layers'
+    counters back in between: each call must leave them where HF's update would (it left them pinned at
+    window - 1 + 1, so the second step already rolled the window)."""
+    model = gdtool.load_model("tiny-gemma3", seed=0)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 5), seed=1)  # the window fills at decode step 4
+    hf = _decode(model, prompt, mode="eager", do_sample=False, max_new_tokens=8)
+    out = _decode(model, prompt, mode="eager", do_sample=False, max_new_tokens=8, kernels="compiled")
+    assert torch.equal(out.tokens, hf.tokens)
+
+
 def _full_forward_logits(model, prompt, continuation):
     """float32 logits [T, B, V] of one forward over prompt + continuation (no cache): position j's logits are
     those after continuation token j, what teacher forcing reads at step j."""
