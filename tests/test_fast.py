@@ -331,6 +331,7 @@ def _full_forward_logits(model, prompt, continuation):
     return logits[:, width - 1:width - 1 + continuation.shape[1]].transpose(0, 1)
 
 
+@pytest.mark.slow  # five compiles (three shapes, two window phases)
 def test_teacher_forced_across_a_sliding_window_edge_keeps_each_step_in_its_phase():
     """Uncaptured teacher forcing over tiny-gemma3 (window 8) with prompts and continuations that cross the
     window's edge: with HF's kernels its logits are a whole-sequence forward's, and with compiled kernels they
