@@ -309,6 +309,48 @@ def test_compiled_step_on_sliding_windows_compiles_once_per_window_phase():
     assert (table.compiles == 1).all() and table.fullgraph.all()
 
 
+def test_compiled_eager_mode_across_a_sliding_window_edge_decodes_hf_tokens():
+    """Eager mode calls the compiled forward directly each step, with nothing putting the sliding layers'
+    counters back in between: each call must leave them where HF's update would (it left them pinned at
+    window - 1 + 1, so the second step already rolled the window)."""
+    model = gdtool.load_model("tiny-gemma3", seed=0)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 5), seed=1)  # the window fills at decode step 4
+    hf = _decode(model, prompt, mode="eager", do_sample=False, max_new_tokens=8)
+    out = _decode(model, prompt, mode="eager", do_sample=False, max_new_tokens=8, kernels="compiled")
+    assert torch.equal(out.tokens, hf.tokens)
+
+
+def _full_forward_logits(model, prompt, continuation):
+    """float32 logits [T, B, V] of one forward over prompt + continuation (no cache): position j's logits are
+    those after continuation token j, what teacher forcing reads at step j."""
+    ids = torch.cat([prompt.input_ids, continuation], dim=1)
+    mask = torch.cat([prompt.attention_mask, torch.ones_like(continuation)], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits.float()
+    width = prompt.input_ids.shape[1]
+    return logits[:, width - 1:width - 1 + continuation.shape[1]].transpose(0, 1)
+
+
+@pytest.mark.slow  # five compiles (three shapes, two window phases)
+def test_teacher_forced_across_a_sliding_window_edge_keeps_each_step_in_its_phase():
+    """Uncaptured teacher forcing over tiny-gemma3 (window 8) with prompts and continuations that cross the
+    window's edge: with HF's kernels its logits are a whole-sequence forward's, and with compiled kernels they
+    agree with HF's (the compiled step pins the sliding layers' Python counters for dynamo; a step that left
+    them pinned put the next step in the full-window phase too early)."""
+    model = gdtool.load_model("tiny-gemma3", seed=0)
+    vocab = model.config.vocab_size
+    for prompt_len, steps in ((4, 10), (6, 5), (7, 4)):  # the window fills at step 5, 3, 2
+        prompt = gdtool.random_prompts(model, batch=2, lengths=(prompt_len, prompt_len), seed=prompt_len)
+        continuation = torch.randint(3, vocab, (2, steps), generator=torch.Generator().manual_seed(steps))
+        hf = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture=False)
+        whole = _full_forward_logits(model, prompt, continuation)
+        assert (hf["logits"] - whole).abs().max() < 1e-4, (prompt_len, steps)
+        compiled = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled",
+                                       capture=False)
+        df = fast.agreement(hf["logits"], compiled["logits"])
+        assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), (prompt_len, steps, df)
+
+
 def test_compiled_step_refuses_linear_attention_layers():
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
     config = Qwen3NextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

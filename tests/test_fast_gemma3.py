@@ -4,8 +4,9 @@ embedding, and sliding layers whose window rolls (tiny-gemma3: a window of 8, so
 On a CPU (float32): the torch references inside the step decode HF's tokens with prompts shorter and longer
 than the window and decodes that cross it, in every mode; teacher-forced, their logits equal HF's; under
 Triton's interpreter the kernels themselves decode the same tokens. The kernels alone against float64:
-tests/test_fast_kernels.py (gdtool/kernels/check.py's Gemma rows). On CUDA (bf16): captured equals
-uncaptured across the window's edge, and gemma-3-1b's teacher-forced agreement with HF's kernels.
+tests/test_fast_kernels.py (gdtool/kernels/check.py's Gemma rows); the full window's roll against HF's own
+update, bit for bit (reference, interpreter, CUDA). On CUDA (bf16): captured equals uncaptured across the
+window's edge, and gemma-3-1b's teacher-forced agreement with HF's kernels.
 """
 
 import pytest
@@ -57,8 +58,8 @@ def test_fast_step_on_cpu_decodes_hf_tokens_across_the_window(lengths, new):
 
 
 def test_fast_forward_teacher_forced_equals_hf_across_the_window():
-    """compare_kernels, uncaptured (one graph holds one window phase): prompts inside and past the window,
-    continuations across its edge: top-1 always agrees, logits within float32 rounding."""
+    """compare_kernels, uncaptured (one step per window phase, as a graph would hold it): prompts inside and past
+    the window, continuations across its edge: top-1 always agrees, logits within float32 rounding."""
     model = gdtool.load_model("tiny-gemma3", seed=0)
     for prompt_len, steps in ((4, 3), (5, 10), (12, 6)):
         df = fast.compare_kernels(model, batch=2, prompt_len=prompt_len, steps=steps, kernels="fast", capture=False)
@@ -81,6 +82,33 @@ def test_fast_step_triton_kernels_under_the_interpreter_decode_hf_tokens():
     run_interpreted(code, timeout=900)
 
 
+WINDOW_ROLLS = ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None), (1, 1, 512, 256, None))
+
+
+def test_window_roll_reference_is_hfs_update_bit_for_bit():
+    from gdtool.kernels import check
+    gen = torch.Generator().manual_seed(0)
+    check._impl.triton = False
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for b, hkv, w, d, config in WINDOW_ROLLS:
+            r = check.check_window_roll(b, hkv, w, d, dtype, "cpu", gen, config)
+            assert r.ok, r
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_window_roll_kernel_under_the_interpreter_is_hfs_update_bit_for_bit():
+    """The one-kernel roll, then the last slot written, against HF's StaticSlidingWindowLayer.update: every dtype
+    (a copy: float64 too), one chunk of slots and several, windows of 1 and 512."""
+    code = ("import torch\nfrom gdtool.kernels import check\nfrom test_fast_gemma3 import WINDOW_ROLLS\n"
+            "gen = torch.Generator().manual_seed(0)\ncheck._impl.triton = True\n"
+            "for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):\n"
+            "    for b, hkv, w, d, config in WINDOW_ROLLS:\n"
+            "        r = check.check_window_roll(b, hkv, w, d, dtype, 'cpu', gen, config)\n"
+            "        assert r.ok, r\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
@@ -101,16 +129,30 @@ def test_fast_step_on_cuda_gemma3_captured_equals_uncaptured(batch):
         if gdtool.loops.devloop.device_loop_support() is None:
             loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
             assert torch.equal(loop.tokens, captured.tokens)
-    # captured teacher forcing holds one phase: inside the window
-    agreement = fast.compare_kernels(model, batch=batch, prompt_len=3, steps=4, kernels="fast")
+    # captured teacher forcing, one graph per window phase: across the window's edge (it fills at step 6)
+    agreement = fast.compare_kernels(model, batch=batch, prompt_len=3, steps=10, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all(), agreement
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_window_roll_kernel_on_cuda_is_hfs_update_bit_for_bit(dtype):
+    """In place on the GPU, where the programs and threads of one launch run at once: no slot read after it is
+    overwritten (gemma-3-1b's and gemma-3-4b's windows, 1 to 8 rows)."""
+    from gdtool.kernels import check
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    check._impl.triton = True
+    shapes = WINDOW_ROLLS + tuple((m, hkv, w, 256, None) for m in (1, 4, 8) for hkv, w in ((1, 512), (2, 1024)))
+    for b, hkv, w, d, config in shapes:
+        r = check.check_window_roll(b, hkv, w, d, dtype, "cuda", gen, config)
+        assert r.ok, r
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 4])
 def test_fast_step_on_cuda_gemma3_1b_agrees_with_hf(batch):
     """gemma-3-1b's shapes (random weights, bf16; 512-token windows, 262k tied lm_head): the fast forward runs
-    and its teacher-forced top-1 agrees with HF's kernels (inside the window: one captured phase)."""
+    and its teacher-forced top-1 agrees with HF's kernels (inside the window)."""
     model = gdtool.load_model("gemma-3-1b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies, fast_decoder.plan(model, batch, 64).reason
     df = fast.compare_kernels(model, batch=batch, prompt_len=32, steps=16, kernels="fast")

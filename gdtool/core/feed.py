@@ -429,16 +429,44 @@ class Feed:
 
     def enter_phase(self, phase: int, saved: list) -> None:
         """Put the sliding layers as they stand at the start of a step of `phase`, for a warm-up step or the
-        capture: the window the prefill left (`saved`, from `snapshot()`), and the Python counters on the
-        phase's side of "full". Each warm-up step advances the counters by one, so without this a
+        capture: the window the prefill left (`saved`, from `snapshot()`), and the Python counters pinned on the
+        phase's side of "full" (`pin_phase`). Each warm-up step advances the counters by one, so without this a
         phase that starts one or two tokens short of a full window would be warmed up, and captured, in
         the full phase (its roll branch instead of the slot write)."""
         self.restore(saved)
+        self.pin_phase(phase)
+
+    def counted_phase(self) -> int:
+        """The phase the sliding layers' Python counters are in: how many window sizes are full."""
+        layers = compat.cache_layers(self.cache)
+        return sum(layers[members[0]].cumulative_length_int >= size for size, _, members in self.windows.groups)
+
+    def pin_phase(self, phase: int) -> None:
+        """Each sliding layer's Python counter at one value per side of "full": its window size once full (the
+        first `phase` window sizes), one less before. The counter only picks the update's branch (the slot comes
+        from the cache's tensor counter, the mask and the sequence length from the shifted frame of `Windows`),
+        so a step of one phase computes the same at any count of that phase; pinned, a graph captures, and
+        dynamo specializes on, one value per phase rather than one per step."""
         layers = compat.cache_layers(self.cache)
         for g, (size, _, members) in enumerate(self.windows.groups):
             for i in members:
-                count = layers[i].cumulative_length_int
-                layers[i].cumulative_length_int = max(count, size) if g < phase else min(count, size - 1)
+                layers[i].cumulative_length_int = size if g < phase else size - 1
+
+    @contextlib.contextmanager
+    def pinned(self):
+        """Around one uncaptured step that dynamo specializes on the counters (the compiled step): the counters
+        pinned for its phase (yielded) during the step, and afterwards where the step would have left the true
+        counts (true count + what the step advanced), so the next step reads its own phase off them."""
+        layers = compat.cache_layers(self.cache)
+        before = {i: layers[i].cumulative_length_int for i in self.windows.layers}
+        phase = self.counted_phase()
+        self.pin_phase(phase)
+        pinned = {i: layers[i].cumulative_length_int for i in before}
+        try:
+            yield phase
+        finally:
+            for i, count in before.items():
+                layers[i].cumulative_length_int = count + layers[i].cumulative_length_int - pinned[i]
 
     def frozen_counters(self):
         """A function that puts the sliding layers' Python counters back where they stand now: what a

@@ -1,13 +1,14 @@
 """Faster kernels for the same step: `kernels="compiled"` and `kernels="fast"` (docs/fast.md).
 
     step.py       the compiled step that composes them (`CompiledStep`, `KERNELS`, `compiles`, `compare_kernels`)
-    forward.py    the decode forward of a Llama-family model (Llama, Mistral, Qwen2, Qwen3) in gdtool's
+    forward.py    the decode forward of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) in gdtool's
                   own kernels (`kernels="fast"`); which path runs at which batch (`BATCH_PATHS`)
     gemv.py       matrix-vector products, the norm before them and the rotary after them fused in:
                   RMSNorm + GEMV (o, gate/up, down, lm_head); RMSNorm + q/k/v [+ biases] [+ q/k norm] + RoPE +
                   cache write (Triton), 1-16 rows
     attention.py  decode attention: packed grouped-query SDPA for the compiled step; split-KV over the
                   live cache slots for the fast step (Triton)
+    window.py     a full sliding window's cache shifted left by one slot in place (Gemma 3; Triton)
     experts.py    mixture-of-experts blocks at small batch (router, gate/up over the routed experts only,
                   down with the weighted top-k sum; Triton), swapped into the compiled HF forward
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import attention, gemv, sampling
+from . import attention, gemv, sampling, window
 
 # ||out - exact|| / ||exact|| for one product-and-round chain, by the precision of the operands
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -56,6 +56,11 @@ class _Impl:
         if self.triton:
             return gemv.qkv_rope(*args, config=config)
         return gemv.qkv_rope_reference(*args)
+
+    def roll_window(self, keys, values, config=None):
+        if self.triton:
+            return window.roll_left(keys, values, config)
+        return window.roll_left_reference(keys, values)
 
     def attention(self, *args):
         return (attention.split_kv if self.triton else attention.split_kv_reference)(*args)
@@ -202,6 +207,29 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -
                   + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact, f"{splits} chunks of {chunk}")
 
 
+def check_window_roll(b, hkv, w, d, dtype, device, gen, config=None) -> Result:
+    """A full sliding window's update for one token: `roll_window`, then the new key and value at slot W - 1 (the
+    write qkv_rope does), against HF's `StaticSlidingWindowLayer.update` itself (filled by one update of W
+    tokens, then one more token): bit for bit, keys and values."""
+    from transformers.cache_utils import StaticSlidingWindowLayer
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float64).to(dtype)
+    keys, values, new_k, new_v = rand(b, hkv, w, d), rand(b, hkv, w, d), rand(b, hkv, 1, d), rand(b, hkv, 1, d)
+    layer = StaticSlidingWindowLayer(max_cache_len=w, sliding_window=w)
+    layer.update(keys, values)           # the window full, as a prefill of W tokens leaves it
+    layer.update(new_k, new_v)           # HF's roll and write
+    mine_k, mine_v = keys.clone(), values.clone()
+    _impl.roll_window(mine_k, mine_v, config)
+    mine_k[:, :, w - 1:] = new_k
+    mine_v[:, :, w - 1:] = new_v
+    ok = torch.equal(mine_k, layer.keys) and torch.equal(mine_v, layer.values)
+    wrong = int((mine_k != layer.keys).sum() + (mine_v != layer.values).sum())
+    return Result("window_roll", f"{b} rows, {hkv} heads x {d}, window {w}" + (f", config {config}" if config else ""),
+                  str(dtype).replace("torch.", ""), 0.0 if ok else 1.0, 0.0, 0.0, ok,
+                  "exact (HF's update)" if ok else f"{wrong} elements differ from HF's update")
+
+
 def check_argmax(m, v, device, gen) -> Result:
     x = torch.randn(m, v, generator=gen, device=device).to(torch.bfloat16).float()  # bf16 logits: ties
     x[0, : v // 3] = x[0].max()          # a tie across blocks: the first index wins
@@ -263,6 +291,9 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
     results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True, plus_one=True)
     results += check_qkv_rope(3, 128, 4, 1, 32, 9, dtype, device, gen, qk_norm=True, plus_one=True,
                               config=(16, 4, 2, 32))                                         # chunks of K
+    # Gemma 3's full sliding windows: the roll (one chunk, several chunks, a window of 1 and 2)
+    for b, hkv, w, d, config in ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None), (2, 1, 2, 16, None)):
+        results.append(check_window_roll(b, hkv, w, d, dtype, device, gen, config))
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
     results.append(check_argmax(3, 5000, device, gen))
@@ -289,6 +320,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
             results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))
             results.append(check_attention(m, 4, 1, 256, 512, 300, dtype, device, gen, pad=7 * (m > 1)))
+            results.append(check_window_roll(m, 1, 512, 256, dtype, device, gen))               # its 512-token windows
+            results.append(check_window_roll(m, 2, 1024, 256, dtype, device, gen))              # gemma-3-4b's
         for m in (8, 16):
             results.append(check_gemv(m, 4096, 4096, dtype, device, gen, False, True, False))
             results.append(check_gemv(m, 151936, 4096, dtype, device, gen, True, False, True))

@@ -34,7 +34,8 @@ Sliding-window cache layers (Gemma 3's local layers) hold the last W keys. Until
 token goes to the slot the layer's tensor counter names, as in a full layer; once full, HF's update
 rolls the window left by one and writes the last slot (and leaves the tensor counter alone). The
 forward takes the same branch on the same Python counter (`cumulative_length_int`, which gdtool pins per
-window phase for a captured graph), rolls the same way, writes slot W - 1 and attends over all W slots,
+window phase for a captured graph), shifts both caches left in one kernel (`window.roll_left`: the same
+data as HF's roll, in place), writes slot W - 1 in `qkv_rope` and attends over all W slots,
 masked by the 2-D mask's columns at the window's positions (`core.feed.Windows.layer_masks`).
 
 `plan(model, batch, cache_len)` says whether it applies, which path runs at this batch
@@ -288,9 +289,8 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
             full = layer.cumulative_length_int >= layer.max_cache_len
             layer.cumulative_length_int += 1                # HF's update counts every token
             layer_mask = window_masks[i]
-            if full:  # HF's full-window update: roll left by one, the new key in the last slot, all W live
-                layer.keys.copy_(layer.keys.roll(-1, dims=-2))
-                layer.values.copy_(layer.values.roll(-1, dims=-2))
+            if full:  # HF's full-window update: roll left by one (one kernel), qkv_rope writes the last slot
+                ops.roll_window(layer.keys, layer.values)
                 slot = _last_slot(layer)
         if slot is layer.cumulative_length:
             counters.append(slot)

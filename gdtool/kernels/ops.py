@@ -10,13 +10,15 @@ reference runs, with the same arguments and result. The fast decode forward call
     qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot,
              biases?, qk_norm?, plus_one)                                 -> q  (biases: Qwen2; qk_norm: Qwen3, Gemma 3)
     rms_add(y, norm_weight, eps, residual, plus_one)                       -> residual + RMSNorm(y)  (Gemma 3)
+    roll_window(k_cache!, v_cache!)                                         a full sliding window shifted left by
+                                                                            one slot, for qkv_rope to write the last
     decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
-(`!`: written in place, at the cache slot. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.)
+(`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.)
 """
 from __future__ import annotations
 
-from . import attention, gemv, sampling
+from . import attention, gemv, sampling, window
 from .triton import usable
 
 
@@ -41,6 +43,12 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
                              slot, biases, qk_norm, plus_one)
     return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
                                    v_cache, slot, biases, qk_norm, plus_one)
+
+
+def roll_window(k_cache, v_cache):
+    if usable(k_cache, v_cache):
+        return window.roll_left(k_cache, v_cache)
+    return window.roll_left_reference(k_cache, v_cache)
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):

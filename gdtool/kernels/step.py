@@ -29,8 +29,9 @@ duration of the compiled call). Elsewhere it is exactly "compiled"; `compiles()`
 
 Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
 phase, as the graph modes capture one graph per phase: their Python counters are pinned on the phase's
-side of "full" before each call (`_window_phase`), so the step compiles once per phase, not once per
-step. Linear-attention and state-space layers are refused (use kernels="hf").
+side of "full" for the length of each call (`core.feed.Feed.pinned`, which afterwards leaves them where the
+step would have left the true counts), so the step compiles once per phase, not once per step.
+Linear-attention and state-space layers are refused (use kernels="hf").
 
 Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
 settings, which buffers exist), each with its own code object so dynamo's recompile limit never
@@ -44,6 +45,7 @@ sends a long sweep back to eager; a second `decode()` with the same shapes compi
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -149,7 +151,7 @@ class CompiledStep(Step):
                                    f"layers; this model also has {other[0]} (linear-attention, state-space or other "
                                    "layers, whose state the compiled step does not model); use kernels='hf'")
         # sliding layers branch on a Python counter, which dynamo specializes on: one compiled step per
-        # window phase, with the counters pinned where the phase takes its branch (`_window_phase`)
+        # window phase, with the counters pinned where the phase takes its branch (`Feed.pinned`)
         self.sliding = [layer for layer in layers if compat.is_sliding(layer)]
         self._by_phase: dict = {}
         self.part = part
@@ -223,22 +225,15 @@ class CompiledStep(Step):
             return self._run(_update_only, self.select(logits))
         self._run(_select_update, logits)
 
-    def _window_phase(self) -> tuple:
-        """Which sliding windows are full, with each layer's Python counter pinned to one value on its side
-        of "full". The counter only picks the update's branch (the slot comes from the cache's tensor
-        counter, the mask from the shifted frame of `core/feed.py`), and dynamo specializes the step on
-        it: a counter moving every step would compile the step again every step."""
-        phase = []
-        for layer in self.sliding:
-            full = layer.cumulative_length_int >= layer.max_cache_len
-            layer.cumulative_length_int = layer.max_cache_len if full else layer.max_cache_len - 1
-            phase.append(full)
-        return tuple(phase)
-
     def _run(self, body, *args):
-        # after the fast forward, select and update read no window: no phase, and the counters it advanced
-        # stay where HF's update would leave them
-        phase = self._window_phase() if not self.fast_forward else ()
+        # sliding layers: dynamo specializes the step on their Python counters, pinned for the call at one value
+        # per window phase (`Feed.pinned`). After the fast forward, select and update read no window: no phase,
+        # and the counters it advanced stay where HF's update would leave them
+        pinned = self.feed.pinned() if self.sliding and not self.fast_forward else contextlib.nullcontext(None)
+        with pinned as phase:
+            return self._run_in_phase(body, phase, *args)
+
+    def _run_in_phase(self, body, phase, *args):
         which = (body.__name__, self.fast_forward, phase)  # a step runs one body per path, but the fast path
         if which not in self._by_phase:                    # declined at first use changes body mid-decode
             self._by_phase[which] = _compiled_for(self, body, phase)
@@ -273,12 +268,14 @@ class CompiledStep(Step):
         return result
 
 
-def _compiled_for(step: CompiledStep, body, phase: tuple = ()) -> _Compiled:
-    """The model's compiled function for this step's shape key (and window phase), made on first use."""
+def _compiled_for(step: CompiledStep, body, phase: int | None = None) -> _Compiled:
+    """The model's compiled function for this step's shape key (and window phase: how many window sizes are
+    full, None without sliding layers), made on first use."""
     key = _key(step) + (getattr(body, "__name__", None), phase)
     table = step.model.__dict__.setdefault(_ATTR, {})
     if key not in table:
-        name = _name(step) + (f"_windows{sum(phase)}of{len(phase)}full" if phase else "")
+        groups = len(step.feed.windows.groups)
+        name = _name(step) + (f"_windows{phase}of{groups}full" if phase is not None else "")
         fn = None if body is None else torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                                      options=INDUCTOR_OPTIONS)
         table[key] = _Compiled(fn, name, kernels=_kernels_note(step))
@@ -378,7 +375,8 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     """Feed `continuation` [B, T] through the decode step token by token, whatever it would pick.
 
     The step is the one `decode(mode="step-graph", kernels=kernels)` runs, greedy, with its float32
-    scores (= logits) recorded, captured where CUDA is available (capture=None) or called directly.
+    scores (= logits) recorded, captured where CUDA is available (capture=None) or called directly; over
+    sliding-window layers, one graph (or uncaptured step) per window phase, as the decode loops run them.
     Position 0 comes from the prefill, which runs HF's kernels either way. Returns
     {"logits": [T, B, V] float32, "step_ms": device time per step (CUDA, captured) or wall time}.
     """
@@ -402,25 +400,30 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     state.tokens.copy_(forced[:, :1])
     use_graph = graphs.can_capture(device) and capture is not False
     snapshot, windows = state.snapshot(), step.feed.snapshot()
-    if use_graph and len(step.feed.phases(steps)) > 1:
-        raise ValueError(f"teacher_forced: {steps} steps after a prompt of {width} cross a sliding window's edge, "
-                         "and one captured graph holds one window phase; use capture=False, or fewer steps")
-    if use_graph:
-        graphs.warm_up(step, 2)
-        graph = graphs.capture(step, device)
-    else:
-        graph = graphs.Uncaptured(step)
-        graph.replay()  # compile outside the timed loop
-    state.restore(snapshot)
-    compat.rewind(cache, width)
-    step.feed.restore(windows)  # the sliding windows as the prefill left them (rewind leaves them)
+    by_phase = {}  # one graph per phase of the sliding layers, entered as the decode loops enter it
+    for phase in dict.fromkeys(step.feed.phase_of(j) for j in range(1, steps)):
+        def enter(phase=phase):
+            step.feed.enter_phase(phase, windows)
+        if use_graph:
+            graphs.warm_up(step, 2, before=enter)
+            enter()
+            by_phase[phase] = graphs.capture(step, device)
+        else:
+            enter()
+            # each replay with the counters a graph captured now would hold
+            by_phase[phase] = graphs.Uncaptured(step, step.feed.frozen_counters())
+            by_phase[phase].replay()  # compile outside the timed loop
+        state.restore(snapshot)
+        compat.rewind(cache, width)
+        step.feed.restore(windows)  # the sliding windows as the prefill left them (rewind leaves them)
     timer = _Timer(device)
     timer.start()
     for j in range(1, steps):
-        graph.replay()
+        by_phase[step.feed.phase_of(j)].replay()
         state.tokens.copy_(forced[:, j:j + 1])
     step_ms = timer.stop() / (steps - 1)
-    graph.close()
+    for graph in by_phase.values():
+        graph.close()
     return {"logits": state.scores.clone(), "step_ms": step_ms}
 
 
