@@ -372,12 +372,65 @@ def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype
     return results
 
 
+# gpt-oss: (name, tokens, experts, hidden, intermediate, top_k)
+EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4)]
+EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4, 16)] + [
+    ("gpt-oss-120b", 2, 128, 2880, 2880, 4)]
+OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
+
+
+def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) -> list[Result]:
+    """One gpt-oss block (transposed, interleaved, biased experts; clamped SwiGLU; top-k then softmax),
+    as `check_experts`. The gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
+    from . import experts
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+    x = rand(m, h)
+    router, router_bias = rand(e, h, scale=h ** -0.5), rand(e, scale=0.5)
+    gate_up, gate_up_bias = rand(e, h, 2 * i, scale=4 * h ** -0.5), rand(e, 2 * i, scale=0.5)
+    down, down_bias = rand(e, i, h, scale=i ** -0.5 / 4), rand(e, h, scale=0.5)
+    oss = (router_bias, gate_up_bias, down_bias, OSS_ALPHA, OSS_LIMIT)
+    args = (x, router, gate_up, down, top_k, False, False, None, None, None, None, oss)
+    seen = {}
+    if _impl.triton:
+        out = experts.block_triton(*args, config=config, intermediates=seen)
+    else:
+        out = experts.block_reference(*args)
+    ref = experts.block_reference(*args)
+    logits_ref, weights_ref, ids_ref = experts.route_reference_oss(x, router, router_bias, top_k)
+    ids = seen["ids"].long() if seen else ids_ref
+    # float64 on the kernel's routing
+    xd = x.double()
+    w = torch.softmax((xd @ router.double().T + router_bias.double()).gather(1, ids), -1)
+    exact = torch.zeros(m, h, dtype=torch.float64, device=device)
+    for r in range(m):
+        for j in range(top_k):
+            expert = ids[r, j]
+            gu = xd[r] @ gate_up[expert].double() + gate_up_bias[expert].double()
+            gate, up = gu[::2].clamp(max=OSS_LIMIT), gu[1::2].clamp(-OSS_LIMIT, OSS_LIMIT)
+            act = (up + 1) * gate * torch.sigmoid(OSS_ALPHA * gate)
+            exact[r] += w[r, j] * (act @ down[expert].double() + down_bias[expert].double())
+    shape = f"{m} tokens, top-{top_k} of {e}, {h}x{i}"
+    same_ids = torch.equal(ids, ids_ref) or torch.equal(logits_ref.gather(1, ids), logits_ref.gather(1, ids_ref))
+    results = [_judge(f"moe_block ({name})", shape, dtype, out, ref, exact, "" if config is None else f"config {config}")]
+    if seen:
+        routing = _judge(f"moe routing weights ({name})", shape, dtype, seen["weights"], weights_ref.float(), w,
+                         "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
+        routing.ok = routing.ok and same_ids
+        results.append(routing)
+    return results
+
+
 def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
                       impl: str = "triton") -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
-    OLMoE and Mixtral 8x7B shapes; impl="reference" checks the torch reference against float64 alone."""
+    OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
+    float64 alone."""
     device, large, gen = _begin(device, large, seed, impl)
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
+    for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
+        results += check_experts_oss(*shape, dtype, device, gen)
     return results
