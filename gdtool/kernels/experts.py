@@ -48,6 +48,9 @@ see the swap (a captured graph replays no Python, so the scope costs nothing aft
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
 
+From MAX_TOKENS + 1 to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE) the grouped kernels below
+run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine.
+
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
 
@@ -64,7 +67,7 @@ import torch.nn.functional as F
 
 from .triton import HAVE_TRITON, next_pow2, tl, triton, untested_on_cuda, usable
 
-MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, HF's block (grouped/batched_mm)
+MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, the grouped ones (MAX_GROUPED_TOKENS)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
 # (block class, experts class, router class) per family, by module name in transformers.models
 FAMILIES = {
@@ -431,6 +434,218 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     return out
 
 
+# -- the grouped path: 17-64 tokens per step ------------------------------------------------------
+# Above MAX_TOKENS the same expert serves several rows, and a matrix-vector product per (row, expert)
+# would read it once per row. The grouped kernels read each routed expert once per tile of its rows:
+#
+#    route    per row: ids and routing weights, as the small path's gate/up programs compute them  (1)
+#    align    one program: the M*k (row, k) pairs sorted by expert (stable: by pair index within an
+#             expert), each expert's run padded to BLOCK_M slots, padding -1; which expert each tile
+#             of BLOCK_M slots belongs to (-1 past the last). Fixed sizes, worst case: M*k pairs plus
+#             BLOCK_M - 1 padding per expert that can appear (min(E, M*k)); no host read           (1)
+#    gate_up  per (tile, N tile): the tile's pairs' x rows @ [Wg; Wu][e].T with tl.dot, rounded, SiLU,
+#             rounded, times up, rounded; written to the pair's own row of act [M*k, I]              (1)
+#    down     per (tile, N tile): act rows @ Wd[e].T, rounded, times the pair's weight (rounded, or
+#             float32 for Mixtral), written to the pair's own row of y [M*k, H]                      (1)
+#    combine  per (row, H tile): sum over its k pairs in routing order in float32, rounded once      (1)
+#
+# Same rounding points as the small path and HF's batched_mm / grouped_mm; no atomics, a fixed order
+# of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200 later).
+
+MAX_GROUPED_TOKENS = 64
+GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")   # no shared expert, the [E, 2I, H] layout
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_m: int      # sorted (token, expert) slots per tile: rows of each tl.dot
+    block_n: int      # output columns per program
+    block_k: int      # reduction step
+    warps: int = 4
+    stages: int = 2
+
+
+# one table, by the largest token count each row covers; untuned (the H200 session tunes it)
+GROUPED_CONFIGS = ((32, GroupedConfig(block_m=16, block_n=64, block_k=64)),
+                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=64, block_k=64)))
+
+
+def grouped_config(tokens: int) -> GroupedConfig:
+    for limit, config in GROUPED_CONFIGS:
+        if tokens <= limit:
+            return config
+    return GROUPED_CONFIGS[-1][1]
+
+
+def grouped_slots(pairs: int, experts: int, block_m: int) -> int:
+    """Slots of the sorted buffer in the worst case: every pair, plus a partly filled tile per expert that
+    can appear; a multiple of block_m."""
+    worst = pairs + min(experts, pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, wts_ptr, E, stride_l,
+                      TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                      W_F32: tl.constexpr):
+        """Grid (M,): row m's expert ids and routing weights (rounded to the model dtype unless W_F32)."""
+        m = tl.program_id(0)
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, False)
+        if not W_F32:   # rounded to the model dtype, the logits'
+            values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        slots = tl.arange(0, BLOCK_TOPK)
+        tl.store(ids_ptr + m * TOPK + slots, ids, mask=slots < TOPK)
+        tl.store(wts_ptr + m * TOPK + slots, values, mask=slots < TOPK)
+
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, P, E, SLOTS,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One program: sorted_ptr [SLOTS] = pair indices grouped by expert (ascending expert, then pair),
+        each group padded to a multiple of BLOCK_M with -1; tile_expert_ptr [SLOTS // BLOCK_M] = the expert
+        of each tile, -1 for tiles past the last group."""
+        p = tl.arange(0, BLOCK_P)
+        live = p < P
+        ids = tl.load(ids_ptr + p, mask=live, other=-1)
+        e = tl.arange(0, BLOCK_E)
+        hit = (ids[None, :] == e[:, None]) & live[None, :]                         # [E, P]
+        counts = tl.sum(hit.to(tl.int32), axis=1)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        # each pair's slot: its expert's start plus the number of earlier pairs of that expert
+        before = tl.cumsum(hit.to(tl.int32), axis=1) - 1                            # [E, P]
+        slot = tl.sum(tl.where(hit, starts[:, None] + before, 0), axis=0)           # [P]
+        s = tl.arange(0, BLOCK_S)
+        tl.store(sorted_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=s < SLOTS)
+        tl.debug_barrier()
+        tl.store(sorted_ptr + slot, p, mask=live)
+        tiles = tl.arange(0, BLOCK_S // BLOCK_M)
+        first = tiles * BLOCK_M
+        owner = (first[:, None] >= starts[None, :]) & (first[:, None] < ends[None, :])   # [tiles, E]
+        expert = tl.max(tl.where(owner, e[None, :], -1), axis=1)
+        tl.store(tile_expert_ptr + tiles, expert, mask=tiles < SLOTS // BLOCK_M)
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, gu_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
+                                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+        """Grid (tiles, N tiles of I): act[pair, n] = silu(x @ Wg[e].T) * (x @ Wu[e].T), rounded as HF."""
+        t = tl.program_id(0)
+        nt = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + t)
+        if expert >= 0:
+            out_ty = x_ptr.dtype.element_ty
+            pairs = tl.load(sorted_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M))
+            real = pairs >= 0
+            rows = tl.where(real, pairs // TOPK, 0)
+            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < I
+            base = gu_ptr + expert.to(tl.int64) * (2 * I * H)
+            g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < H
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                            mask=real[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & nmask[None, :]
+                wg = tl.load(base + n[None, :].to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)   # [K, N]
+                wu = tl.load(base + (I + n[None, :]).to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)
+                g = tl.dot(x, wg, g)
+                u = tl.dot(x, wu, u)
+            g = g.to(out_ty).to(tl.float32)
+            u = u.to(out_ty).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            tl.store(act_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], (a * u).to(out_ty),
+                     mask=real[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(act_ptr, d_ptr, wts_ptr, sorted_ptr, tile_expert_ptr, y_ptr, H, I,
+                             W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """Grid (tiles, N tiles of H): y[pair, n] = round(act[pair] @ Wd[e].T) * weight[pair] (rounded
+        unless W_F32, whose y is float32)."""
+        t = tl.program_id(0)
+        nt = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + t)
+        if expert >= 0:
+            out_ty = act_ptr.dtype.element_ty
+            pairs = tl.load(sorted_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M))
+            real = pairs >= 0
+            safe = tl.where(real, pairs, 0)
+            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < H
+            base = d_ptr + expert.to(tl.int64) * (H * I)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < I
+                a = tl.load(act_ptr + safe[:, None].to(tl.int64) * I + k[None, :], mask=real[:, None] & kmask[None, :],
+                            other=0.0)
+                w = tl.load(base + n[None, :].to(tl.int64) * I + k[:, None], mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                acc = tl.dot(a, w, acc)
+            y = acc.to(out_ty).to(tl.float32)
+            weight = tl.load(wts_ptr + safe, mask=real, other=0.0)
+            y = y * weight[:, None]
+            if not W_F32:
+                y = y.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + safe[:, None].to(tl.int64) * H + n[None, :], y, mask=real[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, out_ptr, H, stride_out, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Grid (N tiles of H, M): out[m] = sum over j in routing order of y[m * TOPK + j], float32, rounded once."""
+        t = tl.program_id(0)
+        m = tl.program_id(1)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < H
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + n, mask=nmask, other=0.0)
+        tl.store(out_ptr + m * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
+                  intermediates: dict | None = None):
+    """The grouped kernels (17-64 tokens; families without a shared expert, gpt-oss not yet): x [M, H] -> [M, H]."""
+    m, h = x.shape
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    cfg = config or grouped_config(m)
+    dev = x.device
+    pairs = m * top_k
+    slots = grouped_slots(pairs, e, cfg.block_m)
+    logits = torch.empty(m, e, device=dev, dtype=x.dtype)
+    ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
+    weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
+    order = torch.empty(slots, device=dev, dtype=torch.int32)
+    tile_expert = torch.empty(slots // cfg.block_m, device=dev, dtype=torch.int32)
+    act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
+    y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
+    out = torch.empty(m, h, device=dev, dtype=x.dtype)
+    small = experts_config(h, i)
+    block_h, chunks_h = _chunks(h)
+    _router_kernel[(triton.cdiv(e, small.router_rows), m)](
+        x, router_weight, router_weight, router_weight, logits, h, e, x.stride(0), logits.stride(0),
+        SHARED=False, BIAS=False, BLOCK_N=small.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=small.warps)
+    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
+                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32)
+    _align_kernel[(1,)](ids, order, tile_expert, pairs, e, slots, BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(e),
+                        BLOCK_M=cfg.block_m, BLOCK_S=next_pow2(slots), num_warps=8)
+    tiles = slots // cfg.block_m
+    _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
+        x, gate_up, order, tile_expert, act, h, i, x.stride(0), TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    _grouped_down_kernel[(tiles, triton.cdiv(h, cfg.block_n))](
+        act, down, weights, order, tile_expert, y, h, i, W_F32=weights_f32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    _combine_kernel[(triton.cdiv(h, cfg.block_n), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=cfg.block_n)
+    if intermediates is not None:
+        intermediates.update(logits=logits, ids=ids, weights=weights, act=act, order=order, tile_expert=tile_expert)
+    return out
+
+
 # -- the operator the compiled HF forward calls ----------------------------------------------------
 
 @torch.library.custom_op("gdtool::moe_block", mutates_args=())
@@ -440,13 +655,16 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
               shared_router: torch.Tensor | None = None, router_bias: torch.Tensor | None = None,
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
               alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
-    """One MoE block, x [M, H] (M <= MAX_TOKENS) -> [M, H]: the Triton kernels where they run (CUDA, or
-    Triton's interpreter), HF's batched_mm arithmetic in torch elsewhere. The biases (all three) and
-    alpha, limit are gpt-oss's: given, the weights are in its layout and routing."""
+    """One MoE block, x [M, H] -> [M, H]: the Triton kernels where they run (CUDA, or Triton's interpreter;
+    the small-batch kernels up to MAX_TOKENS rows, the grouped ones up to MAX_GROUPED_TOKENS), HF's
+    batched_mm arithmetic in torch elsewhere. The biases (all three) and alpha, limit are gpt-oss's:
+    given, the weights are in its layout and routing."""
     oss = None if gate_up_bias is None else (router_bias, gate_up_bias, down_bias, alpha, limit)
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
+        if x.shape[0] > MAX_TOKENS:   # plan() sends only families without a shared expert, not gpt-oss
+            return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32)
         return block_triton(*args)
     return block_reference(*args)
 
@@ -541,8 +759,11 @@ def _why_not(block, family: str, tokens: int) -> str:
     experts, router = block.experts, _router(block)
     if type(experts).__name__ != experts_name or type(router).__name__ != router_name:
         return f"experts or router other than transformers' {experts_name} / {router_name}"
-    if tokens > MAX_TOKENS:
-        return f"{tokens} tokens per step > {MAX_TOKENS}: grouped products, not matrix-vector"
+    if tokens > MAX_GROUPED_TOKENS:
+        return f"{tokens} tokens per step > {MAX_GROUPED_TOKENS}: many tokens per expert, HF's grouped_mm"
+    if tokens > MAX_TOKENS and family not in GROUPED_FAMILIES:
+        return (f"{tokens} tokens per step > {MAX_TOKENS} and the grouped kernels (up to {MAX_GROUPED_TOKENS}) "
+                f"take {', '.join(GROUPED_FAMILIES)} only")
     oss = family == "gpt_oss"
     flags = dict(has_gate=True, is_concatenated=not oss, is_transposed=oss, has_bias=oss,
                  has_post_expert_norm=False, _is_expert_parallel=False)
@@ -588,7 +809,7 @@ def _why_not(block, family: str, tokens: int) -> str:
             return "no Triton"
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
-    return untested_on_cuda(f"{family} experts", gate_up.device)
+    return untested_on_cuda(f"{family} experts" + (", grouped" if tokens > MAX_TOKENS else ""), gate_up.device)
 
 
 def _router(block):
@@ -617,10 +838,11 @@ def make_forward(block, family: str):
     shared = family == "qwen2_moe"
     oss = family == "gpt_oss"
     router = _router(block)
+    limit = MAX_GROUPED_TOKENS if family in GROUPED_FAMILIES else MAX_TOKENS
 
     def forward(hidden_states):
         b, s, h = hidden_states.shape
-        if b * s > MAX_TOKENS:  # a shape the step never has (decode is one token per row); HF's block
+        if b * s > limit:  # a shape the step never has (decode is one token per row); HF's block
             return original(block, hidden_states)
         experts = block.experts
         extra = {}
@@ -649,7 +871,7 @@ def plan(model, batch: int) -> Plan:
         why = _why_not(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
                       why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             f"{result.backend}")
+                             + ("grouped, " if batch > MAX_TOKENS else "") + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)
