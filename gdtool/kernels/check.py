@@ -387,7 +387,7 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
 EXPERTS_GROUPED_SMALL = [("qwen3-moe", 17, 8, 64, 32, 2, True, False, 0), ("olmoe", 24, 16, 64, 48, 4, False, False, 0),
                          ("mixtral", 40, 8, 64, 48, 2, True, True, 0), ("qwen3-moe", 64, 16, 96, 40, 4, True, False, 0)]
 EXPERTS_GROUPED_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m in (17, 32, 64)] + [
-    ("olmoe-1b-7b", 48, 64, 2048, 1024, 8, False, False, 0), ("mixtral-8x7b", 64, 8, 4096, 14336, 2, True, True, 0)]
+    ("olmoe-1b-7b", 48, 64, 2048, 1024, 8, False, False, 0), ("mixtral-8x7b", 24, 8, 4096, 14336, 2, True, True, 0)]
 
 # gpt-oss: (name, tokens, experts, hidden, intermediate, top_k)
 EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4)]
