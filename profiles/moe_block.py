@@ -5,7 +5,11 @@ weights once; the block's floor is those bytes at the copy bandwidth. This times
 block (128 experts, 8 active, hidden 2048, expert width 768; random weights in bf16) each way, every
 variant captured in a CUDA graph (what a decode step replays) and timed over 200 replays:
 
-    gdtool      torch.ops.gdtool.moe_block (3 kernels: router, routing + gate/up, down)
+    gdtool      torch.ops.gdtool.moe_block as plan() sends it (the small kernels up to 16 tokens, the
+                grouped ones up to 64; HF's block where the plan refuses, e.g. an untested path on CUDA
+                without GDTOOL_UNTESTED_KERNELS=1)
+    small       the small-batch kernels called directly (3 kernels: router, routing + gate/up, down)
+    grouped     the grouped kernels called directly (router, route, align, gate/up, down, combine)
     batched_mm  HF's block with experts_implementation='batched_mm' (what generate() decodes with)
     grouped_mm  HF's block with experts_implementation='grouped_mm' (the default)
 
@@ -14,6 +18,7 @@ from batched_mm. The last stdout line is one JSON document.
 
     python profiles/moe_block.py                         # batch 1, 4, 16 on the GPU
     python profiles/moe_block.py --batch 1 --layers 4    # 4 blocks in a row (less launch gap per block)
+    GDTOOL_UNTESTED_KERNELS=1 python profiles/moe_block.py --batch 8,16,17,24,32,48,64   # small vs grouped crossover
 """
 from __future__ import annotations
 
@@ -83,6 +88,13 @@ def main(argv=None):
                 for b in blocks:
                     out["gdtool"] = b(x)
         variants = {"gdtool": ours}
+        weights = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 8, True, False)
+        flat = x.view(batch, -1)
+        for name, kernels in (("small", experts.block_triton), ("grouped", experts.block_grouped)):
+            def direct(name=name, kernels=kernels):
+                for _ in blocks:
+                    out[name] = kernels(flat, *weights).view_as(x)
+            variants[name] = direct
         for impl in ("batched_mm", "grouped_mm"):
             def hf(impl=impl):
                 config._experts_implementation = impl

@@ -2,9 +2,11 @@
 
 On a CPU: the torch reference (what runs without Triton) against float64 and against HF's blocks of
 each family; the Triton kernels themselves under Triton's CPU interpreter (float32, float16), against
-float64 and against HF's blocks; the plan (which blocks, why not); a tiny Qwen3-MoE decoding with
-kernels="fast" (the operator inside the compiled HF forward), equal to itself uncaptured and to HF's
-tokens, the blocks left unpatched afterwards, and an in-place weight update seen by the next decode.
+float64 and against HF's blocks (the grouped kernels at 17-64 tokens too, their sorted buffer exactly);
+the plan (which blocks, which path, why not); a tiny Qwen3-MoE (batch 3, and 24 for the grouped path)
+and a tiny gpt-oss decoding with kernels="fast" (the operator inside the compiled HF forward), equal to
+themselves uncaptured and to HF's tokens, the blocks left unpatched afterwards, and an in-place weight
+update seen by the next decode.
 On CUDA: the kernels in bf16/fp16 at real shapes, and the fast step captured against uncaptured
 (bitwise) on each family in bf16, with its agreement with HF's kernels.
 """
@@ -31,21 +33,26 @@ def _decode(model, prompt, **kw):
     return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
 
 
-def _against_hf_blocks(dtype=torch.float32, tokens=(1, 3)) -> list[str]:
-    """Each family's HF block against the same block through gdtool's operator; returns the failures."""
+def _hidden(out):
+    return out[0] if isinstance(out, tuple) else out  # GptOssMLP returns (hidden states, router scores)
+
+
+def _against_hf_blocks(dtype=torch.float32, tokens=(1, 3), grouped_tokens=(24,)) -> list[str]:
+    """Each family's HF block against the same block through gdtool's operator (and, for the families the
+    grouped kernels take, at `grouped_tokens` too); returns the failures."""
     bad = []
     for family in FAMILIES:
         model = moe.build(family, dtype=dtype)
-        for m in tokens:
+        for m in tokens + (grouped_tokens if family in experts.GROUPED_FAMILIES else ()):
             plan = experts.plan(model, m)
             block = model.model.layers[0].mlp
             x = torch.randn(m, 1, model.config.hidden_size, generator=torch.Generator().manual_seed(m)).to(dtype)
             with torch.no_grad():
-                hf = block(x)
+                hf = _hidden(block(x))
                 with experts.scope(plan):
-                    mine = block(x)
+                    mine = _hidden(block(x))
             err = float((hf.float() - mine.float()).abs().max() / hf.float().abs().max())
-            if not err < {torch.float32: 1e-5, torch.float16: 4e-3}[dtype] or "forward" in vars(block):
+            if not plan.applies or not err < {torch.float32: 1e-5, torch.float16: 4e-3}[dtype] or "forward" in vars(block):
                 bad.append(f"{family} x{m} {dtype}: relative error {err:.2e}")
     return bad
 
@@ -73,6 +80,14 @@ def test_experts_triton_kernels_under_the_interpreter():
             "bad = [r for r in fast_check.check_experts_all('cpu', torch.float32, seed=1) if not r.ok]\n"
             "assert not bad, fast_check.table(bad)\n"
             "experts.MAX_CHUNK = 4096\n"
+            "g = torch.Generator().manual_seed(5)\n"
+            "x, r = torch.randn(40, 64, generator=g), torch.randn(8, 64, generator=g)\n"
+            "gu, d = torch.randn(8, 64, 64, generator=g) / 8, torch.randn(8, 64, 32, generator=g) / 6\n"
+            "runs = [experts.block_grouped(x, r, gu, d, 2, True, False, config=c) for c in\n"
+            "        (None, None, experts.GroupedConfig(block_m=32, block_n=32, block_k=32))]\n"
+            "assert torch.equal(runs[0], runs[1])  # deterministic: no atomics, fixed sums\n"
+            "ref = experts.block_reference(x, r, gu, d, 2, True, False)\n"
+            "assert all(float((y - ref).abs().max()) < 1e-5 for y in runs), [float((y - ref).abs().max()) for y in runs]\n"
             "bad = t._against_hf_blocks(torch.float32) + t._against_hf_blocks(torch.float16)\n"
             "assert not bad, bad\n"
             "print('ok')\n")
@@ -86,14 +101,23 @@ def test_plan_names_the_blocks_and_why_not():
     assert plan.note().startswith("MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8")
     table = plan.table()
     assert list(table.layer) == [0, 1] and set(table.path) == {"gdtool experts kernels"}
-    wide = experts.plan(model, experts.MAX_TOKENS + 1)
-    assert not wide.applies and f"> {experts.MAX_TOKENS}" in wide.note() and "HF's" in wide.note()
+    for tokens in (32, experts.MAX_GROUPED_TOKENS):
+        grouped = experts.plan(model, tokens)
+        assert grouped.key() == (0, 1) and "(qwen3_moe, top-2 of 8, grouped, torch reference" in grouped.note()
+        assert set(grouped.table().path) == {"gdtool experts kernels"}
+    wide = experts.plan(model, experts.MAX_GROUPED_TOKENS + 1)
+    assert not wide.applies and f"> {experts.MAX_GROUPED_TOKENS}" in wide.note() and "HF's" in wide.note()
+    shared = experts.plan(moe.build("qwen2_moe"), 32)
+    assert not shared.applies and "grouped kernels (up to 64) take qwen3_moe, mixtral, olmoe only" in shared.note()
     model.model.layers[1].mlp.experts.has_bias = True
     mixed = experts.plan(model, 1)
     assert mixed.key() == (0,) and "layers 1 HF's (experts with has_bias=True" in mixed.note()
     assert experts.plan(gdtool.load_model("tiny-llama", seed=0), 1).note() == ""
-    oss = experts.plan(gdtool.load_model("tiny-gpt-oss", seed=0), 1)
-    assert oss.layers and not oss.applies and "not a known family" in oss.note()
+    oss_model = gdtool.load_model("tiny-gpt-oss", seed=0)
+    oss = experts.plan(oss_model, 1)
+    assert oss.key() == (0, 1) and "layers 0-1 in gdtool's kernels (gpt_oss, top-2 of 8" in oss.note()
+    oss_model.model.layers[0].mlp.experts.is_transposed = False
+    assert "layers 0 HF's (experts with is_transposed=False" in experts.plan(oss_model, 1).note()
 
 
 def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
@@ -117,6 +141,56 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
     assert "MoE blocks 2/2: layers 0-1 in gdtool's kernels" in row.kernels.iloc[0]
     agreement = fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
     assert (agreement.top1_agreement == 1.0).all() and (agreement.max_abs_logit_diff < 1e-4).all(), agreement
+
+
+def _teacher_forced_logits(model, kernels, batch=2, steps=6, seed=1):
+    prompt = gdtool.random_prompts(model, batch=batch, lengths=(3, 6), seed=seed)
+    continuation = torch.randint(3, 4096, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
+    return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+
+
+def test_fast_step_on_cpu_gpt_oss_runs_the_experts_operator(monkeypatch):
+    """gpt-oss (transposed, interleaved, biased experts; its biases drawn non-zero here): the compiled HF
+    forward, attention with sinks and sliding windows HF's own, calls gdtool's operator for both MoE blocks
+    and gives HF's tokens, equal captured and uncaptured; its teacher-forced logits equal those of the
+    compiled HF forward with HF's blocks (`kernels="compiled"`) within rounding."""
+    model = moe.build("gpt_oss")
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 11), seed=0)   # past the window of 8
+    calls = []
+    reference = experts.block_reference
+    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append((a[0].shape, a[-1] is not None))
+                        or reference(*a))
+    hf = _decode(model, prompt)
+    mine = _decode(model, prompt, kernels="fast")
+    again = _decode(model, prompt, kernels="fast", capture=False)
+    assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
+    assert calls and set(calls) == {((3, 64), True)}
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
+    table = fast.compiles(model)
+    row = table[table.step.str.contains("_fast")]   # its name goes on with the sliding windows' cache layout
+    assert len(row) == 1 and row.compiles.iloc[0] == 1, table
+    assert "MoE blocks 2/2: layers 0-1 in gdtool's kernels (gpt_oss" in row.kernels.iloc[0]
+    diff = (_teacher_forced_logits(model, "fast") - _teacher_forced_logits(model, "compiled")).abs().max()
+    assert diff < 1e-4, diff
+
+
+def test_fast_step_on_cpu_grouped_batch_runs_the_experts_operator(monkeypatch):
+    """Batch 24, above the small-batch kernels: the plan sends the blocks to the grouped path (its torch
+    reference on a CPU, HF's arithmetic), the decode gives HF's tokens, equal captured and uncaptured."""
+    model = moe.build("qwen3_moe")
+    prompt = gdtool.random_prompts(model, batch=24, lengths=(3, 8), seed=4)
+    calls = []
+    reference = experts.block_reference
+    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    hf = _decode(model, prompt, max_new_tokens=6)
+    mine = _decode(model, prompt, kernels="fast", max_new_tokens=6)
+    again = _decode(model, prompt, kernels="fast", capture=False, max_new_tokens=6)
+    assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
+    assert calls and set(calls) == {(24, 64)}
+    table = fast.compiles(model)
+    row = table[table.step.str.contains("_fast")]
+    assert len(row) == 1 and "MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8, grouped" \
+        in row.kernels.iloc[0], table
 
 
 def test_fast_step_sees_an_in_place_weight_update():
@@ -156,13 +230,14 @@ def _against_hf_blocks_cuda(dtype):
     for family in FAMILIES:
         model = moe.build(family, dtype=dtype, device="cuda")
         model.set_experts_implementation("batched_mm")  # generate()'s decode path
-        for m in (1, 5, experts.MAX_TOKENS):
+        grouped = (24, experts.MAX_GROUPED_TOKENS) if family in experts.GROUPED_FAMILIES else ()
+        for m in (1, 5, experts.MAX_TOKENS) + grouped:
             block = model.model.layers[0].mlp
             x = torch.randn(m, 1, model.config.hidden_size, device="cuda", dtype=dtype)
             with torch.no_grad():
-                hf = block(x)
+                hf = _hidden(block(x))
                 with experts.scope(experts.plan(model, m)):
-                    mine = block(x)
+                    mine = _hidden(block(x))
             err = float((hf.float() - mine.float()).abs().max() / hf.float().abs().max())
             if not err < 2e-2:
                 bad.append(f"{family} x{m}: {err:.2e}")
@@ -188,7 +263,11 @@ def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family):
     if gdtool.loops.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)
-    agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
+    if family == "gpt_oss":  # against the compiled HF forward with HF's blocks (see the CPU test)
+        agreement = fast.agreement(_teacher_forced_logits(model, "compiled", steps=8),
+                                   _teacher_forced_logits(model, "fast", steps=8))
+    else:
+        agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all(), agreement
 
 

@@ -352,6 +352,12 @@ EXPERTS_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m i
 
 def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
                   config=None) -> list[Result]:
+    """See below; m > experts.MAX_TOKENS runs the grouped kernels."""
+    return _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen, config)
+
+
+def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
+                   config=None) -> list[Result]:
     """One MoE block: the routing (exact equality of the expert ids with torch's, routing weights against
     float64) and the output against float64 on the kernel's own routing (no intermediate rounding)."""
     from . import experts
@@ -366,7 +372,10 @@ def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype
              rand(1, h, scale=h ** -0.5)) if shared else ()
     args = (x, router, gate_up, down, top_k, norm_topk, weights_f32, *extra)
     seen = {}
-    if _impl.triton:
+    if _impl.triton and m > experts.MAX_TOKENS:
+        assert not shared, "the grouped kernels take no shared expert"
+        out = experts.block_grouped(*args, config=config, intermediates=seen)
+    elif _impl.triton:
         out = experts.block_triton(*args, config=config, intermediates=seen)
     else:
         out = experts.block_reference(*args)
@@ -402,15 +411,95 @@ def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype
                          "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
         routing.ok = routing.ok and same_ids
         results.append(routing)
+    if "order" in seen:
+        results.append(_check_grouped_order(name, shape, dtype, ids, seen["order"], seen["tile_expert"]))
     return results
+
+
+# the grouped kernels (more than experts.MAX_TOKENS tokens; no shared expert)
+EXPERTS_GROUPED_SMALL = [("qwen3-moe", 17, 8, 64, 32, 2, True, False, 0), ("olmoe", 24, 16, 64, 48, 4, False, False, 0),
+                         ("mixtral", 40, 8, 64, 48, 2, True, True, 0), ("qwen3-moe", 64, 16, 96, 40, 4, True, False, 0)]
+EXPERTS_GROUPED_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m in (17, 32, 64)] + [
+    ("olmoe-1b-7b", 48, 64, 2048, 1024, 8, False, False, 0), ("mixtral-8x7b", 24, 8, 4096, 14336, 2, True, True, 0)]
+
+# gpt-oss: (name, tokens, experts, hidden, intermediate, top_k)
+EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4)]
+EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4, 16)] + [
+    ("gpt-oss-120b", 2, 128, 2880, 2880, 4)]
+OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
+
+
+def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) -> list[Result]:
+    """One gpt-oss block (transposed, interleaved, biased experts; clamped SwiGLU; top-k then softmax),
+    as `check_experts`. The gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
+    from . import experts
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+    x = rand(m, h)
+    router, router_bias = rand(e, h, scale=h ** -0.5), rand(e, scale=0.5)
+    gate_up, gate_up_bias = rand(e, h, 2 * i, scale=4 * h ** -0.5), rand(e, 2 * i, scale=0.5)
+    down, down_bias = rand(e, i, h, scale=i ** -0.5 / 4), rand(e, h, scale=0.5)
+    oss = (router_bias, gate_up_bias, down_bias, OSS_ALPHA, OSS_LIMIT)
+    args = (x, router, gate_up, down, top_k, False, False, None, None, None, None, oss)
+    seen = {}
+    if _impl.triton:
+        out = experts.block_triton(*args, config=config, intermediates=seen)
+    else:
+        out = experts.block_reference(*args)
+    ref = experts.block_reference(*args)
+    logits_ref, weights_ref, ids_ref = experts.route_reference_oss(x, router, router_bias, top_k)
+    ids = seen["ids"].long() if seen else ids_ref
+    # float64 on the kernel's routing
+    xd = x.double()
+    w = torch.softmax((xd @ router.double().T + router_bias.double()).gather(1, ids), -1)
+    exact = torch.zeros(m, h, dtype=torch.float64, device=device)
+    for r in range(m):
+        for j in range(top_k):
+            expert = ids[r, j]
+            gu = xd[r] @ gate_up[expert].double() + gate_up_bias[expert].double()
+            gate, up = gu[::2].clamp(max=OSS_LIMIT), gu[1::2].clamp(-OSS_LIMIT, OSS_LIMIT)
+            act = (up + 1) * gate * torch.sigmoid(OSS_ALPHA * gate)
+            exact[r] += w[r, j] * (act @ down[expert].double() + down_bias[expert].double())
+    shape = f"{m} tokens, top-{top_k} of {e}, {h}x{i}"
+    same_ids = torch.equal(ids, ids_ref) or torch.equal(logits_ref.gather(1, ids), logits_ref.gather(1, ids_ref))
+    results = [_judge(f"moe_block ({name})", shape, dtype, out, ref, exact, "" if config is None else f"config {config}")]
+    if seen:
+        routing = _judge(f"moe routing weights ({name})", shape, dtype, seen["weights"], weights_ref.float(), w,
+                         "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
+        routing.ok = routing.ok and same_ids
+        results.append(routing)
+    return results
+
+
+def _check_grouped_order(name, shape, dtype, ids, order, tile_expert) -> Result:
+    """The grouped kernels' sorted buffer, exactly: every (token, k) pair once, by expert then pair index,
+    each tile's slots all of the tile's expert, padding (-1) only at the end of an expert's run."""
+    flat = ids.reshape(-1).cpu().tolist()
+    order, tile_expert = order.cpu().tolist(), tile_expert.cpu().tolist()
+    block_m = len(order) // len(tile_expert)
+    real = [p for p in order if p >= 0]
+    ok = real == sorted(range(len(flat)), key=lambda p: (flat[p], p))
+    for t, expert in enumerate(tile_expert):
+        slots = order[t * block_m:(t + 1) * block_m]
+        filled = [p for p in slots if p >= 0]
+        ok = ok and slots == filled + [-1] * (block_m - len(filled))
+        ok = ok and (all(flat[p] == expert for p in filled) and (expert >= 0) == bool(filled))
+    return Result(f"moe grouped order ({name})", shape, str(dtype).replace("torch.", ""), 0.0 if ok else 1.0, 0.0, 0.0,
+                  ok, "exact" if ok else f"order {order} tiles {tile_expert} ids {flat}")
 
 
 def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
                       impl: str = "triton") -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
-    OLMoE and Mixtral 8x7B shapes; impl="reference" checks the torch reference against float64 alone."""
+    OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
+    float64 alone."""
     device, large, gen = _begin(device, large, seed, impl)
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
+    for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
+        results += check_experts(*shape, dtype, device, gen)
+    for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
+        results += check_experts_oss(*shape, dtype, device, gen)
     return results

@@ -33,7 +33,11 @@ top-k pick the lower expert id first (torch.topk leaves the order of ties unspec
 
 Where the family is known (`FAMILIES`: Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
 OLMoE; transformers 5.x's fused experts `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`,
-concatenated [gate; up], not transposed, no biases, SiLU) and the step has at most `MAX_TOKENS`
+concatenated [gate; up], not transposed, no biases, SiLU; and gpt-oss, whose transposed, interleaved,
+biased experts, clamped SwiGLU and top-k-then-softmax router the same kernels read under their `OSS`
+switch, at HF's rounding points: each product rounded, its bias added and rounded, then each step of
+`GptOssExperts._apply_gate` rounded; the router's bias added before its one rounding, as F.linear's
+bias epilogue on CUDA) and the step has at most `MAX_TOKENS`
 tokens, `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
 its compiled function, like attention's) gives each listed block a forward that calls
 `torch.ops.gdtool.moe_block`: a custom operator, opaque to dynamo and inductor, so the compiled HF
@@ -43,6 +47,9 @@ is dropped leaves nothing behind, and HF's kernels, generate() and other compile
 see the swap (a captured graph replays no Python, so the scope costs nothing after capture). The
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
+
+From MAX_TOKENS + 1 to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE) the grouped kernels below
+run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine.
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
@@ -60,7 +67,7 @@ import torch.nn.functional as F
 
 from .triton import HAVE_TRITON, next_pow2, tl, triton, untested_on_cuda, usable
 
-MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, HF's block (grouped/batched_mm)
+MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, the grouped ones (MAX_GROUPED_TOKENS)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
 # (block class, experts class, router class) per family, by module name in transformers.models
 FAMILIES = {
@@ -68,7 +75,12 @@ FAMILIES = {
     "qwen2_moe": ("Qwen2MoeSparseMoeBlock", "Qwen2MoeExperts", "Qwen2MoeTopKRouter"),
     "mixtral": ("MixtralSparseMoeBlock", "MixtralExperts", "MixtralTopKRouter"),
     "olmoe": ("OlmoeSparseMoeBlock", "OlmoeExperts", "OlmoeTopKRouter"),
+    "gpt_oss": ("GptOssMLP", "GptOssExperts", "GptOssTopKRouter"),
 }
+# gpt-oss's experts differ from the others in every place the kernels see (`OSS` in the kernels): transposed
+# weights (gate_up_proj [E, H, 2I] with gate and up interleaved by column, down_proj [E, I, H]), biases on
+# both products and on the router, the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`
+# with g = clamp(gate, max=limit), and the router's top-k taken over the logits before a softmax over the k.
 
 
 # -- torch reference: HF's router and batched_mm experts, rounding point for rounding point --------
@@ -102,8 +114,39 @@ def shared_reference(x, gate_w, up_w, down_w, gate_router):
     return torch.sigmoid(F.linear(x, gate_router)) * shared
 
 
+def route_reference_oss(x, router_weight, router_bias, top_k: int):
+    """GptOssTopKRouter.forward: the k largest logits (bias added), then a softmax over those k in float32,
+    rounded to the model dtype (`softmax(dtype=logits.dtype)`); (logits, weights [M, k], ids [M, k])."""
+    logits = F.linear(x, router_weight, router_bias)
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    return logits, torch.softmax(values, dim=1, dtype=values.dtype), ids
+
+
+def experts_reference_oss(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha: float, limit: float):
+    """HF's batched_mm experts forward for GptOssExperts (is_transposed, has_bias, interleaved [gate, up]
+    columns, GptOssExperts._apply_gate): [M, H] -> [M, H]. grouped_mm rounds at the same points."""
+    m, k = ids.shape
+    e = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)
+    gate_up_out = torch.bmm(xs.unsqueeze(1), gate_up[e]).squeeze(1)
+    gate_up_out.add_(gate_up_bias[e])
+    gate, up = gate_up_out[..., ::2], gate_up_out[..., 1::2]
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    act = (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    y = torch.bmm(act.unsqueeze(1), down[e]).squeeze(1)
+    y.add_(down_bias[e])
+    y = y * weights.reshape(-1, 1)
+    return y.view(m, k, -1).sum(dim=1).to(x.dtype)
+
+
 def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
-                    shared_gate=None, shared_up=None, shared_down=None, shared_router=None):
+                    shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None):
+    """One block in torch. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit)."""
+    if oss is not None:
+        router_bias, gate_up_bias, down_bias, alpha, limit = oss
+        _, weights, ids = route_reference_oss(x, router_weight, router_bias, top_k)
+        return experts_reference_oss(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit)
     _, weights, ids = route_reference(x, router_weight, top_k, norm_topk, weights_f32)
     out = experts_reference(x, ids, weights, gate_up, down)
     if shared_gate is not None:
@@ -115,10 +158,12 @@ def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f
 
 if HAVE_TRITON:
     @triton.jit
-    def _router_kernel(x_ptr, w_ptr, ws_ptr, logits_ptr, H, E, stride_x, stride_l,
-                       SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+    def _router_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, H, E, stride_x, stride_l,
+                       SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       CHUNKS: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
-        as row E; one x row per program (grid: tiles, rows)."""
+        as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
+        rounding, as cuBLAS's bias epilogue of F.linear does."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -132,16 +177,28 @@ if HAVE_TRITON:
                 w = tl.where(n[:, None] == E, ws, w)
             x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0)
             acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
+        if BIAS:
+            acc += tl.load(b_ptr + n, mask=n < E, other=0.0).to(tl.float32)
         tl.store(logits_ptr + m * stride_l + n, acc.to(x_ptr.dtype.element_ty), mask=n < E + SHARED)
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
-        id first), renormalized (NORM). Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
+        id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
+        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
         logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        if OSS:
+            ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
+        else:
+            ids, values = _route_softmax_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, NORM)
+        return ids, values
+
+    @triton.jit
+    def _route_softmax_first(logits, live, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
+                             NORM: tl.constexpr):
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(live, p, -1.0)
@@ -158,16 +215,31 @@ if HAVE_TRITON:
             values = values / tl.sum(values, axis=0)
         return ids, values
 
+    @triton.jit
+    def _route_topk_first(logits, free, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+        slots = tl.arange(0, BLOCK_TOPK)
+        ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+        values = tl.full([BLOCK_TOPK], float("-inf"), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(tl.where(free, logits, float("-inf")), axis=0)
+            pick = tl.min(tl.where(free & (logits == best), e, BLOCK_E), axis=0)
+            ids = tl.where(slots == j, pick, ids)
+            values = tl.where(slots == j, best, values)
+            free = free & (e != pick)
+        p = tl.exp(values - tl.max(values, axis=0))   # slots >= TOPK hold -inf: weight 0
+        return ids, p / tl.sum(p, axis=0)
+
     # sizes that both branches of the routed/shared `if` hold must stay runtime integers (Triton would make
     # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
     @triton.jit(do_not_specialize=["M", "I", "IS"])
-    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
-                        M, H, E, I, IS, stride_x, stride_l,
+    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, gub_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
+                        M, H, E, I, IS, stride_x, stride_l, ALPHA, LIMIT,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                        W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        CHUNKS: tl.constexpr):
+                        W_F32: tl.constexpr, SHARED: tl.constexpr, OSS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
-        one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
+        one pair's tile (OSS: gpt-oss's biased products and clamped SwiGLU). Pair p < M * TOPK is
+        (row p // TOPK, its (p % TOPK)-th expert)."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         out_ty = x_ptr.dtype.element_ty
@@ -175,7 +247,7 @@ if HAVE_TRITON:
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if p < M * TOPK:
             m = p // TOPK
-            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM)
+            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS)
             slots = tl.arange(0, BLOCK_TOPK)
             mine = slots == p % TOPK
             expert = tl.sum(tl.where(mine, ids, 0), axis=0)
@@ -186,14 +258,26 @@ if HAVE_TRITON:
                 tl.store(ids_ptr + p, expert)
                 tl.store(wts_ptr + p, weight)
             rows = I
-            gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
-            up = gate + I * H
+            if OSS:   # [E, H, 2I]: column 2n is gate row n, column 2n + 1 up row n
+                gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * 2 + \
+                    k[None, :].to(tl.int64) * (2 * I)
+                up = gate + 1
+                bias = gub_ptr + expert.to(tl.int64) * (2 * I) + n * 2
+                gate_bias = tl.load(bias, mask=n < I, other=0.0).to(tl.float32)
+                up_bias = tl.load(bias + 1, mask=n < I, other=0.0).to(tl.float32)
+            else:     # [E, 2I, H]: rows [gate; up]
+                gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
+                up = gate + I * H
+                gate_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+                up_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
             out = act_ptr + p.to(tl.int64) * I + n
         else:
             m = p - M * TOPK
             rows = IS
             gate = sg_ptr + n[:, None].to(tl.int64) * H + k[None, :]
             up = su_ptr + n[:, None].to(tl.int64) * H + k[None, :]
+            gate_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            up_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
             out = sact_ptr + m.to(tl.int64) * IS + n
         nmask = n < rows
         g = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -201,36 +285,55 @@ if HAVE_TRITON:
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = nmask[:, None] & (k[None, :] < H)
-            wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
-            wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
+            if OSS:   # gpt-oss has no shared expert: the routed layout alone
+                step = (c * BLOCK_K) * (2 * I).to(tl.int64)
+            else:
+                step = c * BLOCK_K
+            wg = tl.load(gate + step, mask=kmask, other=0.0)
+            wu = tl.load(up + step, mask=kmask, other=0.0)
             x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
             g += tl.sum(x * wg.to(tl.float32), axis=1)
             u += tl.sum(x * wu.to(tl.float32), axis=1)
         g = g.to(out_ty).to(tl.float32)
         u = u.to(out_ty).to(tl.float32)
-        a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
+        if OSS:   # HF: product, += bias, clamps, gate * alpha, sigmoid, glu, up + 1, times: each rounded
+            g = tl.minimum((g + gate_bias).to(out_ty).to(tl.float32), LIMIT)
+            u = tl.minimum(tl.maximum((u + up_bias).to(out_ty).to(tl.float32), -LIMIT), LIMIT)
+            s = (g * ALPHA).to(out_ty).to(tl.float32)
+            s = (1.0 / (1.0 + tl.exp(-s))).to(out_ty).to(tl.float32)
+            a = (g * s).to(out_ty).to(tl.float32)
+            u = (u + 1.0).to(out_ty).to(tl.float32)
+        else:
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
         tl.store(out, (a * u).to(out_ty), mask=nmask)
 
     @triton.jit
-    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
-        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
+    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
+                  TRANSPOSED: tl.constexpr, N_TOTAL):
+        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr (TRANSPOSED: columns n of a [K, N_TOTAL]
+        weight) against the vector at a_ptr, in chunks."""
         acc = tl.zeros(n.shape, dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             i = c * BLOCK_K + tl.arange(0, BLOCK_K)
             imask = i < K
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + i[None, :], mask=nmask[:, None] & imask[None, :],
-                        other=0.0)
+            if TRANSPOSED:
+                where = w_ptr + n[:, None].to(tl.int64) + i[None, :].to(tl.int64) * N_TOTAL
+            else:
+                where = w_ptr + n[:, None].to(tl.int64) * K + i[None, :]
+            w = tl.load(where, mask=nmask[:, None] & imask[None, :], other=0.0)
             a = tl.load(a_ptr + i, mask=imask, other=0.0).to(tl.float32)
             acc += tl.sum(a[None, :] * w.to(tl.float32), axis=1)
         return acc
 
     @triton.jit
-    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, out_ptr,
+    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, db_ptr, sd_ptr, out_ptr,
                      H, I, IS, E, stride_l, stride_out,
-                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr, CHUNKS_S: tl.constexpr):
-        """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed
-        in routing order (float32, rounded once), plus the gated shared expert."""
+                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, OSS: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
+                     CHUNKS_S: tl.constexpr):
+        """Grid (tiles of the hidden dim, M rows): the routed experts' down products (OSS: of gpt-oss's
+        [E, I, H] weights, bias added and rounded), weighted and summed in routing order (float32, rounded
+        once), plus the gated shared expert."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         out_ty = out_ptr.dtype.element_ty
@@ -241,15 +344,18 @@ if HAVE_TRITON:
             expert = tl.load(ids_ptr + m * TOPK + j)
             weight = tl.load(wts_ptr + m * TOPK + j)
             y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
-                          BLOCK_I, CHUNKS)
+                          BLOCK_I, CHUNKS, OSS, H)
             y = y.to(out_ty).to(tl.float32)
+            if OSS:
+                y += tl.load(db_ptr + expert.to(tl.int64) * H + n, mask=nmask, other=0.0).to(tl.float32)
+                y = y.to(out_ty).to(tl.float32)
             if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
                 acc += y * weight
             else:
                 acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
-            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
+            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S, False, 0)
             ys = ys.to(out_ty).to(tl.float32)
             g = tl.load(logits_ptr + m * stride_l + E).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
@@ -286,13 +392,15 @@ def experts_config(hidden: int, intermediate: int) -> Config:
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
-                 shared_gate=None, shared_up=None, shared_down=None, shared_router=None, config=None,
+                 shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None, config=None,
                  intermediates: dict | None = None):
-    """The three kernels: x [M, H] -> [M, H]. `intermediates`, when given, receives the logits, expert
-    ids, routing weights and activations (what the tests compare)."""
+    """The three kernels: x [M, H] -> [M, H]. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias,
+    alpha, limit), the weights in gpt-oss's layout. `intermediates`, when given, receives the logits,
+    expert ids, routing weights and activations (what the tests compare)."""
     m, h = x.shape
-    e, two_i, _ = gate_up.shape
-    i = two_i // 2
+    router_bias, gate_up_bias, down_bias, alpha, limit = oss or (router_weight, gate_up, down, 0.0, 0.0)
+    e = gate_up.shape[0]
+    i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
     shared = shared_gate is not None
     i_shared = shared_gate.shape[0] if shared else 1
     cfg = config or experts_config(h, i)
@@ -305,24 +413,236 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
     block_h, chunks_h = _chunks(h)
     _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
-        x, router_weight, shared_router if shared else router_weight, logits, h, e, x.stride(0), logits.stride(0),
-        SHARED=shared, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+        x, router_weight, shared_router if shared else router_weight, router_bias, logits, h, e, x.stride(0),
+        logits.stride(0), SHARED=shared, BIAS=oss is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
-        x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act, shared_act,
-        ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
+        x, logits, gate_up, gate_up_bias, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
+        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(alpha), float(limit),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+        SHARED=shared, OSS=oss is not None, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     block_i, chunks_i = _chunks(i)
     block_s, chunks_s = _chunks(i_shared)
     _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
-        act, shared_act, ids, weights, logits, down, shared_down if shared else down, out,
+        act, shared_act, ids, weights, logits, down, down_bias, shared_down if shared else down, out,
         h, i, i_shared, e, logits.stride(0), out.stride(0),
-        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
+        TOPK=top_k, W_F32=weights_f32, SHARED=shared, OSS=oss is not None, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
         BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
+    return out
+
+
+# -- the grouped path: 17-64 tokens per step ------------------------------------------------------
+# Above MAX_TOKENS the same expert serves several rows, and a matrix-vector product per (row, expert)
+# would read it once per row. The grouped kernels read each routed expert once per tile of its rows:
+#
+#    route    per row: ids and routing weights, as the small path's gate/up programs compute them  (1)
+#    align    one program: the M*k (row, k) pairs sorted by expert (stable: by pair index within an
+#             expert), each expert's run padded to BLOCK_M slots, padding -1; which expert each tile
+#             of BLOCK_M slots belongs to (-1 past the last). Fixed sizes, worst case: M*k pairs plus
+#             BLOCK_M - 1 padding per expert that can appear (min(E, M*k)); no host read           (1)
+#    gate_up  per (tile, N tile): the tile's pairs' x rows @ [Wg; Wu][e].T with tl.dot, rounded, SiLU,
+#             rounded, times up, rounded; written to the pair's own row of act [M*k, I]              (1)
+#    down     per (tile, N tile): act rows @ Wd[e].T, rounded, times the pair's weight (rounded, or
+#             float32 for Mixtral), written to the pair's own row of y [M*k, H]                      (1)
+#    combine  per (row, H tile): sum over its k pairs in routing order in float32, rounded once      (1)
+#
+# Same rounding points as the small path and HF's batched_mm / grouped_mm; no atomics, a fixed order
+# of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200 later).
+
+MAX_GROUPED_TOKENS = 64
+GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")   # no shared expert, the [E, 2I, H] layout
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    block_m: int      # sorted (token, expert) slots per tile: rows of each tl.dot
+    block_n: int      # output columns per program
+    block_k: int      # reduction step
+    warps: int = 4
+    stages: int = 2
+
+
+# one table, by the largest token count each row covers; untuned (the H200 session tunes it)
+GROUPED_CONFIGS = ((32, GroupedConfig(block_m=16, block_n=64, block_k=64)),
+                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=64, block_k=64)))
+
+
+def grouped_config(tokens: int) -> GroupedConfig:
+    for limit, config in GROUPED_CONFIGS:
+        if tokens <= limit:
+            return config
+    return GROUPED_CONFIGS[-1][1]
+
+
+def grouped_slots(pairs: int, experts: int, block_m: int) -> int:
+    """Slots of the sorted buffer in the worst case: every pair, plus a partly filled tile per expert that
+    can appear; a multiple of block_m."""
+    worst = pairs + min(experts, pairs) * (block_m - 1)
+    return -(-worst // block_m) * block_m
+
+
+if HAVE_TRITON:
+    @triton.jit
+    def _route_kernel(logits_ptr, ids_ptr, wts_ptr, E, stride_l,
+                      TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
+                      W_F32: tl.constexpr):
+        """Grid (M,): row m's expert ids and routing weights (rounded to the model dtype unless W_F32)."""
+        m = tl.program_id(0)
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, False)
+        if not W_F32:   # rounded to the model dtype, the logits'
+            values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
+        slots = tl.arange(0, BLOCK_TOPK)
+        tl.store(ids_ptr + m * TOPK + slots, ids, mask=slots < TOPK)
+        tl.store(wts_ptr + m * TOPK + slots, values, mask=slots < TOPK)
+
+    @triton.jit
+    def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, P, E, SLOTS,
+                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
+        """One program: sorted_ptr [SLOTS] = pair indices grouped by expert (ascending expert, then pair),
+        each group padded to a multiple of BLOCK_M with -1; tile_expert_ptr [SLOTS // BLOCK_M] = the expert
+        of each tile, -1 for tiles past the last group."""
+        p = tl.arange(0, BLOCK_P)
+        live = p < P
+        ids = tl.load(ids_ptr + p, mask=live, other=-1)
+        e = tl.arange(0, BLOCK_E)
+        hit = (ids[None, :] == e[:, None]) & live[None, :]                         # [E, P]
+        counts = tl.sum(hit.to(tl.int32), axis=1)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, axis=0)
+        starts = ends - padded
+        # each pair's slot: its expert's start plus the number of earlier pairs of that expert
+        before = tl.cumsum(hit.to(tl.int32), axis=1) - 1                            # [E, P]
+        slot = tl.sum(tl.where(hit, starts[:, None] + before, 0), axis=0)           # [P]
+        s = tl.arange(0, BLOCK_S)
+        tl.store(sorted_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=s < SLOTS)
+        tl.debug_barrier()
+        tl.store(sorted_ptr + slot, p, mask=live)
+        tiles = tl.arange(0, BLOCK_S // BLOCK_M)
+        first = tiles * BLOCK_M
+        owner = (first[:, None] >= starts[None, :]) & (first[:, None] < ends[None, :])   # [tiles, E]
+        expert = tl.max(tl.where(owner, e[None, :], -1), axis=1)
+        tl.store(tile_expert_ptr + tiles, expert, mask=tiles < SLOTS // BLOCK_M)
+
+    @triton.jit
+    def _grouped_gate_up_kernel(x_ptr, gu_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
+                                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr):
+        """Grid (tiles, N tiles of I): act[pair, n] = silu(x @ Wg[e].T) * (x @ Wu[e].T), rounded as HF."""
+        t = tl.program_id(0)
+        nt = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + t)
+        if expert >= 0:
+            out_ty = x_ptr.dtype.element_ty
+            pairs = tl.load(sorted_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M))
+            real = pairs >= 0
+            rows = tl.where(real, pairs // TOPK, 0)
+            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < I
+            base = gu_ptr + expert.to(tl.int64) * (2 * I * H)
+            g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < H
+                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                            mask=real[:, None] & kmask[None, :], other=0.0)
+                wmask = kmask[:, None] & nmask[None, :]
+                wg = tl.load(base + n[None, :].to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)   # [K, N]
+                wu = tl.load(base + (I + n[None, :]).to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)
+                g = tl.dot(x, wg, g)
+                u = tl.dot(x, wu, u)
+            g = g.to(out_ty).to(tl.float32)
+            u = u.to(out_ty).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+            tl.store(act_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], (a * u).to(out_ty),
+                     mask=real[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _grouped_down_kernel(act_ptr, d_ptr, wts_ptr, sorted_ptr, tile_expert_ptr, y_ptr, H, I,
+                             W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+        """Grid (tiles, N tiles of H): y[pair, n] = round(act[pair] @ Wd[e].T) * weight[pair] (rounded
+        unless W_F32, whose y is float32)."""
+        t = tl.program_id(0)
+        nt = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + t)
+        if expert >= 0:
+            out_ty = act_ptr.dtype.element_ty
+            pairs = tl.load(sorted_ptr + t * BLOCK_M + tl.arange(0, BLOCK_M))
+            real = pairs >= 0
+            safe = tl.where(real, pairs, 0)
+            n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
+            nmask = n < H
+            base = d_ptr + expert.to(tl.int64) * (H * I)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, I, BLOCK_K):
+                k = k0 + tl.arange(0, BLOCK_K)
+                kmask = k < I
+                a = tl.load(act_ptr + safe[:, None].to(tl.int64) * I + k[None, :], mask=real[:, None] & kmask[None, :],
+                            other=0.0)
+                w = tl.load(base + n[None, :].to(tl.int64) * I + k[:, None], mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                acc = tl.dot(a, w, acc)
+            y = acc.to(out_ty).to(tl.float32)
+            weight = tl.load(wts_ptr + safe, mask=real, other=0.0)
+            y = y * weight[:, None]
+            if not W_F32:
+                y = y.to(out_ty).to(tl.float32)
+            tl.store(y_ptr + safe[:, None].to(tl.int64) * H + n[None, :], y, mask=real[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _combine_kernel(y_ptr, out_ptr, H, stride_out, TOPK: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Grid (N tiles of H, M): out[m] = sum over j in routing order of y[m * TOPK + j], float32, rounded once."""
+        t = tl.program_id(0)
+        m = tl.program_id(1)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < H
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            acc += tl.load(y_ptr + (m * TOPK + j).to(tl.int64) * H + n, mask=nmask, other=0.0)
+        tl.store(out_ptr + m * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
+
+
+def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
+                  intermediates: dict | None = None):
+    """The grouped kernels (17-64 tokens; families without a shared expert, gpt-oss not yet): x [M, H] -> [M, H]."""
+    m, h = x.shape
+    e, two_i, _ = gate_up.shape
+    i = two_i // 2
+    cfg = config or grouped_config(m)
+    dev = x.device
+    pairs = m * top_k
+    slots = grouped_slots(pairs, e, cfg.block_m)
+    logits = torch.empty(m, e, device=dev, dtype=x.dtype)
+    ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
+    weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
+    order = torch.empty(slots, device=dev, dtype=torch.int32)
+    tile_expert = torch.empty(slots // cfg.block_m, device=dev, dtype=torch.int32)
+    act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
+    y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
+    out = torch.empty(m, h, device=dev, dtype=x.dtype)
+    small = experts_config(h, i)
+    block_h, chunks_h = _chunks(h)
+    _router_kernel[(triton.cdiv(e, small.router_rows), m)](
+        x, router_weight, router_weight, router_weight, logits, h, e, x.stride(0), logits.stride(0),
+        SHARED=False, BIAS=False, BLOCK_N=small.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=small.warps)
+    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
+                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32)
+    _align_kernel[(1,)](ids, order, tile_expert, pairs, e, slots, BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(e),
+                        BLOCK_M=cfg.block_m, BLOCK_S=next_pow2(slots), num_warps=8)
+    tiles = slots // cfg.block_m
+    _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
+        x, gate_up, order, tile_expert, act, h, i, x.stride(0), TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    _grouped_down_kernel[(tiles, triton.cdiv(h, cfg.block_n))](
+        act, down, weights, order, tile_expert, y, h, i, W_F32=weights_f32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+    _combine_kernel[(triton.cdiv(h, cfg.block_n), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=cfg.block_n)
+    if intermediates is not None:
+        intermediates.update(logits=logits, ids=ids, weights=weights, act=act, order=order, tile_expert=tile_expert)
     return out
 
 
@@ -332,19 +652,26 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
 def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               top_k: int, norm_topk: bool, weights_f32: bool, shared_gate: torch.Tensor | None = None,
               shared_up: torch.Tensor | None = None, shared_down: torch.Tensor | None = None,
-              shared_router: torch.Tensor | None = None) -> torch.Tensor:
-    """One MoE block, x [M, H] (M <= MAX_TOKENS) -> [M, H]: the Triton kernels where they run (CUDA, or
-    Triton's interpreter), HF's batched_mm arithmetic in torch elsewhere."""
+              shared_router: torch.Tensor | None = None, router_bias: torch.Tensor | None = None,
+              gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
+              alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
+    """One MoE block, x [M, H] -> [M, H]: the Triton kernels where they run (CUDA, or Triton's interpreter;
+    the small-batch kernels up to MAX_TOKENS rows, the grouped ones up to MAX_GROUPED_TOKENS), HF's
+    batched_mm arithmetic in torch elsewhere. The biases (all three) and alpha, limit are gpt-oss's:
+    given, the weights are in its layout and routing."""
+    oss = None if gate_up_bias is None else (router_bias, gate_up_bias, down_bias, alpha, limit)
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
-            shared_gate, shared_up, shared_down, shared_router)
+            shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
+        if x.shape[0] > MAX_TOKENS:   # plan() sends only families without a shared expert, not gpt-oss
+            return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32)
         return block_triton(*args)
     return block_reference(*args)
 
 
 @moe_block.register_fake
 def _(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, shared_gate=None, shared_up=None,
-      shared_down=None, shared_router=None):
+      shared_down=None, shared_router=None, router_bias=None, gate_up_bias=None, down_bias=None, alpha=0.0, limit=0.0):
     return torch.empty_like(x)
 
 
@@ -429,26 +756,44 @@ def _why_not(block, family: str, tokens: int) -> str:
     if not family:
         return f"{type(block).__name__} is not a known family ({', '.join(FAMILIES)})"
     _, experts_name, router_name = FAMILIES[family]
-    experts, router = block.experts, block.gate
+    experts, router = block.experts, _router(block)
     if type(experts).__name__ != experts_name or type(router).__name__ != router_name:
         return f"experts or router other than transformers' {experts_name} / {router_name}"
-    if tokens > MAX_TOKENS:
-        return f"{tokens} tokens per step > {MAX_TOKENS}: grouped products, not matrix-vector"
-    flags = dict(has_gate=True, is_concatenated=True, is_transposed=False, has_bias=False,
+    if tokens > MAX_GROUPED_TOKENS:
+        return f"{tokens} tokens per step > {MAX_GROUPED_TOKENS}: many tokens per expert, HF's grouped_mm"
+    if tokens > MAX_TOKENS and family not in GROUPED_FAMILIES:
+        return (f"{tokens} tokens per step > {MAX_TOKENS} and the grouped kernels (up to {MAX_GROUPED_TOKENS}) "
+                f"take {', '.join(GROUPED_FAMILIES)} only")
+    oss = family == "gpt_oss"
+    flags = dict(has_gate=True, is_concatenated=not oss, is_transposed=oss, has_bias=oss,
                  has_post_expert_norm=False, _is_expert_parallel=False)
     off = [name for name, want in flags.items() if getattr(experts, name, want) != want]
     if off:
-        return f"experts with {off[0]}={getattr(experts, off[0])!r} (the kernels read [gate; up] rows, no bias)"
-    if type(experts.act_fn).__name__ not in ("SiLU", "SiLUActivation") or \
-            getattr(experts.config, "hidden_act", "silu") != "silu":
-        return f"experts activation {type(experts.act_fn).__name__}, not SiLU"
+        return (f"experts with {off[0]}={getattr(experts, off[0])!r} (the kernels read "
+                + ("gpt-oss's transposed, interleaved, biased layout)" if oss else "[gate; up] rows, no bias)"))
     gate_up, down, router_weight = experts.gate_up_proj, experts.down_proj, router.weight
-    e, two_i, h = gate_up.shape
-    if down.shape != (e, h, two_i // 2) or router_weight.shape != (e, h):
-        return "expert weights not in [E, 2I, H] / [E, H, I] layout"
+    if oss:
+        # GptOssExperts._apply_gate, the clamped SwiGLU, is what the kernels compute; a subclass's other one is not
+        if type(experts)._apply_gate is not _oss_apply_gate() or not all(
+                isinstance(getattr(experts, name, None), (int, float)) for name in ("alpha", "limit")):
+            return "gpt-oss experts with a gate other than GptOssExperts._apply_gate (alpha, limit)"
+        e, h, two_i = gate_up.shape
+        layout = down.shape == (e, two_i // 2, h) and experts.gate_up_proj_bias.shape == (e, two_i) and \
+            experts.down_proj_bias.shape == (e, h) and router.bias is not None and router.bias.shape == (e,)
+        if not layout or router_weight.shape != (e, h):
+            return "expert weights not in gpt-oss's [E, H, 2I] / [E, I, H] layout with biases"
+    else:
+        if type(experts.act_fn).__name__ not in ("SiLU", "SiLUActivation") or \
+                getattr(experts.config, "hidden_act", "silu") != "silu":
+            return f"experts activation {type(experts.act_fn).__name__}, not SiLU"
+        e, two_i, h = gate_up.shape
+        if down.shape != (e, h, two_i // 2) or router_weight.shape != (e, h):
+            return "expert weights not in [E, 2I, H] / [E, H, I] layout"
     if e > MAX_EXPERTS or router.top_k > e:
         return f"{e} experts (at most {MAX_EXPERTS}) or top-k {router.top_k} over them"
     tensors = [gate_up, down, router_weight]
+    if oss:
+        tensors += [experts.gate_up_proj_bias, experts.down_proj_bias, router.bias]
     if family == "qwen2_moe":
         mlp, gate = block.shared_expert, block.shared_expert_gate
         if getattr(mlp.config, "hidden_act", "silu") != "silu" or any(
@@ -464,11 +809,23 @@ def _why_not(block, family: str, tokens: int) -> str:
             return "no Triton"
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
-    return untested_on_cuda(f"{family} experts", gate_up.device)
+    return untested_on_cuda(f"{family} experts" + (", grouped" if tokens > MAX_TOKENS else ""), gate_up.device)
+
+
+def _router(block):
+    """The block's router module (gpt-oss calls it `router`, the others `gate`)."""
+    return block.router if _family(block) == "gpt_oss" else block.gate
+
+
+def _oss_apply_gate():
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+    return GptOssExperts._apply_gate
 
 
 def _router_args(block, family: str) -> tuple:
-    router = block.gate
+    router = _router(block)
+    if family == "gpt_oss":   # top-k of the logits, softmax over the k (no renormalization), rounded
+        return int(router.top_k), False, False
     # Mixtral's router always renormalizes and keeps its weights in float32; the others round them
     norm = True if family == "mixtral" else bool(router.norm_topk_prob)
     return int(router.top_k), norm, family == "mixtral"
@@ -479,19 +836,27 @@ def make_forward(block, family: str):
     top_k, norm, weights_f32 = _router_args(block, family)
     original = type(block).forward
     shared = family == "qwen2_moe"
+    oss = family == "gpt_oss"
+    router = _router(block)
+    limit = MAX_GROUPED_TOKENS if family in GROUPED_FAMILIES else MAX_TOKENS
 
     def forward(hidden_states):
         b, s, h = hidden_states.shape
-        if b * s > MAX_TOKENS:  # a shape the step never has (decode is one token per row); HF's block
+        if b * s > limit:  # a shape the step never has (decode is one token per row); HF's block
             return original(block, hidden_states)
         experts = block.experts
-        extra = ()
+        extra = {}
         if shared:
             mlp = block.shared_expert
-            extra = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, block.shared_expert_gate.weight)
-        out = torch.ops.gdtool.moe_block(hidden_states.reshape(b * s, h), block.gate.weight, experts.gate_up_proj,
-                                         experts.down_proj, top_k, norm, weights_f32, *extra)
-        return out.reshape(b, s, h)
+            extra = dict(shared_gate=mlp.gate_proj.weight, shared_up=mlp.up_proj.weight,
+                         shared_down=mlp.down_proj.weight, shared_router=block.shared_expert_gate.weight)
+        if oss:
+            extra = dict(router_bias=router.bias, gate_up_bias=experts.gate_up_proj_bias,
+                         down_bias=experts.down_proj_bias, alpha=float(experts.alpha), limit=float(experts.limit))
+        out = torch.ops.gdtool.moe_block(hidden_states.reshape(b * s, h), router.weight, experts.gate_up_proj,
+                                         experts.down_proj, top_k, norm, weights_f32, **extra).reshape(b, s, h)
+        # GptOssMLP returns (hidden states, router scores); its decoder layer drops the scores
+        return (out, None) if oss else out
     return forward
 
 
@@ -505,8 +870,8 @@ def plan(model, batch: int) -> Plan:
         family = _family(block)
         why = _why_not(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
-                      why or f"{family}, top-{block.gate.top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             f"{result.backend}")
+                      why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
+                             + ("grouped, " if batch > MAX_TOKENS else "") + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)
