@@ -33,7 +33,10 @@ def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: b
     found = zoo.outcome(model_type, overrides, device, image_text=image_text)  # every case, as the cuda zoo runs
     status, error = found["status"], found.get("error", "")
     if status in ("not built", "small vocabulary"):
-        return {"status": f"not built: {error.split(':')[0] if status == 'not built' else 'vocabulary too small'}"}
+        # an optional package its class needs (timm, scipy): named, since installing it is the fix
+        package = re.search(r"requires the (\w+) library|No module named '(\w+)", error)
+        needs = f" (needs {package.group(1) or package.group(2)})" if package else ""
+        return {"status": f"not built: {error.split(':')[0] if status == 'not built' else 'vocabulary too small'}{needs}"}
     if status == "generate failed":
         return {"status": f"generate() fails: {error.split(':')[0]}"}
     if status != "ran":

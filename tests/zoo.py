@@ -53,11 +53,17 @@ def architectures() -> list[str]:
 
 def image_text_architectures() -> list[str]:
     """Image-text-to-text model types whose class (what generate() decodes a text prompt with) is not the
-    causal-LM class of the same type: Gemma 3, Qwen3-VL, Mistral 3, LLaVA... loaded as users load them."""
+    causal-LM class of the same type: Gemma 3, Qwen3-VL, Mistral 3, LLaVA... loaded as users load them.
+
+    A type whose config the auto class does not take is left out: no one loads it as image-text-to-text.
+    That is Evolla, a protein-text model the mapping lists, whose config class is registered under a second
+    type (`EvollaModel`) with no image-text class, so `AutoModelForImageTextToText` refuses its config."""
+    from transformers import CONFIG_MAPPING, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
                                                         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
     return sorted(t for t, cls in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.items()
-                  if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) != cls)
+                  if MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(t) != cls
+                  and CONFIG_MAPPING[t] in AutoModelForImageTextToText._model_mapping)
 
 
 def _small_value(key: str, value):
@@ -134,6 +140,7 @@ QWEN4_EXP = dict(indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, ind
 INKLING2 = dict(unpadded_vocab_size=VOCAB, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16)
 MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 3, 3]))
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
+NEMOTRON_H_MAMBA = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
 # model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
 # generate() cannot decode, or leaves a hybrid without its attention layer (text config of a nested config)
@@ -148,6 +155,10 @@ KNOBS = {
     "lfm2": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"], full_attn_idxs=[1]),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1, state_size=16),  # heads x head = expand x hidden
+    # Nemotron-H's Mamba-2 layer at its default width is 128 heads x 64, state 128, chunks of 128 (8192 channels
+    # beside a hidden size of 64): without mamba_ssm, 5.17's reference chunked scan took 15 s of each 24 s
+    # generate() on a CPU (3 minutes for the architecture); at this width 1 s
+    "nemotron_h": NEMOTRON_H_MAMBA, "nemotron_h_omni": NEMOTRON_H_MAMBA,
     # Zamba's shared transformer block is tied across its hybrid layers: two of them, after a Mamba layer
     # (the hybrid layer reads [hidden, embeddings] concatenated: attention width 2 x hidden)
     "zamba": dict(num_hidden_layers=3, layers_block_type=["linear_attention", "hybrid", "hybrid"],
@@ -227,6 +238,16 @@ OUTER_KNOBS = {
                      decoder=dict(model_type="musicgen_decoder")),
     "musicgen_melody": dict(text_encoder=dict(model_type="t5"), audio_encoder=dict(model_type="encodec"),
                             decoder=dict(model_type="musicgen_melody_decoder")),
+    # codebooks of 64 image and 64 audio codes at the end of the small vocabulary (their ranges must fit in it,
+    # the audio range right after the image range); text alone uses neither
+    "apertus1p5": dict(vision_config=dict(model_type="apertus1p5_vision_tokenizer", codebook_size=64),
+                       audio_config=dict(model_type="wavtokenizer_encoder", codebook_size=64),
+                       image_token_offset=VOCAB - 128, audio_token_offset=VOCAB - 64,
+                       image_token_id=MEDIA_ID, audio_token_id=MEDIA_ID),
+    # its vision tower reads features from two of its layers (the defaults: 24 and 18 of 27)
+    "molmo2": dict(adapter_config=dict(model_type="molmo2_adapter", vision_feature_layer=[-1, -2])),
+    # the tower's copy of the video patch size, which its default gets only when the config builds the tower
+    "nemotron_h_omni": dict(vision_config=dict(model_type="radio", video_temporal_patch_size=2)),
     "udop": dict(decoder_start_token_id=1),  # encoder-decoders: the default has no decoder start
     # 5.17's default text config is Llama's, whose fields Granite's layers do not find (later: Granite's); a
     # vision layer -> text layer map and a Q-Former window (the defaults are None)
@@ -253,6 +274,9 @@ def tiny_config(model_type: str, **overrides):
         # a sub-config among them was given to the default above, and shrunk from there
         kw.update({k: v for k, v in outer.items()
                    if not (isinstance(v, dict) and "model_type" in v)})
+        # the fields it was given that the shrinker leaves alone (a codebook size) kept, as for the text config
+        kw.update({k: {**v, **kw.get(k, {})} for k, v in outer.items()
+                   if isinstance(v, dict) and "model_type" in v and k not in nested})
         return cls(**kw)
 
 
