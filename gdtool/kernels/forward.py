@@ -317,7 +317,8 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
             a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
                              plus_one, act)
             h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
-    torch._foreach_add_(counters, 1)  # a full window's counter stays (HF's update leaves it)
+    if counters:  # none when every layer slides and every window is full
+        torch._foreach_add_(counters, 1)  # a full window's counter stays (HF's update leaves it)
     norm = inner.norm
     return ops.rms_gemv(h, norm.weight, _eps(norm), model.lm_head.weight, None, None, True,
                         type(norm).__name__ in PLUS_ONE_NORMS)
