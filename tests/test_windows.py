@@ -38,6 +38,22 @@ def test_sliding_windows_equal_generate(arch):
     assert not failures, "\n".join(failures)
 
 
+# Sliding windows with gdtool's compiled and hand-written kernels: gemma3_text (fast: gdtool's forward),
+# gpt_oss (fast: its MoE blocks), mistral (compiled). The compiled step pins the layers' window counters per
+# phase; eager mode across a window's edge decoded wrong tokens until that pinning was made one concept.
+KERNEL_SWEEP = [("gemma3_text", "compiled"), ("gemma3_text", "fast"), ("gpt_oss", "fast"), ("mistral", "compiled")]
+
+
+@pytest.mark.parametrize("arch,kernels", KERNEL_SWEEP, ids=[f"{a}-{k}" for a, k in KERNEL_SWEEP])
+def test_sliding_windows_with_gdtool_kernels(arch, kernels):
+    patterns = windows.patterns_of(arch)
+    assert patterns, f"{arch} does not build at tiny size with a sliding window"
+    sweep = windows.cases(arch, patterns, seed=7)
+    assert {c.fill for c in sweep} >= {"prefill", "step1", "step2", "later"}, [c.name for c in sweep]
+    failures = [f for case in sweep for f in windows.run_kernels(case, kernels)]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sliding_windows_equal_generate_captured(arch):

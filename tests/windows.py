@@ -223,3 +223,31 @@ def run(case: Case, device="cpu") -> list[str]:
             first = str(error).strip().splitlines()[0][:120]
             failures.append(f"{case.name} {mode} poll={poll}: {first}")
     return failures
+
+
+def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device="cpu") -> list[str]:
+    """Decode `case` greedily with `kernels` ("compiled", "fast") in `modes`: each mode's tokens and scores
+    bit for bit the first mode's (the option's promise: uncaptured equals captured), and the tokens
+    generate()'s (float32 on a CPU: the fused kernels round differently, not enough to change a token
+    here). The mismatches, one line each."""
+    from reference import decode, generate
+    model = build(case.arch, case.window, case.pattern).to(device)
+    ids, mask = prompt(case, device)
+    settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
+    failures, first = [], None
+    for mode in modes:
+        out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, kernels=kernels, **settings)
+        if not torch_equal(out.tokens, ref_tokens):
+            failures.append(f"{case.name} {mode} kernels={kernels}: tokens differ from generate()")
+        if first is None:
+            first = out
+        elif not (torch_equal(out.tokens, first.tokens)
+                  and all(torch_equal(a, b) for a, b in zip(out.scores, first.scores))):
+            failures.append(f"{case.name} {mode} kernels={kernels}: differs from {modes[0]}")
+    return failures
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+    return torch.equal(a.cpu(), b.cpu())
