@@ -13,7 +13,8 @@
 #   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
 #   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
 #                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
-#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts)
+#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the
+#                  window sweep with them), and which kernel paths passed them (profiles/kernel_paths.py)
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15)
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
 #   bench-qwen3-8b, bench-gemma, bench-moe   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
@@ -117,9 +118,14 @@ for p in "$@"; do
            --batches 64 --select-kernels compiled ${SELECT_VARIANTS:+--select-variants "$SELECT_VARIANTS"} ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
-    tests-kernels) part tests-kernels 300 "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider \
-           tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py ;;
-    tests-zoo) part tests-zoo 560 "$py" -m pytest -v -rfEs -m cuda -n ${TEST_WORKERS:-15} -p no:cacheprovider tests/test_zoo.py ;;
+    tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-360} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
+           "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider \
+           tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py \
+           tests/test_windows.py -k "not test_sliding_windows_equal_generate_captured"
+           "$py" profiles/kernel_paths.py "$work/tests-kernels/paths.jsonl" 2>&1 | tee "$work/tests-kernels/paths.txt" | tee -a "$log"
+           keep tests-kernels ;;
+    tests-zoo) part tests-zoo ${ZOO_SECONDS:-560} "$py" -m pytest -v -rfEs -m cuda -n ${TEST_WORKERS:-15} -p no:cacheprovider \
+           tests/test_zoo.py ${ZOO_K:+-k "$ZOO_K"} ;;
     nsys-sliding-moe) part nsys-sliding-moe 400 bash -c "cp -r profiles/h200/nsys-sliding-moe $work/ && \
            $py -m gdtool profile --nsys --model qwen3-30b-a3b --batch 16 --trace graph \
            --modes eager forward-graph step-graph --max-new-tokens 48 --no-eos --no-progress --out $work/nsys-sliding-moe" ;;

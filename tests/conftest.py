@@ -20,6 +20,28 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With GDTOOL_KERNEL_PATHS=FILE (on a GPU): one JSON line per test, its outcome and the kernel paths
+    it asked for on CUDA; profiles/kernel_paths.py reads which paths passed every test that ran them."""
+    report = (yield).get_result()
+    target = os.environ.get("GDTOOL_KERNEL_PATHS")
+    if not target or not torch.cuda.is_available():
+        return
+    from gdtool.kernels import triton as fast_triton
+    if call.when == "setup":
+        fast_triton.asked_on_cuda.clear()
+        item.gdtool_outcomes = []
+    item.gdtool_outcomes.append(report.outcome)
+    if call.when == "teardown":
+        import json
+        outcome = "failed" if "failed" in item.gdtool_outcomes else \
+            "skipped" if "skipped" in item.gdtool_outcomes else "passed"
+        with open(target, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "outcome": outcome,
+                                "paths": sorted(fast_triton.asked_on_cuda)}) + "\n")
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")

@@ -93,7 +93,7 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
     moe = gdtool.load_model("tiny-qwen3-moe", seed=0)
     assert "is not one of LlamaForCausalLM" in fast_decoder.plan(moe, 1, 40).reason
     mistral = _tiny_mistral(64)
-    assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
+    assert fast_decoder.plan(mistral, 2, 64).applies and "window >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
     assert not refused.applies and "sliding window 64 shorter than the cache (65 slots)" in refused.reason
     assert [row[1] for row in fast_decoder.BATCH_PATHS][-1] == "compiled"
@@ -216,13 +216,13 @@ def test_untested_kernel_paths_are_refused_on_cuda(monkeypatch):
     from gdtool.kernels import triton as fast_triton
     monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    why = fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cuda)
+    why = fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cuda)
     assert "have not passed their cuda tests" in why and "GDTOOL_UNTESTED_KERNELS=1" in why
-    assert fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cpu) == ""
+    assert fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cpu) == ""
     for path in fast_triton.CUDA_TESTED:
         assert fast_triton.untested_on_cuda(path, cuda) == ""
     monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
-    assert fast_triton.untested_on_cuda("Qwen3, q/k norm, <= 4 rows", cuda) == ""
+    assert fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cuda) == ""
 
 
 def test_fast_path_declined_at_first_use_runs_the_compiled_step(monkeypatch):

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT / "profiles"))
 
 import fast_probe  # noqa: E402
 import kernel_breakdown  # noqa: E402
+import kernel_paths  # noqa: E402
 import results_tables  # noqa: E402
 
 NODE_EXPORT = ROOT / "tests" / "data" / "tiny-llama_b4_step-graph_node_noeos.sqlite.gz"
@@ -125,3 +126,19 @@ def test_gpu_run_parts_are_those_the_readme_names():
     cells = re.findall(r"^\| [^|]+ \| ([^|]+) \|", table, flags=re.M)
     named = {part for cell in cells for part in re.findall(r"`([a-z0-9-]+)`", cell)}
     assert parts == named, (sorted(parts - named), sorted(named - parts))
+
+
+def test_kernel_paths_passes_a_path_only_where_every_test_that_ran_it_passed(tmp_path, capsys):
+    import json
+    lines = [json.dumps(r) for r in (
+        {"test": "a", "outcome": "passed", "paths": ["Llama, <= 4 rows", "Qwen3, q/k norm, <= 4 rows"]},
+        {"test": "b", "outcome": "failed", "paths": ["Qwen3, q/k norm, <= 4 rows"]},
+        {"test": "c", "outcome": "skipped", "paths": ["qwen3_moe experts"]},
+        {"test": "d", "outcome": "passed", "paths": []})]
+    passed, failing = kernel_paths.read(lines)
+    assert passed == ["Llama, <= 4 rows"] and failing == {"Qwen3, q/k norm, <= 4 rows": ["b"]}
+    f = tmp_path / "paths.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    assert kernel_paths.main([str(f)]) == 1
+    out = capsys.readouterr().out
+    assert "'Llama, <= 4 rows'," in out and "FAILED 'Qwen3, q/k norm, <= 4 rows': b" in out

@@ -66,3 +66,18 @@ def test_sliding_windows_equal_generate_captured(arch):
                       new_tokens=range(2, 15))
     failures = [f for case in sweep for f in windows.run(case, "cuda")]
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch,kernels", KERNEL_SWEEP, ids=[f"{a}-{k}" for a, k in KERNEL_SWEEP])
+def test_sliding_windows_with_gdtool_kernels_captured(arch, kernels):
+    """The same sweep on a GPU in bf16 (the fast kernels' dtype there), windows up to 64: every mode,
+    captured, bit for bit eager's with the same kernels; with `fast`, gdtool's own kernels must have run."""
+    patterns = windows.patterns_of(arch)
+    assert patterns, f"{arch} does not build at tiny size with a sliding window"
+    expect = {"fast": "gdtool's kernels" if arch == "gpt_oss" else "fast decode forward"}.get(kernels)
+    sweep = windows.cases(arch, patterns, per_fill=2, seed=3) + \
+        windows.cases(arch, patterns, per_fill=1, seed=4, windows=(64,), widths=range(60, 70), new_tokens=range(2, 15))
+    failures = [f for case in sweep for f in windows.run_kernels(
+        case, kernels, modes=windows.MODES, device="cuda", dtype=torch.bfloat16, expect=expect)]
+    assert not failures, "\n".join(failures)

@@ -225,27 +225,40 @@ def run(case: Case, device="cpu") -> list[str]:
     return failures
 
 
-def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device="cpu") -> list[str]:
+def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device="cpu", dtype=None,
+                expect: str | None = None) -> list[str]:
     """Decode `case` greedily with `kernels` ("compiled", "fast") in `modes`: each mode's tokens and scores
-    bit for bit the first mode's (the option's promise: uncaptured equals captured), and the tokens
-    generate()'s (float32 on a CPU: the fused kernels round differently, not enough to change a token
-    here). The mismatches, one line each."""
+    bit for bit the first mode's (the option's promise: uncaptured equals captured), and, in float32 (a
+    CPU), the tokens generate()'s (the fused kernels round differently, not enough to change a token
+    here; in bf16 on a GPU they may, so there only modes against modes). `expect`: a phrase every compiled
+    step's account (`compiles()`) must hold, e.g. that gdtool's own kernels ran. The mismatches, one line each."""
     from reference import decode, generate
-    model = build(case.arch, case.window, case.pattern).to(device)
+    model = build(case.arch, case.window, case.pattern).to(device=device, dtype=dtype)
     ids, mask = prompt(case, device)
     settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
-    ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
+    ref_tokens = None
+    if dtype in (None, torch_float32()):
+        ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
     failures, first = [], None
     for mode in modes:
         out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, kernels=kernels, **settings)
-        if not torch_equal(out.tokens, ref_tokens):
+        if ref_tokens is not None and not torch_equal(out.tokens, ref_tokens):
             failures.append(f"{case.name} {mode} kernels={kernels}: tokens differ from generate()")
         if first is None:
             first = out
         elif not (torch_equal(out.tokens, first.tokens)
                   and all(torch_equal(a, b) for a, b in zip(out.scores, first.scores))):
             failures.append(f"{case.name} {mode} kernels={kernels}: differs from {modes[0]}")
+    if expect is not None:
+        from gdtool.kernels.step import compiles
+        failures += [f"{case.name} kernels={kernels}: {expect!r} not in {k!r}" for k in compiles(model).kernels
+                     if expect not in k]
     return failures
+
+
+def torch_float32():
+    import torch
+    return torch.float32
 
 
 def torch_equal(a, b) -> bool:

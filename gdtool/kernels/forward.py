@@ -214,20 +214,21 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             features.add("q/k norm")
         window = _window(config, attn)
         if window is not None and _rolling(attn):
-            features.add(f"sliding window {window}")
+            features.add("sliding window")
         elif window is not None:
             if cache_len is None or window < cache_len:
                 return Plan(False, f"sliding window {window} shorter than the cache ({cache_len} slots): the kernels "
                                    "attend over every live slot (a cache no longer than the window runs them)")
-            features.add(f"window {window} >= cache")
+            features.add("window >= cache")
     d = layers[0].self_attn.head_dim
     hidden = config.hidden_size
     if d & (d - 1) or d < 16 or config.num_attention_heads % config.num_key_value_heads:
         return Plan(False, f"head_dim {d} (a power of two >= 16 needed) or uneven head groups")
     if hidden > 8192 or model.lm_head.bias is not None or type(inner.norm) is not norm_cls:
         return Plan(False, "hidden size over 8192 (the norm reads whole rows in one tile) or an lm_head bias")
+    # the path's name holds no sizes: one name per code path (CUDA_TESTED lists the names)
     path_name = prefix + "".join(f", {f}" for f in sorted(features)) + \
-        (f", <= {gemv.ROWS_PER_PASS} rows" if batch <= gemv.ROWS_PER_PASS else f", {batch} rows")
+        (f", <= {gemv.ROWS_PER_PASS} rows" if batch <= gemv.ROWS_PER_PASS else f", passes of {gemv.ROWS_PER_PASS} rows")
     untested = fast_triton.untested_on_cuda(path_name, param.device)
     if untested:
         return Plan(False, untested)

@@ -48,9 +48,15 @@ def usable(*tensors) -> bool:
 # until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
 CUDA_TESTED = frozenset({"Llama, <= 4 rows"})
 
+# The kernel paths this process has asked about on CUDA, tested or not (the cuda tests report, per test,
+# which paths it ran: tests/conftest.py, profiles/kernel_paths.py).
+asked_on_cuda: set[str] = set()
+
 
 def untested_on_cuda(path: str, device) -> str:
     """'' where kernel path `path` may run on `device`; else why it is refused there."""
+    if device.type == "cuda":
+        asked_on_cuda.add(path)
     if device.type != "cuda" or path in CUDA_TESTED or os.environ.get("GDTOOL_UNTESTED_KERNELS", "0") not in ("0", ""):
         return ""
     return (f"gdtool's kernels for {path} have not passed their cuda tests on a GPU yet (tested: "
