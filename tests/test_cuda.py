@@ -209,3 +209,57 @@ def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named
 
     with pytest.raises(ValueError, match="reads a device value on the host.*test_cuda.py"):
         graphs.warm_up(reads_host, 1, owner)
+
+
+@pytest.mark.cuda
+def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_named():
+    """Chameleon masks its image tokens with `logits[:, :, image_token_list] = min`: indexing a CUDA tensor with a
+    host list copies it to the GPU inside the op, which a graph cannot capture; HostConstants serves it as a
+    pinned index tensor. A host copy it does not serve is named, with the model code that made it."""
+    from gdtool.core import graphs
+    owner = torch.nn.Linear(2, 2).cuda()
+    x = torch.zeros(2, 3, 8, device="cuda")
+    columns, rows = [1, 5, 6], torch.tensor([0, 1])
+
+    def step():
+        y = x.clone()
+        y[:, :, columns] = -1.0
+        return y[rows] + x[:, :, [True] * 4 + [False] * 4].sum()
+
+    constants = graphs.warm_up(step, 1, owner)
+    assert len(constants) == 3 and all(c.is_pinned() for c in constants)
+    graph = graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
+    x.add_(2.0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph.output, step())
+
+    table = torch.tensor([1.0, 2.0])
+
+    def copies_inside_an_op():  # a CPU tensor handed to an op that copies it (not through .to())
+        return x.flatten()[:2].copy_(table)
+
+    with pytest.raises(ValueError, match=r"copies a CPU tensor of shape \(2,\) to the GPU inside the step.*test_cuda"):
+        graphs.warm_up(copies_inside_an_op, 1, owner)
+
+
+@pytest.mark.cuda
+def test_a_failed_capture_leaves_the_random_generator_usable():
+    """A capture that fails half way (here: a pageable host copy, which check_capturable would have named first)
+    used to leave CUDA's default generator mid-capture: every later random draw in the process raised."""
+    from gdtool.core import graphs
+    x = torch.zeros(4, device="cuda")
+    host = torch.ones(4)
+
+    def step():
+        noise = torch.rand(4, device="cuda")
+        return x.copy_(host) + noise
+
+    graphs.warm_up(step, 1)
+    torch.manual_seed(3)
+    expected = torch.rand(4, device="cuda")
+    torch.manual_seed(3)
+    with pytest.raises(graphs.CaptureError, match="capturing"):
+        graphs.capture(step, torch.device("cuda"))
+    torch.cuda.synchronize()
+    assert torch.equal(torch.rand(4, device="cuda"), expected)  # the failed capture drew nothing

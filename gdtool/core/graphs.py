@@ -50,10 +50,12 @@ class Captured:
         # the pinned host copies of the constants the step copies to the GPU: the graph reads them at every replay
         self.constants = constants or []
         # captured on the warm-up stream: the cuBLAS workspace it made there is reused, not made during capture
+        generator = _generator_snapshot()
         try:
             with torch.cuda.graph(self.graph, pool=pool, stream=side_stream()), HostConstants(self.constants):
                 self.output = fn()
         except RuntimeError as error:
+            _restore_generator(generator)
             name = type(model).__name__ if model is not None else "the model"
             raise CaptureError(f"capturing {name}'s decode step failed: {str(error).strip().splitlines()[0][:300]} "
                                "(the forward reads the host or copies a CPU tensor inside the step); use "
@@ -67,6 +69,26 @@ class Captured:
         self.graph.reset()
         self.output = None
         self.constants = []
+
+
+def _generator_snapshot():
+    """(CUDA's default generator, a copy of its state) before a capture. A capture that fails half way never
+    reaches the generator's capture epilogue, and every later random draw in the process then raises
+    ("Offset increment outside graph capture encountered unexpectedly"): the copy put back repairs it."""
+    try:
+        generator = torch.cuda.default_generators[torch.cuda.current_device()]
+        return generator, generator.clone_state()
+    except (AttributeError, RuntimeError):  # pragma: no cover - torch without graph-safe generator states
+        return None
+
+
+def _restore_generator(snapshot) -> None:
+    if snapshot is not None:
+        generator, state = snapshot
+        try:
+            generator.graphsafe_set_state(state)
+        except (AttributeError, RuntimeError):  # pragma: no cover
+            pass
 
 
 def can_capture(device: torch.device) -> bool:
@@ -119,14 +141,17 @@ _SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
 class _Hazards(TorchDispatchMode):
     """Record the ops of one step that a CUDA graph cannot hold: host reads and CPU tensors fed to the GPU."""
 
-    def __init__(self):
+    def __init__(self, constants: HostConstants | None = None):
         super().__init__()
         self.found: list[str] = []
+        self.constants = constants  # the copies it serves are not hazards
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        flat = list(args) + list(kwargs.values())
+        flat += [b for a in flat if isinstance(a, (list, tuple)) for b in a]  # index_put_'s list of indices
+        tensors = [a for a in flat if isinstance(a, torch.Tensor)]
         on_cuda = any(t.device.type == "cuda" for t in tensors) or str(kwargs.get("device", "")).startswith("cuda")
         # copies to the GPU are HostConstants' business (it pins them); a CPU tensor any other op takes is not
         copying = name in ("_to_copy", "copy_", "copy", "_copy_from", "lift_fresh", "lift_fresh_copy")
@@ -134,9 +159,16 @@ class _Hazards(TorchDispatchMode):
         out = func(*args, **kwargs)
         to_host = copying and isinstance(out, torch.Tensor) and out.device.type == "cpu" \
             and any(t.device.type == "cuda" for t in tensors)
+        # a copy from pageable host memory that HostConstants does not serve (made inside an op: an index list)
+        unserved = [t for t in tensors if t.device.type == "cpu" and not t.is_pinned()] \
+            if copying and isinstance(out, torch.Tensor) and out.device.type == "cuda" \
+            and not (self.constants is not None and self.constants.copying) else []
         if len(self.found) < 3:
             if (name in _SYNCING and on_cuda) or to_host:
                 self.found.append(f"{name} reads a device value on the host, at {_where()}")
+            elif unserved:
+                self.found.append(f"{name} copies a CPU tensor of shape {tuple(unserved[0].shape)} to the GPU inside "
+                                  f"the step, at {_where()}")
             elif on_cuda and cpu:
                 self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "
                                   f"copy), at {_where()}")
@@ -155,14 +187,16 @@ def _where() -> str:
 
 class HostConstants(TorchFunctionMode):
     """Constants a forward makes on the host and copies to the GPU at every call (`torch.tensor(0.0,
-    device="cuda")`, `cpu_tensor.to("cuda")`). A graph cannot capture a copy from pageable host memory,
-    but it can capture one from pinned memory, replayed as a memcpy node.
+    device="cuda")`, `cpu_tensor.to("cuda")`, `logits[:, :, [3, 7]]`: an index list). A graph cannot
+    capture a copy from pageable host memory, but it can capture one from pinned memory, replayed as a
+    memcpy node.
 
     Recording (`constants=None`, in a warm-up step): each such copy is done as asked and a pinned
     host copy of its source kept, in call order. Serving (in capture, with the recorded list): the
     i-th copy is made from the i-th pinned source when it holds the same values; otherwise the copy
     runs as asked and the capture fails with its own error (the source changes from call to call:
-    no constant).
+    no constant). An index list is served as the index tensor it stands for (the same values, so
+    the same indexing). `copying` is true while a copy it serves runs (`_Hazards` flags the others).
     """
 
     def __init__(self, constants: list | None = None):
@@ -170,23 +204,56 @@ class HostConstants(TorchFunctionMode):
         self.recording = constants is None
         self.constants = [] if constants is None else constants
         self.calls = 0
+        self.copying = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            index = _host_index(args)
+            if index is not None:
+                served = tuple(self._serve(x, args[0].device, None) if isinstance(x, torch.Tensor) else x
+                               for x in index)
+                return func(args[0], served if isinstance(args[1], tuple) else served[0], *args[2:], **kwargs)
+            return func(*args, **kwargs)
         source = _host_source(func, args, kwargs)
         if source is None:
             return func(*args, **kwargs)
         host, device, dtype = source
-        if self.recording:
-            # a contiguous copy: pinning an expanded source fails (PhiMoE copies `inv_freq[None, :, None].expand(B,
-            # -1, 1)`), and the copy to the GPU makes it contiguous anyway: the same values either way
-            self.constants.append(host.clone(memory_format=torch.contiguous_format).pin_memory())
-            return func(*args, **kwargs)
-        index, self.calls = self.calls, self.calls + 1
-        pinned = self.constants[index] if index < len(self.constants) else None
-        if pinned is None or pinned.shape != host.shape or pinned.dtype != host.dtype or not torch.equal(pinned, host):
-            return func(*args, **kwargs)
-        return pinned.to(device=device, dtype=dtype or pinned.dtype, non_blocking=True)
+        return self._serve(host, device, dtype, lambda: func(*args, **kwargs))
+
+    def _serve(self, host, device, dtype, copy=None):
+        copy = copy or (lambda: host.to(device=device, dtype=dtype or host.dtype))
+        self.copying = True
+        try:
+            if self.recording:
+                # a contiguous copy: pinning an expanded source fails (PhiMoE copies `inv_freq[None, :, None].expand(B,
+                # -1, 1)`), and the copy to the GPU makes it contiguous anyway: the same values either way
+                self.constants.append(host.clone(memory_format=torch.contiguous_format).pin_memory())
+                return copy()
+            index, self.calls = self.calls, self.calls + 1
+            pinned = self.constants[index] if index < len(self.constants) else None
+            if pinned is None or pinned.shape != host.shape or pinned.dtype != host.dtype or not torch.equal(pinned, host):
+                return copy()
+            return pinned.to(device=device, dtype=dtype or pinned.dtype, non_blocking=True)
+        finally:
+            self.copying = False
+
+
+def _host_index(args):
+    """The index of `cuda_tensor[index]` (or of its assignment) as a tuple with every host-made index list
+    (a flat list of ints or bools, or a CPU tensor of them) turned into a CPU tensor, or None where it has
+    none: the indexing would copy those to the GPU at every call."""
+    if len(args) < 2 or not isinstance(args[0], torch.Tensor) or args[0].device.type != "cuda":
+        return None
+    items = args[1] if isinstance(args[1], tuple) else (args[1],)
+    out, found = [], False
+    for x in items:
+        if isinstance(x, list) and x and all(type(v) in (int, bool) for v in x) and len({type(v) for v in x}) == 1:
+            x, found = torch.tensor(x), True
+        elif isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 and not x.is_floating_point():
+            found = True
+        out.append(x)
+    return tuple(out) if found else None
 
 
 def _is_cuda(device) -> bool:
@@ -232,7 +299,8 @@ def check_capturable(fn, model) -> list:
     if moved:
         warnings.warn(f"gdtool: moved {len(moved)} CPU tensor(s) {moved[:3]} of {type(model).__name__} to its device "
                       "before capture (its forward copies them there at every call)", stacklevel=3)
-    watch, constants = _Hazards(), HostConstants()
+    constants = HostConstants()
+    watch = _Hazards(constants)
     with constants, watch:
         fn()
     if watch.found:
