@@ -80,15 +80,13 @@ for nb in $notebooks; do
     failed="$failed $path"
   fi
   rm -f "$path.log"
+  # each notebook copied as soon as it ran: a run cut short keeps those that finished
+  if [[ -n "$copy_to" ]]; then mkdir -p "$copy_to/notebooks" && cp "$path" "$copy_to/notebooks/"; fi
 done
 stamp "done${failed:+; failed:$failed}"
 
 if [[ -n "$copy_to" ]]; then
   mkdir -p "$copy_to/profiles/sweeps"
   cp profiles/sweeps/* "$copy_to/profiles/sweeps/"
-  if [[ -n "$notebooks" ]]; then
-    mkdir -p "$copy_to/notebooks"
-    cp notebooks/*.ipynb "$copy_to/notebooks/"
-  fi
 fi
 [[ -z "$failed" ]]

@@ -213,7 +213,12 @@ class HostConstants(TorchFunctionMode):
             if index is not None:
                 served = tuple(self._serve(x, args[0].device, None) if isinstance(x, torch.Tensor) else x
                                for x in index)
-                return func(args[0], served if isinstance(args[1], tuple) else served[0], *args[2:], **kwargs)
+                args = (args[0], served if isinstance(args[1], tuple) else served[0], *args[2:])
+            if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], (bool, int, float)) \
+                    and args[0].device.type == "cuda":
+                # `cuda_tensor[index] = -1.0`: torch makes the value a CPU tensor and copies it over inside the op;
+                # made on the device instead, in the tensor's dtype as torch would cast it (no copy)
+                args = (args[0], args[1], torch.full((), args[2], dtype=args[0].dtype, device=args[0].device))
             return func(*args, **kwargs)
         source = _host_source(func, args, kwargs)
         if source is None:

@@ -405,9 +405,11 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         def enter(phase=phase):
             step.feed.enter_phase(phase, windows)
         if use_graph:
-            graphs.warm_up(step, 2, before=enter)
+            # with the model: what the capture cannot hold is refused with its cause, and the constants the
+            # step copies from the host (HF's full sliding window makes `torch.tensor([-1])` on it) are pinned
+            constants = graphs.warm_up(step, 2, model=model, before=enter)
             enter()
-            by_phase[phase] = graphs.capture(step, device)
+            by_phase[phase] = graphs.capture(step, device, model=model, constants=constants)
         else:
             enter()
             # each replay with the counters a graph captured now would hold
