@@ -93,7 +93,7 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
     moe = gdtool.load_model("tiny-qwen3-moe", seed=0)
     assert "is not one of LlamaForCausalLM" in fast_decoder.plan(moe, 1, 40).reason
     mistral = _tiny_mistral(64)
-    assert fast_decoder.plan(mistral, 2, 64).applies and "window >= cache" in fast_decoder.plan(mistral, 2, 64).reason
+    assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
     assert not refused.applies and "sliding window 64 shorter than the cache (65 slots)" in refused.reason
     assert [row[1] for row in fast_decoder.BATCH_PATHS][-1] == "compiled"

@@ -175,7 +175,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     layers = list(inner.layers)
     if len(layers) != config.num_hidden_layers:
         return Plan(False, "the model runs a subset of its layers")
-    features = set()
+    features, sizes = set(), {}  # sizes: what the reason says beside a feature (the path's name holds none)
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
         if type(layer) is not layer_cls or type(mlp) is not mlp_cls \
@@ -215,11 +215,13 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
         window = _window(config, attn)
         if window is not None and _rolling(attn):
             features.add("sliding window")
+            sizes["sliding window"] = f"sliding window {window}"
         elif window is not None:
             if cache_len is None or window < cache_len:
                 return Plan(False, f"sliding window {window} shorter than the cache ({cache_len} slots): the kernels "
                                    "attend over every live slot (a cache no longer than the window runs them)")
             features.add("window >= cache")
+            sizes["window >= cache"] = f"window {window} >= cache"
     d = layers[0].self_attn.head_dim
     hidden = config.hidden_size
     if d & (d - 1) or d < 16 or config.num_attention_heads % config.num_key_value_heads:
@@ -233,7 +235,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     if untested:
         return Plan(False, untested)
     backend = "Triton kernels" if fast_triton.usable(param) else "their torch references (no Triton here)"
-    family = prefix + (f" ({', '.join(sorted(features))})" if features else "")
+    family = prefix + (f" ({', '.join(sizes.get(f, f) for f in sorted(features))})" if features else "")
     return Plan(True, f"fast decode forward, {len(layers)} layers, {family}, batch {batch}: {why}; {backend}",
                 len(layers))
 
