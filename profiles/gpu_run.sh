@@ -120,7 +120,7 @@ for p in "$@"; do
     select-64) part select-64 150 "$py" profiles/fast_probe.py --out "$work/select-64/probe" --parts select \
            --batches 64 --select-kernels compiled ${SELECT_VARIANTS:+--select-variants "$SELECT_VARIANTS"} ;;
     sweep) part sweep ${SWEEP_PART_SECONDS:-560} bash profiles/regenerate.sh "$work/sweep" sweep ;;
-    notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-400} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
+    notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-580} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-360} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
            "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py \
