@@ -182,6 +182,20 @@ def test_step_graph_syncs_only_at_polls(llama1b):
     assert out.host_syncs < eager.host_syncs
 
 
+def _captured_with_constants(step, owner, count):
+    """`step` warmed up (its host constants recorded: `count`, all pinned), then captured."""
+    from gdtool.core import graphs
+    constants = graphs.warm_up(step, 1, owner)
+    assert len(constants) == count and all(c.is_pinned() for c in constants)
+    return graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
+
+
+def _replayed(graph):
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph.output
+
+
 @pytest.mark.cuda
 def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named():
     from gdtool.core import graphs
@@ -196,13 +210,9 @@ def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named
         wide = column[:, None].expand(2, 2).to(device="cuda").sum()
         return x + torch.tensor(0.5, device="cuda") + table.to("cuda") + wide
 
-    constants = graphs.warm_up(step, 1, owner)
-    assert len(constants) == 3 and all(c.is_pinned() for c in constants)
-    graph = graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
+    graph = _captured_with_constants(step, owner, 3)
     x.add_(1.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graph.output, x + 0.5 + table.cuda() + 6.0)
+    assert torch.equal(_replayed(graph), x + 0.5 + table.cuda() + 6.0)
 
     def reads_host():
         return x * float(x.sum())
@@ -226,13 +236,9 @@ def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_nam
         y[:, :, columns] = -1.0
         return y[rows] + x[:, :, [True] * 4 + [False] * 4].sum()
 
-    constants = graphs.warm_up(step, 1, owner)
-    assert len(constants) == 3 and all(c.is_pinned() for c in constants)
-    graph = graphs.capture(step, torch.device("cuda"), model=owner, constants=constants)
+    graph = _captured_with_constants(step, owner, 3)
     x.add_(2.0)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(graph.output, step())
+    assert torch.equal(_replayed(graph), step())
 
     table = torch.tensor([1.0, 2.0])
 
