@@ -225,7 +225,8 @@ def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named
 def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_named():
     """Chameleon masks its image tokens with `logits[:, :, image_token_list] = min`: indexing a CUDA tensor with a
     host list copies it to the GPU inside the op, which a graph cannot capture; HostConstants serves it as a
-    pinned index tensor. A host copy it does not serve is named, with the model code that made it."""
+    pinned index tensor; a scalar assigned is made on the device. A host copy it does not serve is named, with the
+    model code that made it, when the capture fails."""
     from gdtool.core import graphs
     owner = torch.nn.Linear(2, 2).cuda()
     x = torch.zeros(2, 3, 8, device="cuda")
@@ -245,8 +246,10 @@ def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_nam
     def copies_inside_an_op():  # a CPU tensor handed to an op that copies it (not through .to())
         return x.flatten()[:2].copy_(table)
 
-    with pytest.raises(ValueError, match=r"copies a CPU tensor of shape \(2,\) to the GPU inside the step.*test_cuda"):
-        graphs.warm_up(copies_inside_an_op, 1, owner)
+    constants = graphs.warm_up(copies_inside_an_op, 1, owner)  # not refused: a copy made once captures fine
+    with pytest.raises(graphs.CaptureError, match=r"in the warm-up step: copy_ copies a CPU tensor of shape \(2,\) "
+                                                  r"to the GPU, at test_cuda\.py"):
+        graphs.capture(copies_inside_an_op, torch.device("cuda"), model=owner, constants=constants)
 
 
 @pytest.mark.cuda

@@ -48,7 +48,7 @@ class Captured:
         # keep_graph: keep the cudaGraph_t after instantiation, for a device loop to embed it
         self.graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
         # the pinned host copies of the constants the step copies to the GPU: the graph reads them at every replay
-        self.constants = constants or []
+        self.constants = constants if constants is not None else []
         # captured on the warm-up stream: the cuBLAS workspace it made there is reused, not made during capture
         generator = _generator_snapshot()
         try:
@@ -57,10 +57,12 @@ class Captured:
         except RuntimeError as error:
             _restore_generator(generator)
             name = type(model).__name__ if model is not None else "the model"
+            seen = getattr(self.constants, "copies", None)
+            cause = (f"in the warm-up step: {'; '.join(seen)}" if seen else
+                     "the forward reads the host or copies a CPU tensor inside the step")
             raise CaptureError(f"capturing {name}'s decode step failed: {str(error).strip().splitlines()[0][:300]} "
-                               "(the forward reads the host or copies a CPU tensor inside the step); use "
-                               "mode='eager'. A failed capture can leave CUDA unusable in this process: restart it "
-                               "before the next decode") from error
+                               f"({cause}); use mode='eager'. A failed capture can leave CUDA unusable in this "
+                               "process: restart it before the next decode") from error
 
     def replay(self) -> None:
         self.graph.replay()
@@ -144,6 +146,7 @@ class _Hazards(TorchDispatchMode):
     def __init__(self, constants: HostConstants | None = None):
         super().__init__()
         self.found: list[str] = []
+        self.copies: list[str] = []  # host-to-device copies HostConstants does not serve (named if capture fails)
         self.constants = constants  # the copies it serves are not hazards
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -163,12 +166,13 @@ class _Hazards(TorchDispatchMode):
         unserved = [t for t in tensors if t.device.type == "cpu" and not t.is_pinned()] \
             if copying and isinstance(out, torch.Tensor) and out.device.type == "cuda" \
             and not (self.constants is not None and self.constants.copying) else []
+        if unserved and len(self.copies) < 3:
+            # not refused here: a copy made once (a buffer built at first use) captures fine afterwards
+            self.copies.append(f"{name} copies a CPU tensor of shape {tuple(unserved[0].shape)} to the GPU, at "
+                               f"{_where()}")
         if len(self.found) < 3:
             if (name in _SYNCING and on_cuda) or to_host:
                 self.found.append(f"{name} reads a device value on the host, at {_where()}")
-            elif unserved:
-                self.found.append(f"{name} copies a CPU tensor of shape {tuple(unserved[0].shape)} to the GPU inside "
-                                  f"the step, at {_where()}")
             elif on_cuda and cpu:
                 self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "
                                   f"copy), at {_where()}")
@@ -202,7 +206,7 @@ class HostConstants(TorchFunctionMode):
     def __init__(self, constants: list | None = None):
         super().__init__()
         self.recording = constants is None
-        self.constants = [] if constants is None else constants
+        self.constants = Recorded() if constants is None else constants
         self.calls = 0
         self.copying = False
 
@@ -242,6 +246,15 @@ class HostConstants(TorchFunctionMode):
             return pinned.to(device=device, dtype=dtype or pinned.dtype, non_blocking=True)
         finally:
             self.copying = False
+
+
+class Recorded(list):
+    """The pinned host constants a warm-up step recorded, in call order; `copies` names the host-to-device
+    copies it saw that they do not cover (made inside an op), for the message of a capture that fails."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list[str] = []
 
 
 def _host_index(args):
@@ -311,4 +324,5 @@ def check_capturable(fn, model) -> list:
     if watch.found:
         raise CaptureError(f"{type(model).__name__}'s decode step cannot be captured in a CUDA graph: "
                            f"{'; '.join(watch.found)}; use mode='eager'")
+    constants.constants.copies = watch.copies
     return constants.constants
