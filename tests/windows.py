@@ -232,12 +232,13 @@ def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device=
     CPU), the tokens generate()'s (the fused kernels round differently, not enough to change a token
     here; in bf16 on a GPU they may, so there only modes against modes). `expect`: a phrase every compiled
     step's account (`compiles()`) must hold, e.g. that gdtool's own kernels ran. The mismatches, one line each."""
+    import torch
     from reference import decode, generate
     model = build(case.arch, case.window, case.pattern).to(device=device, dtype=dtype)
     ids, mask = prompt(case, device)
     settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     ref_tokens = None
-    if dtype in (None, torch_float32()):
+    if dtype in (None, torch.float32):
         ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
     failures, first = [], None
     for mode in modes:
@@ -254,11 +255,6 @@ def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device=
         failures += [f"{case.name} kernels={kernels}: {expect!r} not in {k!r}" for k in compiles(model).kernels
                      if expect not in k]
     return failures
-
-
-def torch_float32():
-    import torch
-    return torch.float32
 
 
 def torch_equal(a, b) -> bool:
