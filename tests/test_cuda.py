@@ -229,17 +229,26 @@ def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_nam
     model code that made it, when the capture fails."""
     from gdtool.core import graphs
     owner = torch.nn.Linear(2, 2).cuda()
-    x = torch.zeros(2, 3, 8, device="cuda")
+    x = torch.arange(48.0, device="cuda").view(2, 3, 8)
     columns, rows = [1, 5, 6], torch.tensor([0, 1])
+    grid = torch.rand(3, 8, generator=torch.Generator().manual_seed(0)) > 0.5  # a host mask over two dimensions
 
     def step():
         y = x.clone()
         y[:, :, columns] = -1.0
-        return y[rows] + x[:, :, [True] * 4 + [False] * 4].sum()
+        # host masks: on the GPU torch would count their true elements with `nonzero`, a host read; served as the
+        # positions they select (one pinned index tensor per dimension)
+        return y[rows] + x[:, :, [True] * 4 + [False] * 4].sum() + x[:, grid].sum(-1)[:, None, None]
 
-    graph = _captured_with_constants(step, owner, 3)
+    graph = _captured_with_constants(step, owner, 5)
     x.add_(2.0)
     assert torch.equal(_replayed(graph), step())
+
+    def masks_on_the_device():
+        return x[x > 10.0].sum()
+
+    with pytest.raises(ValueError, match=r"indexes with a boolean mask on the device .* at test_cuda\.py"):
+        graphs.warm_up(masks_on_the_device, 1, owner)
 
     table = torch.tensor([1.0, 2.0])
 
@@ -268,7 +277,9 @@ def test_a_failed_capture_leaves_the_random_generator_usable():
     torch.manual_seed(3)
     expected = torch.rand(4, device="cuda")
     torch.manual_seed(3)
-    with pytest.raises(graphs.CaptureError, match="capturing"):
+    # the message names the op that broke the capture and the line that ran it, not the error leaving the capture
+    with pytest.raises(graphs.CaptureError, match=r"capturing .*, at test_cuda\.py:\d+ \(step: "):
         graphs.capture(step, torch.device("cuda"))
     torch.cuda.synchronize()
     assert torch.equal(torch.rand(4, device="cuda"), expected)  # the failed capture drew nothing
+

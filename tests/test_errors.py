@@ -224,3 +224,23 @@ def test_a_folder_transformers_cannot_load_is_named(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match="holds no checkpoint transformers can load: .*not a valid JSON"):
         gdtool.load_model(str(tmp_path))
+
+
+def test_a_failed_capture_is_named_by_the_first_error_and_the_line_that_raised_it():
+    """Leaving `torch.cuda.graph` after an op the stream could not capture raises a second, vaguer error ("operation
+    failed due to a previous error during capture"); the message gdtool gives is built from the first."""
+    from gdtool.core import graphs
+
+    def step():
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError) as raised:
+        try:
+            step()
+        finally:
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+    first, where = graphs._first_error(raised.value)
+    assert str(first).endswith("not permitted when stream is capturing")
+    assert where.startswith("test_errors.py:") and "(step: raise RuntimeError(" in where
+    alone = RuntimeError("no context")
+    assert graphs._first_error(alone) == (alone, None)

@@ -57,12 +57,13 @@ class Captured:
         except RuntimeError as error:
             _restore_generator(generator)
             name = type(model).__name__ if model is not None else "the model"
+            first, where = _first_error(error)
             seen = getattr(self.constants, "copies", None)
             cause = (f"in the warm-up step: {'; '.join(seen)}" if seen else
                      "the forward reads the host or copies a CPU tensor inside the step")
-            raise CaptureError(f"capturing {name}'s decode step failed: {str(error).strip().splitlines()[0][:300]} "
-                               f"({cause}); use mode='eager'. A failed capture can leave CUDA unusable in this "
-                               "process: restart it before the next decode") from error
+            raise CaptureError(f"capturing {name}'s decode step failed: {str(first).strip().splitlines()[0][:300]}"
+                               f"{f', at {where}' if where else ''} ({cause}); use mode='eager'. A failed capture "
+                               "can leave CUDA unusable in this process: restart it before the next decode") from error
 
     def replay(self) -> None:
         self.graph.replay()
@@ -71,6 +72,17 @@ class Captured:
         self.graph.reset()
         self.output = None
         self.constants = []
+
+
+def _first_error(error: BaseException):
+    """(the error that broke the capture, the model code that raised it). An op the stream cannot capture
+    raises inside the step; leaving `torch.cuda.graph` then raises again ("operation failed due to a previous
+    error during capture"), with the first as its context: that first one names the op."""
+    first = error
+    while isinstance(first.__context__, RuntimeError) and first.__context__ is not first:
+        first = first.__context__
+    frames = traceback.extract_tb(first.__traceback__) if first is not error else []
+    return first, _outside(frames)
 
 
 def _generator_snapshot():
@@ -140,6 +152,10 @@ _SYNCING = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "_uniqu
             "unique_consecutive", "is_nonzero", "item")
 
 
+# aten ops that take a list of index tensors: a boolean one is expanded with `nonzero` inside the op
+_INDEXING = ("index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index", "_unsafe_index_put")
+
+
 class _Hazards(TorchDispatchMode):
     """Record the ops of one step that a CUDA graph cannot hold: host reads and CPU tensors fed to the GPU."""
 
@@ -173,6 +189,11 @@ class _Hazards(TorchDispatchMode):
         if len(self.found) < 3:
             if (name in _SYNCING and on_cuda) or to_host:
                 self.found.append(f"{name} reads a device value on the host, at {_where()}")
+            elif name in _INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
+                    isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype in (torch.bool, torch.uint8)
+                    for t in args[1]):
+                self.found.append(f"{name} indexes with a boolean mask on the device (torch counts its true "
+                                  f"elements on the host), at {_where()}")
             elif on_cuda and cpu:
                 self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "
                                   f"copy), at {_where()}")
@@ -181,12 +202,17 @@ class _Hazards(TorchDispatchMode):
 
 def _where() -> str:
     """The innermost frame outside torch and gdtool: the model code that made the op."""
+    return _outside(traceback.extract_stack()[:-2]) or "an unknown place"
+
+
+def _outside(frames) -> str | None:
+    """The innermost of `frames` outside torch and gdtool, as `file:line (function: code)`."""
     torch_dir = os.path.dirname(torch.__file__)
     here = os.path.dirname(__file__)
-    for frame in reversed(traceback.extract_stack()[:-2]):
+    for frame in reversed(frames):
         if not frame.filename.startswith((torch_dir, here)):
             return f"{os.path.basename(frame.filename)}:{frame.lineno} ({frame.name}: {(frame.line or '').strip()[:80]})"
-    return "an unknown place"
+    return None
 
 
 class HostConstants(TorchFunctionMode):
@@ -217,7 +243,7 @@ class HostConstants(TorchFunctionMode):
             if index is not None:
                 served = tuple(self._serve(x, args[0].device, None) if isinstance(x, torch.Tensor) else x
                                for x in index)
-                args = (args[0], served if isinstance(args[1], tuple) else served[0], *args[2:])
+                args = (args[0], served if isinstance(args[1], tuple) or len(served) > 1 else served[0], *args[2:])
             if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], (bool, int, float)) \
                     and args[0].device.type == "cuda":
                 # `cuda_tensor[index] = -1.0`: torch makes the value a CPU tensor and copies it over inside the op;
@@ -259,8 +285,10 @@ class Recorded(list):
 
 def _host_index(args):
     """The index of `cuda_tensor[index]` (or of its assignment) as a tuple with every host-made index list
-    (a flat list of ints or bools, or a CPU tensor of them) turned into a CPU tensor, or None where it has
-    none: the indexing would copy those to the GPU at every call."""
+    (a flat list of ints or bools, or a CPU tensor of them) turned into CPU index tensors, or None where it
+    has none: the indexing would copy those to the GPU at every call. A boolean mask becomes the positions
+    it selects, one index tensor per dimension, as torch itself expands it; on the GPU torch would find
+    them with `nonzero`, which reads their count on the host."""
     if len(args) < 2 or not isinstance(args[0], torch.Tensor) or args[0].device.type != "cuda":
         return None
     items = args[1] if isinstance(args[1], tuple) else (args[1],)
@@ -270,7 +298,10 @@ def _host_index(args):
             x, found = torch.tensor(x), True
         elif isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 and not x.is_floating_point():
             found = True
-        out.append(x)
+        if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dtype in (torch.bool, torch.uint8) and x.dim():
+            out.extend(x.bool().nonzero().unbind(1))
+        else:
+            out.append(x)
     return tuple(out) if found else None
 
 
