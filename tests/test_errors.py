@@ -243,4 +243,4 @@ def test_a_failed_capture_is_named_by_the_first_error_and_the_line_that_raised_i
     assert str(first).endswith("not permitted when stream is capturing")
     assert where.startswith("test_errors.py:") and "(step: raise RuntimeError(" in where
     alone = RuntimeError("no context")
-    assert graphs._first_error(alone) == (alone, None)
+    assert graphs._first_error(alone) == (alone, None)  # never raised: no traceback

@@ -81,8 +81,7 @@ def _first_error(error: BaseException):
     first = error
     while isinstance(first.__context__, RuntimeError) and first.__context__ is not first:
         first = first.__context__
-    frames = traceback.extract_tb(first.__traceback__) if first is not error else []
-    return first, _outside(frames)
+    return first, _outside(traceback.extract_tb(first.__traceback__))
 
 
 def _generator_snapshot():
@@ -187,16 +186,18 @@ class _Hazards(TorchDispatchMode):
             self.copies.append(f"{name} copies a CPU tensor of shape {tuple(unserved[0].shape)} to the GPU, at "
                                f"{_where()}")
         if len(self.found) < 3:
+            found = None
             if (name in _SYNCING and on_cuda) or to_host:
-                self.found.append(f"{name} reads a device value on the host, at {_where()}")
+                found = f"{name} reads a device value on the host, at {_where()}"
             elif name in _INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
                     isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype in (torch.bool, torch.uint8)
                     for t in args[1]):
-                self.found.append(f"{name} indexes with a boolean mask on the device (torch counts its true "
-                                  f"elements on the host), at {_where()}")
+                found = (f"{name} indexes with a boolean mask on the device (torch counts its true elements on the "
+                         f"host), at {_where()}")
             elif on_cuda and cpu:
-                self.found.append(f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device "
-                                  f"copy), at {_where()}")
+                found = f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device copy), at {_where()}"
+            if found is not None and found not in self.found:  # one line names a place once
+                self.found.append(found)
         return out
 
 
