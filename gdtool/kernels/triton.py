@@ -47,8 +47,11 @@ def usable(*tensors) -> bool:
 # runs on a CPU (Triton's interpreter, the torch references) but is refused on CUDA, with this reason,
 # until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
 # These passed on an H200 at 68c2cf6 (`gpu_run.sh OUT tests-kernels`; profiles/kernel_paths.py's list is
-# profiles/h200/tests/kernel-paths-68c2cf6.txt). Gemma 3's failed there and stay out.
+# profiles/h200/tests/kernel-paths-68c2cf6.txt), Gemma 3's at 86b10e6 (`gpu_run.sh OUT recheck`,
+# profiles/h200/tests/kernel-paths-86b10e6.txt).
 CUDA_TESTED = frozenset({
+    "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
+    "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
     "Llama, <= 4 rows",
     "Llama, passes of 4 rows",
     "Mistral, window >= cache, <= 4 rows",
