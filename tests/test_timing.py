@@ -1,6 +1,7 @@
 """gdtool.profile: one row per decode step, host vs device time. CPU here; GPU checks are marked cuda."""
 from __future__ import annotations
 
+import collections
 import math
 import time
 from types import SimpleNamespace
@@ -235,6 +236,42 @@ def test_kernel_pass_marks_every_step(tiny):
     assert steps == 4 and busy == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0} and outside == 0.0
     assert ranges._listeners == []
 
+
+
+def test_profiler_records_hold_what_function_events_hold(tiny):
+    """The kernel pass reads Kineto's records directly instead of building torch's FunctionEvent tree (about 30 s
+    per 500k records, which an eager MoE decode makes): every attribute busy_per_step reads must be the same,
+    record for record, times included."""
+    model, prompt = tiny
+    marks = timing._KernelMarks(cuda=False)
+    ranges.add_listener(marks)
+    try:
+        gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="eager", max_new_tokens=4,
+                      eos_token_id=None, seed=0)
+    finally:
+        ranges.remove_listener(marks)
+        marks.profiler.stop()
+    every_event, every_record = marks.profiler.events(), timing.profiler_records(marks.profiler)
+    # events() also drops an op nested in one of its own name (`aten::div_` in `aten::div_`); busy_per_step reads
+    # no op, only marks, user annotations, launch calls and device records: those must match one for one
+    assert len(every_record) >= len(every_event) > 100
+    extra = collections.Counter(r.name for r in every_record) - collections.Counter(e.name for e in every_event)
+    assert all(name.startswith("aten::") for name in extra), extra
+
+    def read(e):
+        return (e.name.startswith((timing._MARK, "cu")) or e.is_user_annotation
+                or e.device_type != torch.autograd.DeviceType.CPU)
+    events, records = [e for e in every_event if read(e)], [r for r in every_record if read(r)]
+
+    def key(e):
+        return e.id, e.name, str(e.device_type), e.is_user_annotation, e.activity_type
+    assert len(records) == len(events) >= 3
+    pairs = list(zip(sorted(events, key=lambda e: (key(e), e.time_range.start)),
+                     sorted(records, key=lambda e: (key(e), e.time_range.start))))
+    assert all(key(e) == key(r) for e, r in pairs)
+    assert all(r.time_range == (e.time_range.start, e.time_range.end) for e, r in pairs)
+    assert sum(e.name.startswith(timing._MARK) for e in records) == 3
+    assert timing.busy_per_step(every_record) == timing.busy_per_step(every_event)
 
 def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
     import json
