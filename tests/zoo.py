@@ -142,6 +142,9 @@ MROPE = dict(rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope
 HYBRID = dict(layer_types=["linear_attention", "full_attention"])  # one SSM / linear layer, one attention layer
 NEMOTRON_H_MAMBA = dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=1, chunk_size=16)
 MAMBA2 = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16)  # heads x head = 2 x hidden
+# per-layer widths and key/value sharing sized for 2 layers (the default shares the last 15 of 35)
+GEMMA3N_TEXT = dict(intermediate_size=[128, 128], num_kv_shared_layers=0, hidden_size_per_layer_input=16, laurel_rank=8,
+                    activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB)
 # model type -> config fields set after `shrink`, where the shrunk default does not build, or builds a model
 # generate() cannot decode, or leaves a hybrid without its attention layer (text config of a nested config)
 KNOBS = {
@@ -179,9 +182,8 @@ KNOBS = {
     # RoPE per layer type (the default has none), its multimodal sections summing to head_dim / 2
     "cohere_compass_text": dict(rope_parameters={"full_attention": dict(rope_type="default", rope_theta=10000.0,
                                                                         mrope_section=[3, 3, 2])}),
-    # per-layer widths and key/value sharing sized for 2 layers (the default shares the last 15 of 35)
-    "gemma3n_text": dict(intermediate_size=[128, 128], num_kv_shared_layers=0, hidden_size_per_layer_input=16,
-                         laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0], vocab_size_per_layer_input=VOCAB),
+    "gemma3n_text": GEMMA3N_TEXT,
+    "gemma3n": GEMMA3N_TEXT,  # its text config (the causal-LM class of a `gemma3n` config is the image-text model)
     "qwen4_exp_text": QWEN4_EXP,
     "qwen4_exp": QWEN4_EXP,
     "gemma4_assistant": dict(num_kv_shared_layers=2), "gemma4_unified_assistant": dict(num_kv_shared_layers=2),
@@ -222,7 +224,13 @@ ASSISTANT = dict(text_config=dict(model_type="gemma4_text", hidden_size_per_laye
                                   enable_moe_block=False, use_double_wide_mlp=False),
                  num_centroids=16, centroid_intermediate_top_k=4)
 # model type -> fields of the outer config of a nested one (KNOBS go to its text config), given to its default too
+# a timm tower at tiny size (the classes' defaults are FastViT-MCI3 / ResNet-50; Perception LM's projector reads the
+# tower's `model_args["embed_dim"]`): a one-block ViT, built by timm where it is installed
+TIMM_TINY_VIT = dict(model_type="timm_wrapper", architecture="vit_tiny_patch16_224", hidden_size=16,
+                     model_args=dict(embed_dim=16, depth=1, num_heads=2, img_size=32))
 OUTER_KNOBS = {
+    "fast_vlm": dict(vision_config=TIMM_TINY_VIT), "perception_lm": dict(vision_config=TIMM_TINY_VIT),
+    "gemma3n": dict(vision_config=dict(TIMM_TINY_VIT, model_type="gemma3n_vision")),  # MobileNet-V5 by default
     "gemma4_assistant": ASSISTANT, "gemma4_unified_assistant": ASSISTANT,
     # the image-token table (the default is None)
     "chameleon": dict(vocabulary_map={"<image>": MEDIA_ID}), "emu3": dict(vocabulary_map={"<image>": MEDIA_ID}),
