@@ -17,7 +17,8 @@
 #                  window sweep with them), and which kernel paths passed them (profiles/kernel_paths.py)
 #   recheck        what changed after the last GPU run (at 2dd3cee): host index lists and scalars in capture, the
 #                  generator after a failed capture, Gemma 3's fast kernels, the zoo's aria/chameleon/glm5_next/falcon
-#   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15)
+#   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each
+#                  case's outcome (outcomes.jsonl: profiles/zoo_table.py --cuda-outcomes renders it)
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
 #   bench-qwen3-8b, bench-gemma, bench-moe   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
@@ -135,7 +136,8 @@ for p in "$@"; do
            -k "index_lists or failed_capture or host_constants or test_fast_gemma3 or (test_zoo_captured and (aria or chameleon or glm5_next or falcon))"
            "$py" profiles/kernel_paths.py "$work/recheck/paths.jsonl" 2>&1 | tee "$work/recheck/paths.txt" | tee -a "$log"
            keep recheck ;;
-    tests-zoo) part tests-zoo ${ZOO_SECONDS:-560} "$py" -m pytest -v -rfEs -m cuda -n ${TEST_WORKERS:-15} -p no:cacheprovider \
+    tests-zoo) part tests-zoo ${ZOO_SECONDS:-560} env ZOO_OUTCOMES="$work/tests-zoo/outcomes.jsonl" \
+           "$py" -m pytest -v -rfEs -m cuda -n ${TEST_WORKERS:-15} -p no:cacheprovider \
            tests/test_zoo.py ${ZOO_K:+-k "$ZOO_K"} ;;
     nsys-sliding-moe) part nsys-sliding-moe 400 bash -c "cp -r profiles/h200/nsys-sliding-moe $work/ && \
            $py -m gdtool profile --nsys --model qwen3-30b-a3b --batch 16 --trace graph \

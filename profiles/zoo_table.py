@@ -8,6 +8,9 @@ does not build, or generate() itself cannot decode it). Also rewrites the summar
 between its `zoo-summary` markers.
 
     python profiles/zoo_table.py --out docs/zoo.md --readme README.md --jobs 2   # CPU, ~4 min on 2 cores
+
+With `--cuda-outcomes FILE` (what `ZOO_OUTCOMES=FILE pytest -m cuda tests/test_zoo.py` kept on a GPU) it adds
+that run's counts and every architecture a graph mode refused there, with the cause.
 """
 from __future__ import annotations
 
@@ -41,14 +44,33 @@ def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: b
         return {"status": f"generate() fails: {error.split(':')[0]}"}
     if status != "ran":
         return {"status": f"MISMATCH: {error[:120]}"}
-    per_mode = {}
-    for _, mode, _, result in found["results"]:
-        if result != "pass":
-            reason = re.sub(r"\s+", " ", result.removeprefix("refused: "))[:110]
-            per_mode[mode] = f"refused: {reason}"
-        else:
-            per_mode.setdefault(mode, "pass")
-    return {"status": "ran", **per_mode}
+    return {"status": "ran", **zoo.per_mode(found)}
+
+
+def render_cuda(path: Path) -> str:
+    """The section of a GPU run, from the outcomes the cuda zoo test kept (`ZOO_OUTCOMES=FILE pytest -m cuda
+    tests/test_zoo.py`): its counts, and every architecture a graph mode refused there, with the cause."""
+    import json
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [x for x in lines if x["device"] == "cuda"]
+    if not lines:
+        raise SystemExit(f"{path}: no cuda outcomes (write them with ZOO_OUTCOMES={path} pytest -m cuda tests/test_zoo.py)")
+    ran = [x for x in lines if x["status"] == "ran"]
+    refused = [x for x in ran if any(v != "pass" for v in x["modes"].values())]
+    odd = [x for x in lines if x["status"] not in ("ran", "not built", "generate failed")]
+    graph = MODES[1:]
+    versions = sorted({f"torch {x['torch']}, transformers {x['transformers']}" for x in lines})
+    out = ["", "## Captured on a GPU", "",
+           f"From `ZOO_OUTCOMES=FILE pytest -m cuda tests/test_zoo.py` on a GPU ({'; '.join(versions)}; the GPU "
+           f"and the commit are in the `env-<commit>.txt` beside `{path.as_posix()}`), the same cases captured: "
+           f"{len(lines)} cases; {len(ran)} ran, {len(ran) - len(refused)} of them passing in every mode and "
+           f"{len(refused)} refused in a mode (below, with the cause); {len(lines) - len(ran) - len(odd)} not in "
+           f"the zoo there (as above, or a package installed there); {len(odd)} mismatched or crashed"
+           + (": " + ", ".join(f"{x['name']} ({x['status']})" for x in odd) if odd else "") + ".", ""]
+    if refused:
+        out += ["| architecture | eager | " + " | ".join(graph) + " |", "|---|---|" + "---|" * len(graph)]
+        out += [f"| {x['name']} | " + " | ".join(x["modes"].get(m, "-") for m in MODES) + " |" for x in refused]
+    return "\n".join(out) + "\n"
 
 
 def render(rows: list[tuple[str, dict]], env: str) -> str:
@@ -100,7 +122,11 @@ def main(argv=None) -> int:
     parser.add_argument("--readme", default=None, help="README whose zoo-summary block to rewrite")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once, one process each "
                         "(one torch thread per process)")
+    parser.add_argument("--cuda-outcomes", type=Path, default=None, help="a GPU run's outcomes (JSON lines the "
+                        "cuda zoo test writes with ZOO_OUTCOMES=FILE): rendered as a section of their own")
     args = parser.parse_args(argv)
+    if args.cuda_outcomes is not None and not args.cuda_outcomes.is_file():
+        parser.error(f"--cuda-outcomes {args.cuda_outcomes}: no such file")
     if args.jobs < 1:
         parser.error(f"--jobs {args.jobs}: give 1 or more")
     warnings.filterwarnings("ignore")
@@ -129,7 +155,7 @@ def main(argv=None) -> int:
             found[name] = row
             print(f"[{time.perf_counter() - start:6.0f} s] {name}: {row}", flush=True)
     rows = [(name, found[name]) for name, *_ in cases]
-    Path(args.out).write_text(render(rows, env))
+    Path(args.out).write_text(render(rows, env) + (render_cuda(args.cuda_outcomes) if args.cuda_outcomes else ""))
     if args.readme:
         text = Path(args.readme).read_text()
         block = f"<!-- zoo-summary -->\n{summary(rows, env)}\n<!-- /zoo-summary -->"

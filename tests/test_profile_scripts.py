@@ -142,3 +142,29 @@ def test_kernel_paths_passes_a_path_only_where_every_test_that_ran_it_passed(tmp
     assert kernel_paths.main([str(f)]) == 1
     out = capsys.readouterr().out
     assert "'Llama, <= 4 rows'," in out and "FAILED 'Qwen3, q/k norm, <= 4 rows': b" in out
+
+
+def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_path, monkeypatch, capsys):
+    """`ZOO_OUTCOMES=FILE pytest -m cuda tests/test_zoo.py` keeps one line per case (tests/zoo.py keep_outcome);
+    zoo_table.py --cuda-outcomes renders the counts and every architecture refused in a mode, with the cause."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zoo
+    import zoo_table
+    path = tmp_path / "outcomes.jsonl"
+    refusal = "refused: capturing X's decode step failed: nonzero reads a device value on the host, at m.py:3"
+    zoo.keep_outcome(str(path), "alpha", "cuda", {"status": "ran", "results": [
+        ["greedy", "eager", 1, "pass"], ["greedy", "step-graph", 1, "pass"], ["sample", "step-graph", 4, "pass"]]})
+    zoo.keep_outcome(str(path), "beta", "cuda", {"status": "ran", "results": [
+        ["greedy", "eager", 1, "pass"], ["greedy", "step-graph", 1, refusal], ["sample", "step-graph", 4, refusal]]})
+    zoo.keep_outcome(str(path), "gamma", "cuda", {"status": "not built", "error": "ImportError: needs timm"})
+    zoo.keep_outcome(str(path), "delta", "cuda", {"status": "crashed", "error": "exit -6: CUDA error"})
+    zoo.keep_outcome(str(path), "alpha", "cpu", {"status": "ran", "results": []})  # a CPU line: not this section's
+    text = zoo_table.render_cuda(path)
+    assert "4 cases; 2 ran, 1 of them passing in every mode and 1 refused in a mode" in text
+    assert "1 not in the zoo there" in text and "1 mismatched or crashed: delta (crashed)" in text
+    row = next(line for line in text.splitlines() if line.startswith("| beta |"))
+    assert row.split(" | ")[1] == "pass" and "nonzero reads a device value on the host, at m.py:3" in row
+    assert "| alpha |" not in text
+    with pytest.raises(SystemExit):
+        zoo_table.main(["--cuda-outcomes", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "zoo.md")])
+    assert "--cuda-outcomes" in capsys.readouterr().err
