@@ -45,6 +45,7 @@ mkdir -p profiles/sweeps
 exec > >(tee -a "$log") 2>&1
 start=$SECONDS
 stamp() { echo "## [$((SECONDS - start)) s] $*"; }
+seconds() { local t0=$SECONDS line; while IFS= read -r line; do echo "[$((SECONDS - t0)) s] $line"; done; }
 
 if [[ $parts == *" sweep "* ]]; then
 # shellcheck disable=SC2086
@@ -77,14 +78,17 @@ for nb in $notebooks; do
   limit=$nb_timeout
   [[ $nb == 01 ]] && limit=${NOTEBOOK_01_TIMEOUT:-420}
   if ! timeout "$limit" "$python" -m gdtool.frontends.notebook "$path" "$path" --kernel python3 --cwd notebooks \
-      --execution-timeout "$limit" --no-progress-bar "${params[@]}" > "$path.log" 2>&1; then
+      --execution-timeout "$limit" --no-progress-bar --log-output "${params[@]}" 2>&1 | seconds > "$path.log"; then
     tail -n 5 "$path.log"
-    stamp "FAILED: $path (see its error cell and $path.log)"
+    stamp "FAILED: $path (see its error cell and its log)"
     failed="$failed $path"
   fi
+  # each notebook copied as soon as it ran, with its log (its cells' output as it came, progress bars included:
+  # where a run cut short spent its time): a run cut short keeps those that finished
+  if [[ -n "$copy_to" ]]; then
+    mkdir -p "$copy_to/notebooks" && cp "$path" "$copy_to/notebooks/" && cp "$path.log" "$copy_to/notebooks/${nb}.log"
+  fi
   rm -f "$path.log"
-  # each notebook copied as soon as it ran: a run cut short keeps those that finished
-  if [[ -n "$copy_to" ]]; then mkdir -p "$copy_to/notebooks" && cp "$path" "$copy_to/notebooks/"; fi
 done
 stamp "done${failed:+; failed:$failed}"
 
