@@ -38,6 +38,9 @@
 # 15 MiB at the end: results.tar.gz.00, .01, ...),
 # so a part cut short by a time limit leaves the others' results. The script exits 1 when any part
 # failed or timed out (or was not a part), after running the others, and names them last.
+# GPU_RUN_SECONDS: the whole run's limit, where a command around it has one (a lent machine's): each part is cut
+# to the time left, less 20 s to keep its files, and a part with less than 10 s left is not begun. Set it below
+# the outer limit: a part the outer limit cuts loses its files.
 # PYTHON picks the interpreter (default python3; e.g. PYTHON=.venv/bin/python). Where the checkout
 # has no .git folder, set GDTOOL_COMMIT=<commit> so that every sidecar names the code that ran.
 # Needs gdtool importable, plus the notebook / nvtx wheels and nsys where those parts run
@@ -64,7 +67,18 @@ part() {  # part NAME SECONDS COMMAND...
   local name=$1 seconds=$2 rc
   shift 2
   mkdir -p "$work/$name"
-  echo "=== $name ($(date -u +%H:%M:%S))" | tee -a "$log"
+  if [ -n "${GPU_RUN_SECONDS:-}" ]; then
+    # the whole run's limit: a part gets what is left, less a margin to keep its files; one that cannot start
+    # is named, not begun (a command around the run that cuts it first loses the part it cut, files and all)
+    local left=$((GPU_RUN_SECONDS - SECONDS - 20))
+    if [ "$left" -lt 10 ]; then
+      echo "=== $name: not run, ${GPU_RUN_SECONDS} s run limit reached" | tee -a "$log"
+      failed+=("$name")
+      return
+    fi
+    [ "$left" -lt "$seconds" ] && seconds=$left
+  fi
+  echo "=== $name ($(date -u +%H:%M:%S), at most $seconds s)" | tee -a "$log"
   timeout "$seconds" "$@" 2>&1 | tee "$work/$name/log" | tail -n 40 >> "$log"
   rc=${PIPESTATUS[0]}
   [ "$rc" = 124 ] && echo "=== $name: stopped by its ${seconds} s time limit" | tee -a "$log"

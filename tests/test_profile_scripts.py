@@ -72,11 +72,11 @@ def test_fast_probe_names_match_its_parts():
     assert args.select_variants == ["part-topk-unsorted"] and args.cases == ["greedy", "sample"]
 
 
-def _gpu_run(tmp_path, *parts):
+def _gpu_run(tmp_path, *parts, **env_vars):
     import os
     import subprocess
     env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env_vars)
     done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), *parts], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     return done.returncode, (tmp_path / "out" / "log").read_text()
@@ -95,6 +95,17 @@ def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
     assert "env.json" in names and "fast/log" in names
     rc, log = _gpu_run(tmp_path)
     assert rc == 0 and "every part passed" in log
+
+
+def test_gpu_run_cuts_its_parts_to_the_whole_runs_limit(tmp_path):
+    """GPU_RUN_SECONDS: each part gets the time left less a margin, and one with no time left is named, not begun
+    (a run cut from outside loses the part it cut, files and all)."""
+    rc, log = _gpu_run(tmp_path, "fast", GPU_RUN_SECONDS="100")
+    import re
+    limit = int(re.search(r"=== fast \(\d\d:\d\d:\d\d, at most (\d+) s\)", log).group(1))
+    assert 50 <= limit <= 80, log  # 100 s, less the margin and the seconds the environment sidecar took
+    rc, log = _gpu_run(tmp_path / "again", "fast", GPU_RUN_SECONDS="25")
+    assert rc == 1 and "=== fast: not run, 25 s run limit reached" in log and "=== failed: fast" in log
 
 
 def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
