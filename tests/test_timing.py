@@ -242,14 +242,20 @@ def test_profiler_records_hold_what_function_events_hold(tiny):
     """The kernel pass reads Kineto's records directly instead of building torch's FunctionEvent tree (about 30 s
     per 500k records, which an eager MoE decode makes): every attribute busy_per_step reads must be the same,
     record for record, times included."""
-    model, prompt = tiny
-    marks = timing._KernelMarks(cuda=False)
+    _records_match_events(*tiny, "eager")
+
+
+def _records_match_events(model, prompt, mode):
+    cuda = model.device.type == "cuda"
+    marks = timing._KernelMarks(cuda=cuda)
     ranges.add_listener(marks)
     try:
-        gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="eager", max_new_tokens=4,
+        gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=mode, max_new_tokens=4,
                       eos_token_id=None, seed=0)
     finally:
         ranges.remove_listener(marks)
+        if cuda:
+            torch.cuda.synchronize()
         marks.profiler.stop()
     every_event, every_record = marks.profiler.events(), timing.profiler_records(marks.profiler)
     # events() also drops an op nested in one of its own name (`aten::div_` in `aten::div_`); busy_per_step reads
@@ -271,7 +277,10 @@ def test_profiler_records_hold_what_function_events_hold(tiny):
     assert all(key(e) == key(r) for e, r in pairs)
     assert all(r.time_range == (e.time_range.start, e.time_range.end) for e, r in pairs)
     assert sum(e.name.startswith(timing._MARK) for e in records) == 3
-    assert timing.busy_per_step(every_record) == timing.busy_per_step(every_event)
+    busy = timing.busy_per_step(every_record)
+    assert busy == timing.busy_per_step(every_event)
+    assert all(v > 0 for v in busy[0].values()) if cuda else not any(busy[0].values())
+    return busy
 
 def test_cli_writes_steps_summary_and_env(tmp_path, capsys):
     import json
@@ -471,3 +480,11 @@ def test_blocking_sync_makes_waits_sleep(wait):
     assert sleeping < 0.2, (sleeping, spinning)
     if wait is not _event_sync:  # an event made with blocking=True sleeps under any scheduling (seen on the H200)
         assert spinning > 0.5, (sleeping, spinning)
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["eager", "step-graph"])
+def test_profiler_records_hold_what_function_events_hold_on_cuda(tiny_cuda, mode):
+    """The same with kernels: launch calls, kernel records and their correlation ids, eager and replayed."""
+    _records_match_events(*tiny_cuda, mode)
+
