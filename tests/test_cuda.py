@@ -247,7 +247,7 @@ def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_nam
     def masks_on_the_device():
         return x[x > 10.0].sum()
 
-    with pytest.raises(ValueError, match=r"indexes with a boolean mask on the device .* at test_cuda\.py"):
+    with pytest.raises(ValueError, match=r"index takes a boolean mask on the device, .* at test_cuda\.py"):
         graphs.warm_up(masks_on_the_device, 1, owner)
 
     table = torch.tensor([1.0, 2.0])

@@ -75,7 +75,7 @@ GRAPH_REFUSED_ON_CUDA = {"aria_text": "reads a device value on the host|copies a
                          "dbrx": "finds which tokens each expert gets on the host",
                          # its sparse-attention indexer keeps the pooled keys a device mask selects (`pool_keys[:,
                          # keep]`): a shape known only on the device
-                         "glm5_next": r"boolean mask on the device .*at modeling_glm5_next\.py"}
+                         "glm5_next": r"boolean mask on the device, .* at modeling_glm5_next\.py"}
 
 
 # model type -> what building its tiny model raises (asserted, then skipped): what this builder cannot make yet

@@ -192,8 +192,8 @@ class _Hazards(TorchDispatchMode):
             elif name in _INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
                     isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype in (torch.bool, torch.uint8)
                     for t in args[1]):
-                found = (f"{name} indexes with a boolean mask on the device (torch counts its true elements on the "
-                         f"host), at {_where()}")
+                found = (f"{name} takes a boolean mask on the device, whose true elements torch counts on the host, "
+                         f"at {_where()}")
             elif on_cuda and cpu:
                 found = f"{name} takes a CPU tensor of shape {tuple(cpu[0].shape)} (a host-to-device copy), at {_where()}"
             if found is not None and found not in self.found:  # one line names a place once
