@@ -78,3 +78,74 @@ def test_model_logits_with_packed_attention_match_hf(model, monkeypatch):
     assert len(calls) == model.config.num_hidden_layers
     assert calls[0] is not None and not calls[0].all()  # the pads were masked by the packed path
     torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-5)
+
+
+class _SinkAttn(torch.nn.Module):  # what gpt-oss's eager attention reads off its module
+    num_key_value_groups = 4
+
+    def __init__(self, hq=8, seed=1):
+        super().__init__()
+        self.sinks = torch.nn.Parameter(torch.randn(hq, generator=torch.Generator().manual_seed(seed)))
+
+
+def _additive(mask):  # HF's eager masks add the dtype's minimum where a key is hidden
+    return torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
+
+
+def test_packed_sink_attention_computes_what_gpt_oss_eager_attention_computes():
+    fast_attention.install()
+    q, k, v, mask = _inputs()
+    module = _SinkAttn().eval()
+    hf, _ = fast_attention._original_sinks(module, q, k, v, _additive(mask), scaling=0.25)
+    packed = fast_attention.sinks_decode_attention(q, k, v, _additive(mask), 0.25, module.sinks)
+    assert packed.shape == hf.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-6)
+    # the sinks and the mask both change the answer, and are honoured
+    assert not torch.allclose(packed, fast_attention.sinks_decode_attention(q, k, v, _additive(mask), 0.25,
+                                                                             torch.zeros(8)))
+    assert not torch.allclose(packed, fast_attention.sinks_decode_attention(q, k, v, None, 0.25, module.sinks))
+
+
+def test_sinks_dispatch_keeps_gpt_oss_eager_outside_the_scope_and_for_prompts():
+    fast_attention.install()
+    from transformers.models.gpt_oss import modeling_gpt_oss
+    dispatch = modeling_gpt_oss.eager_attention_forward
+    assert dispatch is fast_attention._dispatch_sinks
+    q, k, v, mask = _inputs()
+    module, mask = _SinkAttn().eval(), _additive(mask)
+    # the keywords gpt-oss's attention passes
+    kw = dict(dropout=0.0, scaling=0.25, sliding_window=4, s_aux=module.sinks)
+    hf, _ = fast_attention._original_sinks(module, q, k, v, mask, **kw)
+    assert torch.equal(dispatch(module, q, k, v, mask, **kw)[0], hf)  # outside: HF's own call, same bits
+    with fast_attention.scope():
+        assert torch.equal(dispatch(module, q, k, v, mask, **kw)[0],
+                           fast_attention.sinks_decode_attention(q, k, v, mask, 0.25, module.sinks))
+        q2, k2, v2, mask2 = _inputs(length=3)  # a prompt, not a decode step: HF's attention
+        assert torch.equal(dispatch(module, q2, k2, v2, _additive(mask2), **kw)[0],
+                           fast_attention._original_sinks(module, q2, k2, v2, _additive(mask2), **kw)[0])
+
+
+def test_gpt_oss_logits_with_packed_sink_attention_match_hf(monkeypatch):
+    """tiny-gpt-oss (sliding layers of 8 tokens beside full ones), one decode token after left-padded prompts
+    longer than the window: same logits (fp32), every layer through the packed path."""
+    fast_attention.install()
+    model = gdtool.load_model("tiny-gpt-oss", seed=0)
+    calls = []
+    original = fast_attention.sinks_decode_attention
+    monkeypatch.setattr(fast_attention, "sinks_decode_attention", lambda *a: calls.append(a[1:4]) or original(*a))
+    cache_kw, _ = compat.forward_kwargs(model)
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(6, 13), seed=0)
+    assert prompt.input_ids.shape[1] > model.config.sliding_window
+    with torch.inference_mode():
+        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        mask = torch.cat([prompt.attention_mask, torch.ones_like(nxt)], 1)
+        hf = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
+        with fast_attention.scope():
+            packed = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+    assert len(calls) == model.config.num_hidden_layers
+    # the sliding layer attends over its window of keys, the full layer over all 14, its pads masked
+    assert sorted(key.shape[2] for key, _, _ in calls) == [model.config.sliding_window, 14]
+    assert any((mask < 0).any() for _, _, mask in calls)
+    torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,9 @@ group's rows instead (HF's own `pack_gqa`, which it skips under torch.compile):
     -> [B, Hkv, Hq/Hkv, D] -> [B, 1, Hq, D]
 
 Same kernel family, same mask, same scale; only which heads share a launch changes (so logits move
-by rounding, as everything else inductor fuses).
+by rounding, as everything else inductor fuses). gpt-oss supports no sdpa: its eager attention (HF's
+`repeat_kv`, then a softmax joined by one learned logit per head, the sink) is packed the same way
+(`sinks_decode_attention`, HF's ops in HF's order), since `repeat_kv` copies its cache 8 times a layer.
 
 Scope: the swap applies only inside gdtool's compiled step (`scope()`, entered by
 `step.CompiledStep` around each call of its compiled function; the captured replays run no Python).
@@ -51,6 +53,7 @@ TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the 
 
 _active = False
 _original = None
+_original_sinks = None  # gpt-oss's eager attention (attention sinks), where the dispatcher replaced it
 # keyword arguments that change the math: left to HF's function
 _DECLINE = ("softcap", "s_aux", "sinks", "position_bias", "output_attentions")
 
@@ -71,8 +74,8 @@ def scope():
 
 
 def install() -> None:
-    """Put the dispatcher in front of HF's `sdpa` attention, once per process."""
-    global _original
+    """Put the dispatchers in front of HF's `sdpa` attention and gpt-oss's eager attention, once per process."""
+    global _original, _original_sinks
     if _original is not None:
         return
     from transformers import AttentionInterface
@@ -80,6 +83,14 @@ def install() -> None:
 
     _original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     AttentionInterface.register("sdpa", _dispatch)
+    try:
+        from transformers.models.gpt_oss import modeling_gpt_oss
+    except ImportError:  # pragma: no cover - a transformers without gpt-oss
+        return
+    # gpt-oss supports no sdpa: its attention reads this module global at every call (the eager default of
+    # `get_interface`), so the dispatcher stands in for it there
+    _original_sinks = modeling_gpt_oss.eager_attention_forward
+    modeling_gpt_oss.eager_attention_forward = _dispatch_sinks
 
 
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
@@ -108,6 +119,32 @@ def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, s
     if _active and applies(query, key, attention_mask, dropout, kwargs):
         return decode_attention(query, key, value, attention_mask, scaling), None
     return _original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def sinks_decode_attention(query, key, value, attention_mask, scaling, sinks):
+    """gpt-oss's eager attention (one learned logit per head, the sink, joins each softmax and is dropped after
+    it) for a one-token query, the query heads of each group packed as rows: key/value are read once, not
+    copied to every query head (`repeat_kv`, 8x for gpt-oss-20b's 64 query over 8 key/value heads). HF's ops
+    in HF's order and dtypes; only the batching of the two products changes. -> [B, 1, Hq, D]."""
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    q = query.reshape(b, hkv, hq // hkv, d)
+    weights = torch.matmul(q, key.transpose(2, 3)) * scaling  # [B, Hkv, G, S]
+    if attention_mask is not None:
+        weights = weights + attention_mask  # [B, 1, 1, S]
+    combined = torch.cat([weights, sinks.reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, -1)], dim=-1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    probs = F.softmax(combined, dim=-1, dtype=combined.dtype)[..., :-1].to(value.dtype)
+    return torch.matmul(probs, value).reshape(b, hq, 1, d).transpose(1, 2).contiguous()
+
+
+def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout: float = 0.0, **kwargs):
+    # what HF's eager function does not read either: the window of a sliding layer (in its mask already) and
+    # `s_aux` (the module's sinks, which it reads from the module)
+    rest = {k: v for k, v in kwargs.items() if k not in ("sliding_window", "s_aux")}
+    if _active and applies(query, key, attention_mask, dropout, rest):
+        return sinks_decode_attention(query, key, value, attention_mask, scaling, module.sinks), None
+    return _original_sinks(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
 # -------------------------------------------------------------------- the fast step: split-KV
