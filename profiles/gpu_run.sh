@@ -16,7 +16,8 @@
 #   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the
 #                  window sweep with them), and which kernel paths passed them (profiles/kernel_paths.py)
 #   recheck        what changed after the last GPU run (at 04f3054): capture's host masks and its first-error
-#                  message, the kernel pass's Kineto records (test_timing), the zoo's glm5_next and its timm builds
+#                  message, the kernel pass's Kineto records (test_timing), gpt-oss's packed attention in the
+#                  window sweep, captured, the zoo's glm5_next and its timm builds
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each
 #                  case's outcome (outcomes.jsonl: profiles/zoo_table.py --cuda-outcomes renders it)
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
@@ -146,8 +147,8 @@ for p in "$@"; do
            keep tests-kernels ;;
     recheck) part recheck ${RECHECK_SECONDS:-240} env GDTOOL_KERNEL_PATHS="$work/recheck/paths.jsonl" \
            "$py" -m pytest -q -rfE --tb=short -m cuda -n ${TEST_WORKERS:-12} -p no:cacheprovider -p no:logging \
-           tests/test_cuda.py tests/test_timing.py tests/test_zoo.py \
-           -k "index_lists or failed_capture or host_constants or test_timing or (test_zoo_captured and (glm5_next or gemma3n or fast_vlm or perception_lm))"
+           tests/test_cuda.py tests/test_timing.py tests/test_zoo.py tests/test_windows.py \
+           -k "index_lists or failed_capture or host_constants or test_timing or (gdtool_kernels_captured and gpt_oss) or (test_zoo_captured and (glm5_next or gemma3n or fast_vlm or perception_lm))"
            "$py" profiles/kernel_paths.py "$work/recheck/paths.jsonl" 2>&1 | tee "$work/recheck/paths.txt" | tee -a "$log"
            keep recheck ;;
     tests-zoo) part tests-zoo ${ZOO_SECONDS:-560} env ZOO_OUTCOMES="$work/tests-zoo/outcomes.jsonl" \
