@@ -6,7 +6,7 @@ torch.compile (dynamo, one graph, no breaks) and lowered by inductor into fused 
 CUDA graphs of its own; gdtool then warms it up and captures it in its own graph exactly as it
 captures the HF step. So the graph modes keep their buffers, their EOS polling and their ranges,
 and only the kernels inside the replay change (plus, inside this step only, a grouped-query decode
-attention that reads the cache without copying it: `attention.py`):
+attention that reads the cache without copying it, gpt-oss's with its sinks: `attention.py`):
 
     step-graph     forward + select + update compiled as one function, captured whole
     forward-graph  the forward compiled, captured; select and update stay eager
