@@ -1,4 +1,7 @@
-"""The packed grouped-query attention of the compiled step, against HF's sdpa attention."""
+"""The packed grouped-query attention of the compiled step, against HF's sdpa attention (and gpt-oss's eager
+attention with its sinks)."""
+import contextlib
+
 import pytest
 import torch
 
@@ -59,22 +62,28 @@ def test_dispatch_keeps_hf_outside_the_scope_and_for_what_it_does_not_cover():
     assert not fast_attention.active()
 
 
+def _next_token_logits(model, prompt):
+    """The logits of one decode token after `prompt` (its greedy next token), HF's attention and then the packed
+    one (gdtool's scope entered), each over a cache of its own."""
+    cache_kw, _ = compat.forward_kwargs(model)
+    logits = []
+    with torch.inference_mode():
+        for scope in (contextlib.nullcontext, fast_attention.scope):
+            out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+            mask = torch.cat([prompt.attention_mask, torch.ones_like(nxt)], 1)
+            with scope():
+                logits.append(model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits)
+    return logits
+
+
 def test_model_logits_with_packed_attention_match_hf(model, monkeypatch):
     """The whole model, one decode token after a left-padded prompt: same logits (fp32)."""
     fast_attention.install()
     calls = []
     original = fast_attention.decode_attention
     monkeypatch.setattr(fast_attention, "decode_attention", lambda *a: calls.append(a[3]) or original(*a))
-    cache_kw, _ = compat.forward_kwargs(model)
-    prompt = gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0)
-    with torch.inference_mode():
-        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([prompt.attention_mask, torch.ones_like(nxt)], 1)
-        hf = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
-        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
-        with fast_attention.scope():
-            packed = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+    hf, packed = _next_token_logits(model, gdtool.random_prompts(model, batch=3, lengths=(3, 7), seed=0))
     assert len(calls) == model.config.num_hidden_layers
     assert calls[0] is not None and not calls[0].all()  # the pads were masked by the packed path
     torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-5)
@@ -133,17 +142,9 @@ def test_gpt_oss_logits_with_packed_sink_attention_match_hf(monkeypatch):
     calls = []
     original = fast_attention.sinks_decode_attention
     monkeypatch.setattr(fast_attention, "sinks_decode_attention", lambda *a: calls.append(a[1:4]) or original(*a))
-    cache_kw, _ = compat.forward_kwargs(model)
     prompt = gdtool.random_prompts(model, batch=3, lengths=(6, 13), seed=0)
     assert prompt.input_ids.shape[1] > model.config.sliding_window
-    with torch.inference_mode():
-        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
-        nxt = out.logits[:, -1:].argmax(-1)
-        mask = torch.cat([prompt.attention_mask, torch.ones_like(nxt)], 1)
-        hf = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
-        out = model(input_ids=prompt.input_ids, attention_mask=prompt.attention_mask, use_cache=True)
-        with fast_attention.scope():
-            packed = model(input_ids=nxt, attention_mask=mask, **{cache_kw: out.past_key_values}).logits
+    hf, packed = _next_token_logits(model, prompt)
     assert len(calls) == model.config.num_hidden_layers
     # the sliding layer attends over its window of keys, the full layer over all 14, its pads masked
     assert sorted(key.shape[2] for key, _, _ in calls) == [model.config.sliding_window, 14]
