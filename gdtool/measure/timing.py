@@ -397,20 +397,29 @@ class _Record(NamedTuple):
 
 
 def profiler_records(profiler) -> list:
-    """The events of a stopped torch.profiler session, as busy_per_step reads them. `profiler.events()`
-    builds a FunctionEvent tree of every record (shapes, stacks, parents): about 30 s per 500k records
-    on a CPU core, and an eager MoE step at batch 16 makes that many in a few dozen steps. Kineto's own
-    records hold what is read here at ~1% of that cost; `events()` stays the fallback where torch does
-    not expose them. Times are µs from the trace's start, as in FunctionEvent."""
+    """The records of a stopped torch.profiler session that busy_per_step reads: step marks, user annotations,
+    launch calls and device records (the ops in between are skipped). `profiler.events()` builds a
+    FunctionEvent tree of every record (shapes, stacks, parents): 25 s per 500k records on one core of
+    this project's CPU machine, and an eager MoE decode makes that many in a few dozen steps. Read from
+    Kineto's own records, the same attributes cost a fraction of that; `events()` stays the fallback
+    where torch does not expose them. Times are µs from the trace's start, as in FunctionEvent."""
     try:
         from torch.autograd.profiler_util import _filter_name
         results = profiler.profiler.kineto_results
         raw, origin = results.events(), results.trace_start_ns()
-        # from the trace's start, in integer ns, before the µs division (as torch does): epoch ns in a float keep
-        # only ~0.25 µs, a tenth of a short kernel
-        return [_Record(e.name(), e.device_type(), _Span((e.start_ns() - origin) / 1000, (e.end_ns() - origin) / 1000),
-                        e.correlation_id(), e.activity_type(), e.is_user_annotation())
-                for e in raw if not _filter_name(e.name()) and not getattr(e, "is_hidden_event", lambda: False)()]
+        cpu = torch.autograd.DeviceType.CPU
+        out = []
+        for e in raw:
+            name, device = e.name(), e.device_type()
+            if device == cpu and not name.startswith((_MARK, "cu")) and not e.is_user_annotation():
+                continue  # an op: busy_per_step reads none
+            if _filter_name(name) or getattr(e, "is_hidden_event", lambda: False)():
+                continue
+            # from the trace's start, in integer ns, before the µs division (as torch does): epoch ns in a float
+            # keep only ~0.25 µs, a tenth of a short kernel
+            out.append(_Record(name, device, _Span((e.start_ns() - origin) / 1000, (e.end_ns() - origin) / 1000),
+                               e.correlation_id(), e.activity_type(), e.is_user_annotation()))
+        return out
     except (AttributeError, ImportError):  # pragma: no cover - a torch whose Kineto records lack one of these
         return profiler.events()
 
