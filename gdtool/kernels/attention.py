@@ -140,9 +140,9 @@ def sinks_decode_attention(query, key, value, attention_mask, scaling, sinks):
 
 def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout: float = 0.0, **kwargs):
     # what HF's eager function does not read either: the window of a sliding layer (in its mask already) and
-    # `s_aux` (the module's sinks, which it reads from the module)
-    rest = {k: v for k, v in kwargs.items() if k not in ("sliding_window", "s_aux")}
-    if _active and applies(query, key, attention_mask, dropout, rest):
+    # `s_aux` (the module's sinks, which it reads from the module); outside the scope nothing more is done
+    if _active and applies(query, key, attention_mask, dropout,
+                           {k: v for k, v in kwargs.items() if k not in ("sliding_window", "s_aux")}):
         return sinks_decode_attention(query, key, value, attention_mask, scaling, module.sinks), None
     return _original_sinks(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
