@@ -260,7 +260,7 @@ def _records_match_events(model, prompt, mode):
     assert len(every_event) > 100  # the ops, which busy_per_step does not read and the records skip
 
     def read(e):  # what busy_per_step reads: marks, user annotations, launch calls, device records
-        return (e.name.startswith((timing._MARK, "cu")) or e.is_user_annotation
+        return (e.name.startswith(timing._MARK) or timing._launch(e.name) or e.is_user_annotation
                 or e.device_type != torch.autograd.DeviceType.CPU)
     events = [e for e in every_event if read(e)]
     assert all(read(r) for r in records)

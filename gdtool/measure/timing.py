@@ -411,7 +411,7 @@ def profiler_records(profiler) -> list:
         out = []
         for e in raw:
             name, device = e.name(), e.device_type()
-            if device == cpu and not name.startswith((_MARK, "cu")) and not e.is_user_annotation():
+            if device == cpu and not name.startswith(_MARK) and not _launch(name) and not e.is_user_annotation():
                 continue  # an op: busy_per_step reads none
             if _filter_name(name) or getattr(e, "is_hidden_event", lambda: False)():
                 continue
@@ -422,6 +422,11 @@ def profiler_records(profiler) -> list:
         return out
     except (AttributeError, ImportError):  # pragma: no cover - a torch whose Kineto records lack one of these
         return profiler.events()
+
+
+def _launch(name: str) -> bool:
+    """A CUDA runtime or driver launch call (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...)."""
+    return name.startswith("cu") and "Launch" in name and "::" not in name
 
 
 def _is_kernel(e, gpu, annotations: set) -> bool:
@@ -464,8 +469,7 @@ def busy_per_step(events) -> tuple[dict, float]:
     # launch calls (cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch, ...): their id is the CUPTI correlation
     # id. Only launches: a device-side record correlated with a synchronizing call (CUPTI's synchronization
     # activity lasts as long as the host waited) is not work the step gave the GPU.
-    launches = {e.id: e.time_range.start for e in events
-                if e.device_type == cpu and e.name.startswith("cu") and "Launch" in e.name and "::" not in e.name}
+    launches = {e.id: e.time_range.start for e in events if e.device_type == cpu and _launch(e.name)}
     outside = 0.0
     for e in events:
         if not _is_kernel(e, gpu, annotations):
