@@ -476,12 +476,13 @@ def outcome_in_subprocess(timeout: float = 1200, **kwargs) -> dict:
     return {"status": "crashed", "error": f"exit {proc.returncode}: {(proc.stderr or proc.stdout)[-1500:]}"}
 
 
-def per_mode(found: dict) -> dict:
-    """An outcome condensed to one entry per mode: "pass", or "refused: <reason>" (the first refusal)."""
+def per_mode(found: dict, width: int = 110) -> dict:
+    """An outcome condensed to one entry per mode: "pass", or "refused: <reason>" (the mode's first refusal,
+    its reason cut to `width` characters)."""
     modes = {}
     for _, mode, _, result in found.get("results", []):
-        if result != "pass":
-            reason = re.sub(r"\s+", " ", result.removeprefix("refused: "))[:110]
+        if result != "pass" and not modes.get(mode, "").startswith("refused"):
+            reason = re.sub(r"\s+", " ", result.removeprefix("refused: "))[:width]
             modes[mode] = f"refused: {reason}"
         else:
             modes.setdefault(mode, "pass")
@@ -490,12 +491,13 @@ def per_mode(found: dict) -> dict:
 
 def keep_outcome(path: str, name: str, device: str, found: dict) -> None:
     """Append one architecture's outcome to the JSON-lines file `path` (the zoo test writes one per case where
-    ZOO_OUTCOMES is set: profiles/zoo_table.py renders a GPU run's from it)."""
+    ZOO_OUTCOMES is set: profiles/zoo_table.py renders a GPU run's from it). Reasons are kept long enough to
+    hold the model line a capture refusal names."""
     import json
 
     import transformers
     line = dict(name=name, device=device, status=found["status"], error=found.get("error", "")[:300],
-                modes=per_mode(found), torch=torch.__version__, transformers=transformers.__version__)
+                modes=per_mode(found, width=400), torch=torch.__version__, transformers=transformers.__version__)
     with open(path, "a") as f:
         f.write(json.dumps(line) + "\n")
 
