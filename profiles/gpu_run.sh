@@ -48,6 +48,10 @@
 # (see profiles/README.md).
 set -uo pipefail
 out=${1:?usage: bash profiles/gpu_run.sh OUT_DIR PART...}
+if [ -n "${GPU_RUN_SECONDS:-}" ] && ! [[ $GPU_RUN_SECONDS =~ ^[0-9]+$ ]]; then
+  echo "GPU_RUN_SECONDS=$GPU_RUN_SECONDS: give the whole run's limit in whole seconds (e.g. 570)" >&2
+  exit 2
+fi
 shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)

@@ -108,6 +108,14 @@ def test_gpu_run_cuts_its_parts_to_the_whole_runs_limit(tmp_path):
     assert rc == 1 and "=== fast: not run, 25 s run limit reached" in log and "=== failed: fast" in log
 
 
+def test_gpu_run_refuses_a_run_limit_that_is_not_whole_seconds(tmp_path):
+    import os
+    import subprocess
+    done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), "fast"], cwd=ROOT,
+                          env=dict(os.environ, GPU_RUN_SECONDS="9m"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "GPU_RUN_SECONDS=9m: give the whole run's limit in whole seconds" in done.stderr
+
+
 def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
     import agreement
     h200 = ROOT / "profiles" / "h200"
