@@ -225,7 +225,8 @@ def test_host_constants_are_captured_from_pinned_memory_and_host_reads_are_named
 def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_named():
     """Chameleon masks its image tokens with `logits[:, :, image_token_list] = min`: indexing a CUDA tensor with a
     host list copies it to the GPU inside the op, which a graph cannot capture; HostConstants serves it as a
-    pinned index tensor; a scalar assigned is made on the device. A host copy it does not serve is named, with the
+    pinned index tensor; a scalar assigned is made on the device, and one assigned through a device mask is
+    filled, not counted (image-text models' `ids[image_mask] = 0`). A host copy it does not serve is named, with the
     model code that made it, when the capture fails."""
     from gdtool.core import graphs
     owner = torch.nn.Linear(2, 2).cuda()
@@ -236,6 +237,7 @@ def test_index_lists_made_on_the_host_are_captured_and_other_host_copies_are_nam
     def step():
         y = x.clone()
         y[:, :, columns] = -1.0
+        y[y > 40.0] = 0.0  # one host value through a device mask: ATen fills through it (masked_fill_), no count
         # host masks: on the GPU torch would count their true elements with `nonzero`, a host read; served as the
         # positions they select (one pinned index tensor per dimension)
         return y[rows] + x[:, :, [True] * 4 + [False] * 4].sum() + x[:, grid].sum(-1)[:, None, None]

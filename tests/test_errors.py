@@ -244,3 +244,60 @@ def test_a_failed_capture_is_named_by_the_first_error_and_the_line_that_raised_i
     assert where.startswith("test_errors.py:") and "(step: raise RuntimeError(" in where
     alone = RuntimeError("no context")
     assert graphs._first_error(alone) == (alone, None)  # never raised: no traceback
+
+
+def test_a_mask_on_the_device_is_a_hazard_except_where_torch_fills_through_it():
+    """Indexing with a boolean mask on the device makes torch count its true elements on the host (`nonzero`),
+    which no graph can capture (glm5_next's `pool_keys[:, keep]`); but `x[mask] = 0`, one host value through one
+    mask, is run by ATen as `masked_fill_`, with no count, and image-text models do it on every step
+    (Gemma 3's `llm_input_ids[special_image_mask] = 0`): it must not be refused. The ops are recorded as torch
+    dispatches them on the CPU, then their indexed tensors moved to the meta device, which stands in for a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from gdtool.core import graphs
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append((func.overloadpacket.__name__, args, kwargs or {}))
+            return func(*args, **(kwargs or {}))
+
+    def on_device(a, keep_value=False):  # the indexed tensor and its indices on the device; the value as given
+        if isinstance(a, (list, tuple)):
+            return type(a)(on_device(b) for b in a)
+        return a.to("meta") if isinstance(a, torch.Tensor) and not keep_value else a
+
+    def hazard(op) -> bool:
+        with Record() as record:
+            op(torch.zeros(2, 3), torch.tensor([[True, False, True], [False, False, True]]))
+        indexing = [(n, a, k) for n, a, k in record.ops if n in graphs._INDEXING]
+        assert len(indexing) == 1, record.ops
+        name, args, kwargs = indexing[0]
+        moved = (on_device(args[0]), on_device(args[1])) + tuple(on_device(a, keep_value=True) for a in args[2:])
+        return graphs._mask_counted_on_host(name, moved, kwargs)
+
+    def fill(x, mask):
+        x[mask] = 0
+
+    def fill_a_row_mask(x, mask):
+        x[mask[:, 0]] = 5.0
+
+    def put_values(x, mask):
+        x[mask] = torch.arange(3.0)
+
+    def accumulate(x, mask):  # adding through the mask: index_put_ with accumulate counts the mask
+        x.index_put_((mask,), torch.ones(1) + 1, accumulate=True)
+
+    def read(x, mask):
+        return x[mask]
+
+    def read_a_column(x, mask):
+        return x[:, mask[0]]
+
+    assert not hazard(fill) and not hazard(fill_a_row_mask)
+    assert hazard(put_values) and hazard(accumulate) and hazard(read) and hazard(read_a_column)
+    index = torch.tensor([0, 1], device="meta")
+    assert not graphs._mask_counted_on_host("index", (torch.zeros(2, 3, device="meta"), [index]), {})

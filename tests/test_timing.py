@@ -266,7 +266,7 @@ def _records_match_events(model, prompt, mode):
     assert all(read(r) for r in records)
 
     def key(e):
-        return e.id, e.name, str(e.device_type), e.is_user_annotation, e.activity_type
+        return e.id, e.name, str(e.device_type), e.is_user_annotation, getattr(e, "activity_type", None)
     assert len(records) == len(events) >= 3
     pairs = list(zip(sorted(events, key=lambda e: (key(e), e.time_range.start)),
                      sorted(records, key=lambda e: (key(e), e.time_range.start))))

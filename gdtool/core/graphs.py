@@ -189,9 +189,7 @@ class _Hazards(TorchDispatchMode):
             found = None
             if (name in _SYNCING and on_cuda) or to_host:
                 found = f"{name} reads a device value on the host, at {_where()}"
-            elif name in _INDEXING and len(args) > 1 and isinstance(args[1], (list, tuple)) and any(
-                    isinstance(t, torch.Tensor) and t.device.type == "cuda" and t.dtype in (torch.bool, torch.uint8)
-                    for t in args[1]):
+            elif _mask_counted_on_host(name, args, kwargs):
                 found = (f"{name} takes a boolean mask on the device, whose true elements torch counts on the host, "
                          f"at {_where()}")
             elif on_cuda and cpu:
@@ -199,6 +197,27 @@ class _Hazards(TorchDispatchMode):
             if found is not None and found not in self.found:  # one line names a place once
                 self.found.append(found)
         return out
+
+
+def _mask_counted_on_host(name: str, args: tuple, kwargs: dict) -> bool:
+    """An indexing op given a boolean (or byte) mask on the device: torch expands the mask with `nonzero`, whose
+    result's length only the host can learn (a sync, and a shape no graph can hold). One case does not: an
+    assignment of one host value through a single mask, `x[mask] = 0`, which ATen's index_put_ runs as
+    `masked_fill_` (its canDispatchToMaskedFill: not accumulating, a value of one element on the CPU, exactly one
+    mask, on self's device), with no count at all."""
+    if name not in _INDEXING or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return False
+    indices = [t for t in args[1] if isinstance(t, torch.Tensor)]
+    masks = [t for t in indices if t.device.type != "cpu" and t.dtype in (torch.bool, torch.uint8)]
+    if not masks:
+        return False
+    if name in ("index_put", "index_put_", "_index_put_impl_"):
+        value = args[2] if len(args) > 2 else kwargs.get("values")
+        accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+        if (not accumulate and isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu"
+                and len(indices) == 1 and masks[0].device == args[0].device):
+            return False
+    return True
 
 
 def _where() -> str:

@@ -392,7 +392,7 @@ class _Record(NamedTuple):
     device_type: object
     time_range: _Span
     id: int
-    activity_type: str
+    activity_type: str | None  # None on torch 2.11, whose Kineto records lack it
     is_user_annotation: bool
 
 
@@ -408,6 +408,9 @@ def profiler_records(profiler) -> list:
         results = profiler.profiler.kineto_results
         raw, origin = results.events(), results.trace_start_ns()
         cpu = torch.autograd.DeviceType.CPU
+        # Kineto's activity type ("kernel", "cuda_runtime", ...) reached Python after torch 2.11, whose records and
+        # FunctionEvents lack it; None there, as FunctionEvent has none, and _is_kernel then reads the name
+        activity = (lambda e: e.activity_type()) if raw and hasattr(raw[0], "activity_type") else (lambda e: None)
         out = []
         for e in raw:
             name, device = e.name(), e.device_type()
@@ -418,7 +421,7 @@ def profiler_records(profiler) -> list:
             # from the trace's start, in integer ns, before the µs division (as torch does): epoch ns in a float
             # keep only ~0.25 µs, a tenth of a short kernel
             out.append(_Record(name, device, _Span((e.start_ns() - origin) / 1000, (e.end_ns() - origin) / 1000),
-                               e.correlation_id(), e.activity_type(), e.is_user_annotation()))
+                               e.correlation_id(), activity(e), e.is_user_annotation()))
         return out
     except (AttributeError, ImportError):  # pragma: no cover - a torch whose Kineto records lack one of these
         return profiler.events()
