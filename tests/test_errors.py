@@ -301,3 +301,12 @@ def test_a_mask_on_the_device_is_a_hazard_except_where_torch_fills_through_it():
     assert hazard(put_values) and hazard(accumulate) and hazard(read) and hazard(read_a_column)
     index = torch.tensor([0, 1], device="meta")
     assert not graphs._mask_counted_on_host("index", (torch.zeros(2, 3, device="meta"), [index]), {})
+    # capture makes a scalar assigned into a CUDA tensor on the device (torch would copy it from the host inside the
+    # op), except through one device mask, where that device value would turn ATen's fill into a counting index_put_
+    x, mask = torch.zeros(2, 3, device="meta"), torch.ones(2, 3, dtype=torch.bool, device="meta")
+    rows = torch.ones(2, dtype=torch.bool, device="meta")
+    assert graphs._fills_through_a_mask(x, mask) and graphs._fills_through_a_mask(x, (rows, slice(None)))
+    assert graphs._fills_through_a_mask(x, (Ellipsis, mask[0])) and graphs._fills_through_a_mask(x, (0, mask[0]))
+    assert not graphs._fills_through_a_mask(x, (rows, rows[:1].expand(3)))        # two masks: index_put_
+    assert not graphs._fills_through_a_mask(x, torch.tensor([0, 1], device="meta"))  # positions, not a mask
+    assert not graphs._fills_through_a_mask(x, torch.ones(2, 3, dtype=torch.bool))  # a host mask (served as positions)

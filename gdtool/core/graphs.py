@@ -265,9 +265,11 @@ class HostConstants(TorchFunctionMode):
                                for x in index)
                 args = (args[0], served if isinstance(args[1], tuple) or len(served) > 1 else served[0], *args[2:])
             if func is torch.Tensor.__setitem__ and len(args) == 3 and isinstance(args[2], (bool, int, float)) \
-                    and args[0].device.type == "cuda":
+                    and args[0].device.type == "cuda" and not _fills_through_a_mask(args[0], args[1]):
                 # `cuda_tensor[index] = -1.0`: torch makes the value a CPU tensor and copies it over inside the op;
-                # made on the device instead, in the tensor's dtype as torch would cast it (no copy)
+                # made on the device instead, in the tensor's dtype as torch would cast it (no copy). Not through a
+                # single device mask (`ids[image_mask] = 0`): ATen fills through it with the host value
+                # (masked_fill_, no copy), and a device value would send it to index_put_, which counts the mask
                 args = (args[0], args[1], torch.full((), args[2], dtype=args[0].dtype, device=args[0].device))
             return func(*args, **kwargs)
         source = _host_source(func, args, kwargs)
@@ -301,6 +303,15 @@ class Recorded(list):
     def __init__(self):
         super().__init__()
         self.copies: list[str] = []
+
+
+def _fills_through_a_mask(tensor: torch.Tensor, index) -> bool:
+    """`tensor[index] = scalar` runs as `masked_fill_` in ATen (no host read): the index holds exactly one tensor, a
+    boolean (or byte) mask on the tensor's device, beside slices, integers and ellipses (applied as views first)."""
+    items = index if isinstance(index, tuple) else (index,)
+    tensors = [x for x in items if isinstance(x, torch.Tensor)]
+    return (len(tensors) == 1 and tensors[0].dtype in (torch.bool, torch.uint8) and tensors[0].device == tensor.device
+            and all(isinstance(x, (torch.Tensor, slice, int, type(Ellipsis))) and not isinstance(x, bool) for x in items))
 
 
 def _host_index(args):
