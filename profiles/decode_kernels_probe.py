@@ -42,9 +42,13 @@ from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fa
 SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
     "llama-1b": (2048, 8192, 32, 8, 64, 128256),
     "llama-8b": (4096, 14336, 32, 8, 128, 128256),
-    "qwen3-8b": (4096, 12288, 32, 8, 128, 151936),   # its qkv_rope runs the per-head q/k norm (whole-head tiles)
+    "qwen3-8b": (4096, 12288, 32, 8, 128, 151936),   # its qkv_rope runs the per-head q/k norm (a second kernel)
+    "gemma-3-1b": (1152, 6912, 4, 1, 256, 262144),   # the same, with Gemma's (1 + w) norms and GELU-tanh
     "tiny": (64, 128, 4, 2, 16, 4096),   # --device cpu under TRITON_INTERPRET=1: the probe's own dry run
+    "tiny-qk": (512, 256, 4, 2, 32, 4096),  # the same with Gemma's flags, tiles smaller than a head (two kernels)
 }
+QK_NORM = ("qwen3-8b", "gemma-3-1b", "tiny-qk")   # per-head q/k norm in qkv_rope
+PLUS_ONE = ("gemma-3-1b", "tiny-qk")            # Gemma's (1 + w) norms and GELU-tanh gate
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 START = time.perf_counter()
@@ -137,20 +141,25 @@ def part_gemv(args, rows):
             kc = torch.zeros(m, hkv, 384, d, device=DEVICE, dtype=dtype)
             vc = torch.zeros_like(kc)
             slot = torch.tensor(200, device=DEVICE)
-            qk_norm = (torch.ones(d, device=DEVICE, dtype=dtype),) * 2 + (1e-6,) if model.startswith("qwen3") else None
+            qk_norm = (torch.ones(d, device=DEVICE, dtype=dtype),) * 2 + (1e-6,) if model in QK_NORM else None
+            plus_one = model in PLUS_ONE
             wcat = [torch.cat(w) for w in ws]
             variants = [("cublas qkv (one matmul, no RoPE)", None, False,
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
             qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
                          "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]}
-            for config in [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else []):  # (HB, warps, per SM)
-                if config is not None and m > 1:
+            configs = [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else [])  # (HB, warps, per SM)
+            if qk_norm is not None:  # the per-head norm in one kernel: a tile per head (the default before d506703)
+                configs.append(fast_gemv.whole_head_config(hidden, d, m))
+            for config in configs:
+                if config is not None and m > 1 and not (qk_norm is not None and config[0] == d // 2):
                     continue
                 for pdl in ((False, True) if config is None else (False,)):
-                    variants.append((f"triton qkv_rope {config or 'default'}", config, pdl,
+                    label = "whole-head, one kernel " + str(config) if config and config[0] == d // 2 else config
+                    variants.append((f"triton qkv_rope {label or 'default'}", config, pdl,
                                      lambda config=config: [lambda w=w: fast_gemv.qkv_rope(
                                          x, g, 1e-5, *w, positions, inv_freq, 1.0, kc, vc, slot, qk_norm=qk_norm,
-                                         config=config) for w in ws]))
+                                         plus_one=plus_one, config=config) for w in ws]))
             for label, config, pdl, make in variants:
                 if time.perf_counter() - START > args.budget_s:
                     return
@@ -184,7 +193,8 @@ def part_gemv(args, rows):
                                          config, pdl,
                                          lambda config=config: [lambda w=w: fast_gemv.rms_gemv(
                                              x, g, 1e-5, w[0], w[1] if count == 2 else None, r, out_f32,
-                                             config=config) for w in weights]))
+                                             config=config, plus_one=model in PLUS_ONE,
+                                             act="gelu_tanh" if model in PLUS_ONE else "silu") for w in weights]))
                 for label, config, pdl, make in variants:
                     if time.perf_counter() - START > args.budget_s:
                         return

@@ -28,6 +28,8 @@
 #                  the fast paths whose cuda tests have not passed yet run too)
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
+#   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
+#                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
 #   bench-1b, bench-8b   python -m gdtool bench
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
 #   devloop-host   device-loop host time per token, geometric lengths
@@ -179,7 +181,9 @@ for p in "$@"; do
            --kernels hf,compiled,fast --out "$work/bench-moe" ;;
     moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
-           --models llama-8b,qwen3-8b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
+           --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
+    kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
+           --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
        failed+=("$p") ;;
   esac

@@ -275,6 +275,9 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
     results += check_qkv_rope(2, 128, 4, 2, 32, 9, dtype, device, gen, qk_norm=True)        # Qwen3: per-head norm
     results += check_qkv_rope(3, 128, 4, 2, 32, 9, dtype, device, gen, qk_norm=True, bias=True,
                               config=(16, 4, 2, 32))                                         # 4 chunks of K
+    # tiles smaller than a head (the default at real sizes): the products, then the norm and RoPE per head
+    results += check_qkv_rope(1, 128, 4, 2, 32, 9, dtype, device, gen, qk_norm=True, config=(4, 4, 2))
+    results += check_qkv_rope(6, 96, 4, 2, 32, 9, dtype, device, gen, qk_norm=True, bias=True, config=(2, 4, 2))
     # more rows than one pass: the weight tile serves several passes of ROWS_PER_PASS rows
     for m in (5, 8, 16):
         results.append(check_gemv(m, 40, 64, dtype, device, gen, True, False, True, config=(4, 4, 2)))
@@ -282,6 +285,7 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_gate_up(m, 40, 64, dtype, device, gen, config=(4, 4, 2)))
         results += check_qkv_rope(m, 64, 4, 2, 16, 9, dtype, device, gen)
     results += check_qkv_rope(16, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True)
+    results += check_qkv_rope(16, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True, config=(2, 4, 2))
     # Gemma 3: the (1 + w) norms (input, per-head q/k, the post norms + residual), GELU-tanh gate/up
     for m in (1, 3, 6):
         results.append(check_gemv(m, 96, 128, dtype, device, gen, True, False, True, config=(4, 4, 2), plus_one=True))
@@ -291,6 +295,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
     results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen, qk_norm=True, plus_one=True)
     results += check_qkv_rope(3, 128, 4, 1, 32, 9, dtype, device, gen, qk_norm=True, plus_one=True,
                               config=(16, 4, 2, 32))                                         # chunks of K
+    results += check_qkv_rope(3, 128, 4, 1, 32, 9, dtype, device, gen, qk_norm=True, plus_one=True,
+                              config=(4, 4, 2))                                              # two kernels
     # Gemma 3's full sliding windows: the roll (one chunk, several chunks, a window of 1 and 2)
     for b, hkv, w, d, config in ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None), (2, 1, 2, 16, None)):
         results.append(check_window_roll(b, hkv, w, d, dtype, device, gen, config))
@@ -311,9 +317,13 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
                 results.append(check_attention(m, 32, 8, 64, cache, live, dtype, device, gen, pad=7 * (m > 1)))
             results.append(check_attention(m, 32, 8, 128, 384, 200, dtype, device, gen))
             results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)  # Qwen3-8B
+            results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True,
+                                      config=gemv.whole_head_config(4096, 128, m))              # in one kernel
             results += check_qkv_rope(m, 896, 14, 2, 64, 384, dtype, device, gen, bias=True)       # Qwen2.5-0.5B
             # Gemma-3-1B: hidden 1152 (not a power of two), 4/1 heads x 256, GELU-tanh MLP 6912, tied 262k lm_head
             results += check_qkv_rope(m, 1152, 4, 1, 256, 512, dtype, device, gen, qk_norm=True, plus_one=True)
+            results += check_qkv_rope(m, 1152, 4, 1, 256, 512, dtype, device, gen, qk_norm=True, plus_one=True,
+                                      config=gemv.whole_head_config(1152, 256, m))
             results.append(check_gemv(m, 1152, 1024, dtype, device, gen, False, False, False))   # o
             results.append(check_rms_add(m, 1152, dtype, device, gen))
             results.append(check_gate_up(m, 6912, 1152, dtype, device, gen, plus_one=True, act="gelu_tanh"))

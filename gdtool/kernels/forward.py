@@ -24,7 +24,8 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
     Mistral   a sliding window: exact only while it covers the whole cache (window >= cache length:
               no key ever leaves it), refused otherwise
     Qwen2     q/k/v biases (nn.Linear's own), added to the product before RoPE
-    Qwen3     q_norm / k_norm: per-head RMSNorm of q and k before RoPE, fused into qkv_rope
+    Qwen3     q_norm / k_norm: per-head RMSNorm of q and k before RoPE: qkv_rope's second kernel (the
+              products on the usual tiles first; a tile holding a whole head left one program per head)
     Gemma 3   the (1 + w) RMSNorm (a flag of every norm), norms after attention and after the MLP
               (`rms_add`: residual + norm, 2 more kernels per layer), GELU-tanh gate/up, the scaled
               embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding

@@ -11,8 +11,9 @@ every multiprocessor's loads in flight, and fold in the small operations around 
     gate_up     a = act(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side; act: SiLU,
                 or GELU's tanh form for Gemma)
     qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3,
-                Gemma 3]; RoPE on q and k (angles computed in the kernel from the positions, as HF's
-                rotary embedding computes them); k and v written to the cache slot
+                Gemma 3: a second kernel, `_qk_norm_rope_kernel`]; RoPE on q and k (angles computed in the
+                kernel from the positions, as HF's rotary embedding computes them); k and v written to the
+                cache slot
     rms_add     h = residual + RMSNorm(y)                 (Gemma's norms after attention and the MLP:
                                                            a norm over a whole output row, its own kernel)
 
@@ -258,12 +259,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qkv_finish(y1, y2, h, d1, live, r0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
-                    q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+                    q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                    BIAS: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr):
+                    BIAS: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr):
         """Rows r0 .. r0 + ROWS of one tile's float32 sums y1, y2 [ROWS, HB] (dims d1 and d1 + D/2 of head
         h; live: whether the tile exists): bias, per-head norm, RoPE, each rounded as eager rounds it;
-        q stored, k and v written at the cache slot."""
+        q stored, k and v written at the cache slot. RAW (the first of the two q/k-norm kernels): q and k
+        stored as the products leave them (bias added, rounded), q in q's buffer, k in kr's [M, HKV, D]; v
+        written to the cache as always."""
         out_ty = x_ptr.dtype.element_ty
         rm = r0 + tl.arange(0, ROWS)[:, None]
         rmask = rm < tl.where(live, M, 0)
@@ -279,30 +282,30 @@ if HAVE_TRITON:
             y2 = y2 + tl.load(b_base + d2).to(tl.float32)[None, :]
         y1 = y1.to(out_ty).to(tl.float32)
         y2 = y2.to(out_ty).to(tl.float32)
-        if h < HQ + HKV:
-            if QK_NORM:  # the tile is the whole head (HB = D / 2): HF's RMSNorm over its D values
-                rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
-                if h < HQ:
-                    g_base = gq_ptr
-                else:
-                    g_base = gk_ptr
-                g1 = tl.load(g_base + d1)[None, :]
-                g2 = tl.load(g_base + d2)[None, :]
-                y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
-                y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
-            # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
-            # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
-            # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
-            pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
-            freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
-            c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
-            s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
-            r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
-            r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
-        else:
-            r1 = y1.to(out_ty)
-            r2 = y2.to(out_ty)
-        if h < HQ:
+        r1 = y1.to(out_ty)
+        r2 = y2.to(out_ty)
+        if not RAW:
+            if h < HQ + HKV:
+                if QK_NORM:  # the tile is the whole head (HB = D / 2): HF's RMSNorm over its D values
+                    rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
+                    if h < HQ:
+                        g_base = gq_ptr
+                    else:
+                        g_base = gk_ptr
+                    g1 = tl.load(g_base + d1)[None, :]
+                    g2 = tl.load(g_base + d2)[None, :]
+                    y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
+                    y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
+                # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
+                # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
+                # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
+                pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
+                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+                c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
+                s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
+                r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
+                r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
+        if h < HQ:  # q: its buffer, whether finished or (RAW) waiting for its norm and RoPE there
             base = q_ptr + (rm * HQ + h) * D
             tl.store(base + d1[None, :], r1, mask=rmask)
             tl.store(base + d2[None, :], r2, mask=rmask)
@@ -310,20 +313,49 @@ if HAVE_TRITON:
             # a slot past the cache is never written (HF's index_copy_ would fail)
             keep = rm < tl.where(live & (slot < C), M, 0)
             if h < HQ + HKV:
-                base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
+                if RAW:  # k waits in kr for its norm and RoPE
+                    base = kr_ptr + (rm * HKV + (h - HQ)) * D
+                    keep = rmask
+                else:
+                    base = kc_ptr + ((rm * HKV + (h - HQ)).to(tl.int64) * C + slot) * D
             else:
                 base = vc_ptr + ((rm * HKV + (h - HQ - HKV)).to(tl.int64) * C + slot) * D
             tl.store(base + d1[None, :], r1, mask=keep)
             tl.store(base + d2[None, :], r2, mask=keep)
 
     @triton.jit
+    def _qk_norm_rope_kernel(q_ptr, kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr,
+                             M, C, stride_pos, scaling, qk_eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                             D: tl.constexpr, ROWS: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+        """The second of the two q/k-norm kernels: program (rows, head h of q's and k's): the head's D values
+        as the first kernel left them, HF's per-head RMSNorm and RoPE (`_qkv_finish`, the same arithmetic
+        as in one kernel); q rewritten in place, k written at the cache slot."""
+        r0 = tl.program_id(0) * ROWS
+        h = tl.program_id(1)
+        if PDL:  # everything read here is the first kernel's
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        d1 = tl.arange(0, D // 2)
+        rm = r0 + tl.arange(0, ROWS)[:, None]
+        if h < HQ:
+            base = q_ptr + (rm * HQ + h) * D
+        else:
+            base = kr_ptr + (rm * HKV + (h - HQ)) * D
+        y1 = tl.load(base + d1[None, :], mask=rm < M, other=0.0).to(tl.float32)
+        y2 = tl.load(base + D // 2 + d1[None, :], mask=rm < M, other=0.0).to(tl.float32)
+        _qkv_finish(y1, y2, h, d1, r0 < M, r0, q_ptr, q_ptr, q_ptr, q_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
+                    q_ptr, kr_ptr, kc_ptr, vc_ptr, tl.load(slot_ptr), M, C, stride_pos, scaling, qk_eps,
+                    HQ, HKV, D, ROWS, False, True, PLUS_ONE, False)
+
+    @triton.jit
     def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
-                              pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot_ptr,
+                              pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot_ptr,
                               M, C, stride_x, stride_pos, scaling, eps, qk_eps, nprog,
                               ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
-                              QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+                              QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
+                              PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -358,8 +390,8 @@ if HAVE_TRITON:
                     y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
                     y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
-                                pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
-                                HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE)
+                                pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling,
+                                qk_eps, HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW)
                 h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
         else:
             # K in KSPLIT chunks of BLOCK_K (a whole head per tile, HB = D / 2, for the per-head norm: too
@@ -391,8 +423,8 @@ if HAVE_TRITON:
                     y1 += tl.sum(xn.to(tl.float32) * w1, axis=2)
                     y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
                 _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
-                            pos_ptr, inv_ptr, q_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
-                            HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE)
+                            pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+                            HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW)
 
 
 # -- launch configurations ------------------------------------------------------------------------
@@ -466,41 +498,57 @@ def rms_add(y, norm_weight, eps, residual, plus_one=False):
 
 
 def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[int, int, int, int]:
-    """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, ~16 KB. With a per-head
-    norm a tile is a whole head (HB = D / 2), read in chunks of BLOCK_K columns sized so that the
-    [rows, D, BLOCK_K] product stays ~16 K elements."""
+    """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, ~16 KB, K in one tile.
+
+    With a per-head norm (Qwen3, Gemma 3) the tiles are the same, and the norm and RoPE of q and k are a
+    second kernel's (`qkv_rope`). One kernel can do it only with whole-head tiles (HB = D / 2, K read in
+    chunks of BLOCK_K: `whole_head_config`), one tile per head: 6 programs for Gemma-3-1B's 4 + 1 + 1
+    heads, 48 for Qwen3-8B's, each streaming 0.6-1 MB of weights alone on a GPU of 132 multiprocessors."""
     warps = 8 if next_pow2(k) >= 2048 else 4
-    if qk_norm:
-        block_k = min(next_pow2(k), max(16, next_pow2(16384 // (next_pow2(m) * d))))
-        return d // 2, warps, 2, block_k
     hb = max(1, min(d // 2, 4096 // next_pow2(k)))
     return hb, warps, 2, next_pow2(k)
 
 
+def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
+    """The one-kernel q/k-norm configuration: a tile per head, K in chunks sized so that the [rows, D,
+    BLOCK_K] product stays ~16 K elements (the single-kernel path's default until the two kernels)."""
+    warps = 8 if next_pow2(k) >= 2048 else 4
+    block_k = min(next_pow2(k), max(16, next_pow2(16384 // (next_pow2(m) * d))))
+    return d // 2, warps, 2, block_k
+
+
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
              biases=None, qk_norm=None, plus_one=False, config=None):
-    """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`."""
+    """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`. With a per-head norm and tiles
+    smaller than a head (the default), two kernels: the products, RoPE-free for q and k (q in its buffer, k
+    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`)."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
     config = config or qkv_rope_config(k, d, m, qk_norm is not None)
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
-    if qk_norm is not None and hb != d // 2:
-        raise ValueError(f"qkv_rope with a per-head norm needs whole-head tiles: HB = {d // 2}, not {hb}")
     ksplit = triton.cdiv(k, block_k)
+    two = qk_norm is not None and hb != d // 2   # the per-head norm needs the whole head: a second kernel
     rows, passes = _row_passes(m)
     if ksplit > 1:  # the chunked loop multiplies every row at once
         rows, passes = next_pow2(m), 1
     bq, bk, bv = biases if biases is not None else (x, x, x)
     gq, gk, qk_eps = qk_norm if qk_norm is not None else (x, x, 0.0)
     q = torch.empty(m, hq, d, device=x.device, dtype=x.dtype)
+    k_raw = torch.empty(m, hkv, d, device=x.device, dtype=x.dtype) if two else q
     tiles = (hq + 2 * hkv) * ((d // 2) // hb)
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_gemv_kernel[grid](
-        x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_cache, v_cache, slot,
+        x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_raw, k_cache, v_cache, slot,
         m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), float(qk_eps), grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
-        BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None,
-        PLUS_ONE=bool(plus_one), num_warps=warps,
+        BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
+        PLUS_ONE=bool(plus_one), RAW=two, num_warps=warps,
         **launch_options(x.device))
+    if two:
+        norm_rows = next_pow2(m)
+        _qk_norm_rope_kernel[(1, hq + hkv)](
+            q, k_raw, gq, gk, positions, inv_freq, k_cache, v_cache, slot, m, c, positions.stride(0), float(scaling),
+            float(qk_eps), HQ=hq, HKV=hkv, D=d, ROWS=norm_rows, PLUS_ONE=bool(plus_one),
+            num_warps=4 if norm_rows * d <= 4096 else 8, **launch_options(x.device))
     return q
