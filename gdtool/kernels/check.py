@@ -136,6 +136,50 @@ def check_rms_add(m, n, dtype, device, gen, plus_one=True) -> Result:
     return _judge("rms_add" + ("(1+w)" if plus_one else ""), f"{m}x{n}", dtype, out, ref, exact)
 
 
+def check_folded_add(m, k, dtype, device, gen, kind, n=96, config=None) -> list[Result]:
+    """Gemma's post norm and residual add folded into the next kernel (`add=`): its input h = x + RMSNorm(a) and
+    its output, bit for bit those of `rms_add` then the kernel alone (the same arithmetic, one kernel fewer).
+    kind: gate_up, lm_head (float32 out, h not kept) or qkv (Gemma's q/k norm). Triton only: the references
+    compose the two calls."""
+    if not _impl.triton:
+        return []
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)        # the residual stream
+    a = torch.randn(m, k, generator=gen, device=device).to(dtype)        # the block's output, before its norm
+    ga, g = (_norm_weight(k, dtype, device, gen, True) for _ in range(2))
+    add = (a, ga, 1e-6)
+    h_apart = gemv.rms_add(a, ga, 1e-6, x, True)
+    if kind == "qkv":
+        hq, hkv, d, cache_len = 4, 1, 32, 9
+        ws = [(torch.randn(hh * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for hh in (hq, hkv, hkv)]
+        norms = tuple(_norm_weight(d, dtype, device, gen, True) for _ in range(2)) + (1e-6,)
+        positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+        slot = torch.randint(0, cache_len, (), generator=gen, device=device)
+        caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
+        mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+        args = (g, 1e-5, *ws, positions, inv_freq, 1.0)
+        q, h = gemv.qkv_rope(x, *args, *mine, slot, None, norms, True, config=config, add=add)
+        q_apart = gemv.qkv_rope(h_apart, *args, *theirs, slot, None, norms, True, config=config)
+        outs = [(q, q_apart), (mine[0], theirs[0]), (mine[1], theirs[1])]
+    else:
+        ws = [(torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+              for _ in range(2 if kind == "gate_up" else 1)]
+        w2 = ws[1] if kind == "gate_up" else None
+        out_f32 = kind == "lm_head"
+        keep = kind != "lm_head"
+        y = gemv.rms_gemv(x, g, 1e-5, ws[0], w2, None, out_f32, config=config, plus_one=True,
+                          act="gelu_tanh", add=add, keep=keep)
+        y, h = y if keep else (y, h_apart)
+        y_apart = gemv.rms_gemv(h_apart, g, 1e-5, ws[0], w2, None, out_f32, config=config, plus_one=True,
+                                act="gelu_tanh")
+        outs = [(y, y_apart)]
+    outs.append((h, h_apart))
+    same = all(torch.equal(o, p) for o, p in outs)
+    error = max(_rel(o, p.double()) if p.abs().sum() > 0 else 0.0 for o, p in outs)
+    return [Result(f"{kind} with rms_add folded in", f"{m}x{k}", str(dtype).replace("torch.", ""), error, 0.0, 0.0,
+                   same, "bit for bit rms_add, then the kernel" if same else "DIFFERS from rms_add, then the kernel")]
+
+
 def _rope_exact(t, cos, sin):
     return t * cos + gemv.rotate_half(t) * sin
 
@@ -297,6 +341,11 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
                               config=(16, 4, 2, 32))                                         # chunks of K
     results += check_qkv_rope(3, 128, 4, 1, 32, 9, dtype, device, gen, qk_norm=True, plus_one=True,
                               config=(4, 4, 2))                                              # two kernels
+    # its post norms and residual adds folded into the next kernel (one and several passes of rows)
+    for m in (1, 3, 6):
+        for kind in ("gate_up", "lm_head", "qkv"):
+            results += check_folded_add(m, 64, dtype, device, gen, kind, config=(4, 4, 2) if kind == "qkv" else None)
+    results += check_folded_add(2, 128, dtype, device, gen, "qkv", config=(16, 4, 2, 32))      # K in chunks: apart
     # Gemma 3's full sliding windows: the roll (one chunk, several chunks, a window of 1 and 2)
     for b, hkv, w, d, config in ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None), (2, 1, 2, 16, None)):
         results.append(check_window_roll(b, hkv, w, d, dtype, device, gen, config))
@@ -326,6 +375,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
                                       config=gemv.whole_head_config(1152, 256, m))
             results.append(check_gemv(m, 1152, 1024, dtype, device, gen, False, False, False))   # o
             results.append(check_rms_add(m, 1152, dtype, device, gen))
+            for kind in ("gate_up", "lm_head", "qkv"):
+                results += check_folded_add(m, 1152, dtype, device, gen, kind, n=6912)
             results.append(check_gate_up(m, 6912, 1152, dtype, device, gen, plus_one=True, act="gelu_tanh"))
             results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
             results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))

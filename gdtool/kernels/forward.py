@@ -27,7 +27,8 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
     Qwen3     q_norm / k_norm: per-head RMSNorm of q and k before RoPE: qkv_rope's second kernel (the
               products on the usual tiles first; a tile holding a whole head left one program per head)
     Gemma 3   the (1 + w) RMSNorm (a flag of every norm), norms after attention and after the MLP
-              (`rms_add`: residual + norm, 2 more kernels per layer), GELU-tanh gate/up, the scaled
+              (residual + norm, folded into the next kernel that reads the residual: gate/up, then the
+              next layer's qkv_rope or the lm_head's norm; no kernel of their own), GELU-tanh gate/up, the scaled
               embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding
               layers whose window rolls (`StaticSlidingWindowLayer`: below)
 
@@ -284,6 +285,9 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
     h = inner.embed_tokens(tokens[:, 0])                          # [B, H]: HF's lookup (and Gemma's scale)
     layers = compat.cache_layers(cache)
     counters = []
+    # Gemma's norm after the MLP and its residual add, h + RMSNorm(down's output), waiting to be folded into the
+    # next kernel that reads h (the next layer's qkv_rope, or the lm_head's norm): one kernel fewer per layer
+    pending = None
     for i, (block, layer) in enumerate(zip(inner.layers, layers)):
         attn, mlp = block.self_attn, block.mlp
         norm1, norm2 = block.input_layernorm, block.post_attention_layernorm
@@ -304,18 +308,19 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         inv_freq, scaling, _ = _rope(rotary, attn)
         q = ops.qkv_rope(h, norm1.weight, _eps(norm1), attn.q_proj.weight, attn.k_proj.weight,
                          attn.v_proj.weight, positions, inv_freq, scaling,
-                         layer.keys, layer.values, slot, biases, qk_norm, plus_one)
+                         layer.keys, layer.values, slot, biases, qk_norm, plus_one, add=pending)
+        if pending is not None:
+            q, h = q
         o = ops.decode_attention(q, layer.keys, layer.values, layer_mask, slot, attn.scaling)
         act = _activation(mlp)
         post_mlp = getattr(block, "post_feedforward_layernorm", None)
         if post_mlp is not None:  # Gemma: norm after attention and after the MLP, then the residual add
             pre_mlp = block.pre_feedforward_layernorm
-            h = ops.rms_add(ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, None, False), norm2.weight,
-                            _eps(norm2), h, plus_one)
-            a = ops.rms_gemv(h, pre_mlp.weight, _eps(pre_mlp), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
-                             plus_one, act)
-            h = ops.rms_add(ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, None, False), post_mlp.weight,
-                            _eps(post_mlp), h, plus_one)
+            attended = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, None, False)
+            a, h = ops.rms_gemv(h, pre_mlp.weight, _eps(pre_mlp), mlp.gate_proj.weight, mlp.up_proj.weight, None,
+                                False, plus_one, act, add=(attended, norm2.weight, _eps(norm2)))
+            pending = (ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, None, False), post_mlp.weight,
+                       _eps(post_mlp))
         else:
             h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
             a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
@@ -325,4 +330,4 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         torch._foreach_add_(counters, 1)  # a full window's counter stays (HF's update leaves it)
     norm = inner.norm
     return ops.rms_gemv(h, norm.weight, _eps(norm), model.lm_head.weight, None, None, True,
-                        type(norm).__name__ in PLUS_ONE_NORMS)
+                        type(norm).__name__ in PLUS_ONE_NORMS, add=pending, keep=False)

@@ -14,8 +14,13 @@ every multiprocessor's loads in flight, and fold in the small operations around 
                 Gemma 3: a second kernel, `_qk_norm_rope_kernel`]; RoPE on q and k (angles computed in the
                 kernel from the positions, as HF's rotary embedding computes them); k and v written to the
                 cache slot
-    rms_add     h = residual + RMSNorm(y)                 (Gemma's norms after attention and the MLP:
-                                                           a norm over a whole output row, its own kernel)
+    rms_add     h = residual + RMSNorm(y)                 (Gemma's norms after attention and the MLP: a
+                                                           norm over a whole output row. In the forward it is
+                                                           folded into the next kernel that reads h, `add=`:
+                                                           gate/up, the next qkv_rope, the lm_head's norm; each
+                                                           of their programs reads whole input rows anyway, and
+                                                           one of them stores h. Its own kernel where K is read
+                                                           in chunks)
 
 Two RMSNorms (`plus_one`): Llama's rounds x * rstd to the model dtype, then multiplies by the weight
 (rounded again); Gemma's multiplies x * rstd by (1 + weight) in float32 and rounds once. Every norm
@@ -134,10 +139,22 @@ if HAVE_TRITON:
 
     @triton.jit
     def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr,
-                    PLUS_ONE: tl.constexpr):
+                    PLUS_ONE: tl.constexpr, a_ptr, ga_ptr, stride_a, eps_a, h_ptr, stride_h, write_h,
+                    ADD: tl.constexpr, WRITE_H: tl.constexpr):
         """x [ROWS, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
-        with HF's roundings where NORM (`_scale_norm`)."""
+        with HF's roundings where NORM (`_scale_norm`). ADD (Gemma's norm after attention or the MLP,
+        folded in): x is first residual x + RMSNorm(a) with ga's weights, as `_rms_add_kernel` computes it,
+        and stored at h (WRITE_H) by the program where write_h (one: every program computes the same rows)."""
         x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
+        if ADD:
+            a = tl.load(a_ptr + rm3 * stride_a + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
+            af = a.to(tl.float32)
+            rstd_a = tl.rsqrt(tl.sum(af * af, axis=2, keep_dims=True) / K + eps_a)
+            ga = tl.load(ga_ptr + k3, mask=k3 < K, other=0.0)
+            normed = _scale_norm(af, rstd_a, ga, a.dtype, PLUS_ONE)
+            x = (x.to(tl.float32) + normed.to(tl.float32)).to(a.dtype)
+            if WRITE_H:  # a scalar condition folded into the bound (the interpreter refuses tensor_mask & scalar_bool)
+                tl.store(h_ptr + rm3 * stride_h + k3, x, mask=(rm3 < tl.where(write_h, M, 0)) & (k3 < K))
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
@@ -196,11 +213,12 @@ if HAVE_TRITON:
             tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
 
     @triton.jit
-    def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, res_ptr, y_ptr,
-                         M, N, stride_x, stride_res, stride_y, eps, nprog,
+    def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, res_ptr, y_ptr, a_ptr, ga_ptr, h_ptr,
+                         M, N, stride_x, stride_res, stride_y, stride_a, stride_h, eps, eps_a, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
+                         WRITE_H: tl.constexpr, PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
         # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
         # normalized) once per program; more passes: each pass's rows are read again per tile (from
@@ -220,7 +238,8 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if PASSES == 1:
-            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE)
+            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a, eps_a,
+                            h_ptr, stride_h, pid == 0, ADD, WRITE_H)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
             n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
@@ -234,7 +253,8 @@ if HAVE_TRITON:
             else:
                 for p in tl.static_range(PASSES):
                     xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
-                                     PLUS_ONE)
+                                     PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
+                                     h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H)
                     _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
                                    GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             w = w_next
@@ -349,13 +369,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
-                              pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot_ptr,
-                              M, C, stride_x, stride_pos, scaling, eps, qk_eps, nprog,
+                              pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot_ptr, a_ptr, ga_ptr, h_ptr,
+                              M, C, stride_x, stride_pos, stride_a, stride_h, scaling, eps, qk_eps, eps_a, nprog,
                               ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
                               QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
-                              PDL: tl.constexpr):
+                              ADD: tl.constexpr, WRITE_H: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -370,7 +390,8 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if PASSES == 1:
-                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True, PLUS_ONE).to(tl.float32)
+                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True, PLUS_ONE, a_ptr, ga_ptr, stride_a,
+                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H).to(tl.float32)
             slot = tl.load(slot_ptr)
             for i in range(ITERS):
                 t = pid + i * nprog
@@ -386,7 +407,9 @@ if HAVE_TRITON:
                         xp = x
                     else:
                         xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
-                                         True, PLUS_ONE).to(tl.float32)
+                                         True, PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
+                                         h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD,
+                                         WRITE_H).to(tl.float32)
                     y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
                     y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
@@ -464,9 +487,22 @@ def _row_passes(m: int) -> tuple[int, int]:
     return rows, block_m // rows
 
 
+def _added(x, add, keep: bool):
+    """The folded `rms_add` of a kernel's input: (a, its norm's weight and eps, h or None, ADD, WRITE_H). add:
+    (a, weight, eps) makes the input x + RMSNorm(a) (x the residual), written to a new h where kept."""
+    if add is None:
+        return x, x, 0.0, None, False, False
+    a, weight, eps = add
+    if a.shape != x.shape:
+        raise ValueError(f"the folded residual add needs a of x's shape {tuple(x.shape)}; got {tuple(a.shape)}")
+    return a, weight, float(eps), torch.empty_like(x) if keep else None, True, keep
+
+
 def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None, plus_one=False,
-             act="silu"):
-    """Triton `rms_gemv` / `gate_up` (weight2 given): x [M, K] (M <= MAX_ROWS) -> [M, N]."""
+             act="silu", add=None, keep=True):
+    """Triton `rms_gemv` / `gate_up` (weight2 given): x [M, K] (M <= MAX_ROWS) -> [M, N]. add=(a, weight, eps):
+    the input is x + RMSNorm(a) (`rms_add`, folded in: Gemma's post norms), returned as well, (y, h), where
+    keep (the residual stream's next value)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight2 is not None and norm_weight is None:
@@ -475,15 +511,18 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
     rows, passes = _row_passes(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_f32 else x.dtype)
     res = residual if residual is not None else y
+    a, ga, eps_a, h, fold, write = _added(x, add, keep)
     tiles = triton.cdiv(n, block_n)
     grid = (_programs(tiles, x.device, per_sm),)
     _rms_gemv_kernel[grid](
         x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight, res, y,
-        m, n, x.stride(0), res.stride(0), y.stride(0), float(eps), grid[0],
+        a, ga, h if h is not None else x,
+        m, n, x.stride(0), res.stride(0), y.stride(0), a.stride(0), (h if h is not None else x).stride(0), float(eps),
+        eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
         OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
-        ACT=ACTIVATIONS[act], num_warps=warps, **launch_options(x.device))
-    return y
+        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, num_warps=warps, **launch_options(x.device))
+    return (y, h) if fold and keep else y
 
 
 def rms_add(y, norm_weight, eps, residual, plus_one=False):
@@ -518,16 +557,22 @@ def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
-             biases=None, qk_norm=None, plus_one=False, config=None):
+             biases=None, qk_norm=None, plus_one=False, config=None, add=None):
     """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`. With a per-head norm and tiles
     smaller than a head (the default), two kernels: the products, RoPE-free for q and k (q in its buffer, k
-    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`)."""
+    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`).
+    add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s add); returns (q, h) then."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
     config = config or qkv_rope_config(k, d, m, qk_norm is not None)
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
     ksplit = triton.cdiv(k, block_k)
+    if add is not None and ksplit > 1:  # K in chunks never holds a whole row: the add runs as its own kernel first
+        h = rms_add(add[0], add[1], add[2], x, plus_one)
+        return qkv_rope(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
+                        biases, qk_norm, plus_one, config), h
+    a, ga, eps_a, h, fold, write = _added(x, add, True)
     two = qk_norm is not None and hb != d // 2   # the per-head norm needs the whole head: a second kernel
     rows, passes = _row_passes(m)
     if ksplit > 1:  # the chunked loop multiplies every row at once
@@ -540,10 +585,12 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_gemv_kernel[grid](
         x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_raw, k_cache, v_cache, slot,
-        m, c, x.stride(0), positions.stride(0), float(scaling), float(eps), float(qk_eps), grid[0],
+        a, ga, h if h is not None else x,
+        m, c, x.stride(0), positions.stride(0), a.stride(0), (h if h is not None else x).stride(0), float(scaling),
+        float(eps), float(qk_eps), eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
-        PLUS_ONE=bool(plus_one), RAW=two, num_warps=warps,
+        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, num_warps=warps,
         **launch_options(x.device))
     if two:
         norm_rows = next_pow2(m)
@@ -551,4 +598,4 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
             q, k_raw, gq, gk, positions, inv_freq, k_cache, v_cache, slot, m, c, positions.stride(0), float(scaling),
             float(qk_eps), HQ=hq, HKV=hkv, D=d, ROWS=norm_rows, PLUS_ONE=bool(plus_one),
             num_warps=4 if norm_rows * d <= 4096 else 8, **launch_options(x.device))
-    return q
+    return (q, h) if fold else q

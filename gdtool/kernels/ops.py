@@ -14,7 +14,9 @@ reference runs, with the same arguments and result. The fast decode forward call
                                                                             one slot, for qkv_rope to write the last
     decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
-(`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.)
+(`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.) rms_gemv and qkv_rope also take
+add=(a, weight, eps): their input becomes x + RMSNorm(a), rms_add folded into them (Gemma 3's post norms), and
+they return it beside their result.
 """
 from __future__ import annotations
 
@@ -22,12 +24,19 @@ from . import attention, gemv, sampling, window
 from .triton import usable
 
 
-def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=False, act="silu"):
+def rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=False, act="silu", add=None,
+             keep=True):
+    """add=(a, weight, eps): the input is x + RMSNorm(a) (Gemma's post norm and residual add, folded into the
+    kernel); returns (y, that input) where keep, else y."""
     if usable(x, weight):
-        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=plus_one, act=act)
+        return gemv.rms_gemv(x, norm_weight, eps, weight, weight2, residual, out_f32, plus_one=plus_one, act=act,
+                             add=add, keep=keep)
+    h = x if add is None else gemv.rms_add_reference(add[0], add[1], add[2], x, plus_one)
     if weight2 is not None:
-        return gemv.gate_up_reference(x, norm_weight, eps, weight, weight2, plus_one, act)
-    return gemv.rms_gemv_reference(x, norm_weight, eps, weight, residual, out_f32, plus_one)
+        y = gemv.gate_up_reference(h, norm_weight, eps, weight, weight2, plus_one, act)
+    else:
+        y = gemv.rms_gemv_reference(h, norm_weight, eps, weight, residual, out_f32, plus_one)
+    return (y, h) if add is not None and keep else y
 
 
 def rms_add(y, norm_weight, eps, residual, plus_one=False):
@@ -37,12 +46,15 @@ def rms_add(y, norm_weight, eps, residual, plus_one=False):
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
-             qk_norm=None, plus_one=False):
+             qk_norm=None, plus_one=False, add=None):
+    """add: as rms_gemv's (returns (q, the input) then)."""
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                             slot, biases, qk_norm, plus_one)
-    return gemv.qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
-                                   v_cache, slot, biases, qk_norm, plus_one)
+                             slot, biases, qk_norm, plus_one, add=add)
+    h = x if add is None else gemv.rms_add_reference(add[0], add[1], add[2], x, plus_one)
+    q = gemv.qkv_rope_reference(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
+                                v_cache, slot, biases, qk_norm, plus_one)
+    return (q, h) if add is not None else q
 
 
 def roll_window(k_cache, v_cache):
