@@ -31,6 +31,7 @@
 # %% tags=["parameters"]
 results = "h200/decode-kernels"   # under profiles/: the committed H200 results
 model = "llama-1b"
+bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b"]   # folders of profiles/h200/bench/ for the last section
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -45,7 +46,7 @@ from IPython.display import display
 import gdtool
 from gdtool.frontends import notebook, plot
 
-notebook.setup(dict(results=results, model=model), cpu=cpu, cpu_fallback=cpu_fallback)
+notebook.setup(dict(results=results, model=model, bench_presets=bench_presets), cpu=cpu, cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "profiles"))
 import decode_kernels_tables as tables  # noqa: E402
@@ -152,3 +153,46 @@ print("TB/s per projection as the best step runs them:", mine.round(2).to_dict()
 # %% [markdown]
 # The small projections (q/k/v and o, 8-13 MB each) stay far under the copy bandwidth while the
 # large ones come near it: `docs/fast.md` lists the levers measured so far and the next ones.
+
+# %% [markdown]
+# ## Every preset beside its floor
+# `python -m gdtool bench` (prompt 128, 256 new tokens, greedy, EOS off) against its peers in the same
+# process, read from the committed runs under `profiles/h200/bench/<preset>/` (`profiles/bench_table.py`).
+# The floor is the bytes a step must read (weights once, the live KV cache) over the copy bandwidth measured
+# in the same run. Per preset and batch: gdtool's fastest runner, the fastest peer, and the floor.
+
+# %%
+import bench_table  # noqa: E402
+
+paths = sorted(p for preset in bench_presets for p in (root / "profiles" / "h200" / "bench" / preset).glob("*.json"))
+runs = bench_table.frame(paths)
+ok = runs[runs.status == "ok"].sort_values("ms_per_step")
+rows = []
+for (name, batch), group in ok.groupby(["model", "batch"], sort=False):
+    mine, peers = group[group.family == "gdtool"], group[group.family == "peer"]
+    rows.append({"model": name, "batch": batch, "gdtool, fastest": mine.runner.iloc[0] if len(mine) else None,
+                 "ms/step": mine.ms_per_step.iloc[0] if len(mine) else float("nan"),
+                 "peer, fastest": peers.runner.iloc[0] if len(peers) else None,
+                 "peer ms/step": peers.ms_per_step.iloc[0] if len(peers) else float("nan"),
+                 "floor ms/step": group.floor_ms.iloc[0], "commit": str(group.commit.iloc[0])[:7]})
+summary = pd.DataFrame(rows).sort_values(["model", "batch"]).set_index(["model", "batch"])
+summary["% of floor"] = 100 * summary["floor ms/step"] / summary["ms/step"]
+display(summary.round(3))
+fig, ax = plt.subplots(figsize=(8, 0.55 * len(summary) + 1.2), layout="constrained")
+names = [f"{m}, batch {b}" for m, b in summary.index]
+y = range(len(summary))
+ax.barh([i - 0.2 for i in y], summary["ms/step"], height=0.4, color="tab:blue", label="gdtool, fastest runner")
+ax.barh([i + 0.2 for i in y], summary["peer ms/step"], height=0.4, color="tab:gray",
+        label="fastest peer (same run)")
+ax.scatter(summary["floor ms/step"], list(y), color="tab:red", marker="|", s=400, zorder=3, label="floor")
+ax.set_yticks(list(y), names)
+ax.invert_yaxis()
+ax.set_xscale("log")
+ax.set_xlabel("ms per decode step (log scale)")
+ax.legend(loc="lower right", fontsize="small")
+plot.caption(fig, "Per preset and batch size, from the committed bench runs (commit in the table): blue, gdtool's "
+                  "fastest runner (mode and kernels in the table); grey, the fastest peer measured in the same process "
+                  "(generate() with a static cache and torch.compile, or the gpt-fast-style step); red tick, the "
+                  "bytes-over-bandwidth floor of that step. Lower is faster.")
+plt.show()
+

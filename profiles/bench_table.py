@@ -12,6 +12,25 @@ def rows(path):
         yield doc["config"]["model"], r
 
 
+def frame(paths):
+    """One row per runner of every bench JSON in `paths`: model, batch, runner (its label), family (gdtool or a
+    peer), status, tok/s, ms/step, % of floor, the floor itself (ms a step must take to read its bytes at the
+    run's copy bandwidth) and the commit and GPU it ran on."""
+    import pandas as pd
+    out = []
+    for path in paths:
+        doc = json.load(open(path))
+        env = doc.get("environment", {})
+        for r in doc["summary"]:
+            pct = r.get("floor_pct")
+            floor = r["ms_per_step"] * pct / 100 if r.get("ms_per_step") is not None and pct else None
+            out.append(dict(model=doc["config"]["model"], batch=r["batch"], runner=r["label"],
+                            family=r.get("family"), status=r["status"], tok_s=r.get("tok_s"),
+                            ms_per_step=r.get("ms_per_step"), floor_pct=pct, floor_ms=floor,
+                            commit=env.get("git_commit"), gpu=env.get("device_name"), file=str(path)))
+    return pd.DataFrame(out)
+
+
 def fmt(value, spec):
     return "-" if value is None or value != value else format(value, spec)
 
