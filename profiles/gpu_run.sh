@@ -38,8 +38,9 @@
 #                  samplers' parts alone at batch 64 (reads SELECT_VARIANTS, default: all)
 # Parts of earlier sessions whose question is answered (retests, launch and sort-compile probes) are
 # gone; profiles/README.md names the command and commit of each of their committed files.
-# Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g.
-# --fuse-projections) and BENCH_SECONDS (the part's time limit).
+# Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g. --fuse-projections, or
+# --prompt-len 1024: Gemma 3's every window full), BENCH_KERNELS (bench-qwen3-8b, bench-gemma, bench-moe; default
+# hf,compiled,fast) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends (over
 # 15 MiB at the end: results.tar.gz.00, .01, ...),
 # so a part cut short by a time limit leaves the others' results. The script exits 1 when any part
@@ -172,13 +173,13 @@ for p in "$@"; do
            --modes eager forward-graph step-graph --max-new-tokens 48 --no-eos --no-progress --out $work/nsys-sliding-moe" ;;
     bench-qwen3-8b) part bench-qwen3-8b ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes step-graph device-loop --peers gpt-fast \
-           --kernels hf,compiled,fast --out "$work/bench-qwen3-8b" ;;
+           --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-qwen3-8b" ;;
     bench-gemma) part bench-gemma ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model gemma-3-1b --batch ${BENCH_BATCHES:-1,64} --max-new-tokens 256 --repeats 2 --modes step-graph device-loop \
-           --peers generate-static --kernels hf,compiled,fast --out "$work/bench-gemma" ;;
+           --peers generate-static --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-gemma" ;;
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers none \
-           --kernels hf,compiled,fast --out "$work/bench-moe" ;;
+           --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
     moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
