@@ -18,7 +18,8 @@
 #   recheck        what changed after the last GPU run (at 829123a): the timing tests alone (Kineto records on torch
 #                  2.11; their busy-vs-span checks are not for a shared GPU), capture through a device mask
 #                  (`ids[image_mask] = 0`) in the capture tests and the zoo's image-text cases that 829123a refused
-#   windows-gpt-oss  gpt-oss's packed attention with sinks in the captured window sweep (kernels=fast)
+#   windows-gpt-oss  gpt-oss's captured window sweep with kernels=fast: its attention in the split-KV kernels with
+#                  sinks (attention.sinks_attention), its experts in gdtool's kernels
 #   nsys-gemma-fast  gemma-3-1b, batch 1, step-graph, node trace with kernels=fast then compiled, and each one's
 #                  kernel breakdown (profiles/kernel_breakdown.py): where the step's 2.2 ms go (issue: 1.0 ms)
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each

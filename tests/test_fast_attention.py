@@ -7,7 +7,8 @@ import torch
 
 import gdtool
 from gdtool.core import compat
-from gdtool.kernels import attention as fast_attention
+from gdtool.kernels import attention as fast_attention, triton as fast_triton
+from interpreter import run_interpreted
 
 
 @pytest.fixture(scope="module")
@@ -150,3 +151,49 @@ def test_gpt_oss_logits_with_packed_sink_attention_match_hf(monkeypatch):
     assert sorted(key.shape[2] for key, _, _ in calls) == [model.config.sliding_window, 14]
     assert any((mask < 0).any() for _, _, mask in calls)
     torch.testing.assert_close(packed, hf, rtol=1e-5, atol=1e-5)
+
+
+def _against_gpt_oss_eager():
+    """gdtool's split-KV operator with sinks (the kernels under Triton's interpreter, else its torch reference)
+    against gpt-oss's own eager attention: additive and boolean masks, the sinks honoured."""
+    fast_attention.install()
+    q, k, v, mask = _inputs()
+    module = _SinkAttn().eval()
+    hf, _ = fast_attention._original_sinks(module, q, k, v, _additive(mask), scaling=0.25)
+    for given in (_additive(mask), mask, None):
+        expected = hf if given is not None else fast_attention._original_sinks(module, q, k, v, None, scaling=0.25)[0]
+        mine = fast_attention.sinks_attention(q, k, v, given, module.sinks, 0.25)
+        assert mine.shape == (3, 1, 8, 16)
+        torch.testing.assert_close(mine, expected, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(fast_attention.sinks_attention(q, k, v, mask, torch.zeros(8), 0.25), hf)
+
+
+def test_sinks_attention_operator_computes_what_gpt_oss_eager_attention_computes():
+    _against_gpt_oss_eager()
+
+
+def test_sinks_plan_says_which_form_gpt_oss_attention_runs():
+    model = gdtool.load_model("tiny-gpt-oss", seed=0)
+    assert fast_attention.sinks_plan(model, "compiled") == (False, "")
+    assert fast_attention.sinks_plan(gdtool.load_model("tiny-llama", seed=0), "fast") == (False, "")
+    applies, note = fast_attention.sinks_plan(model, "fast")
+    assert not applies and note == "attention with sinks: the packed torch form (no Triton on this device)"
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens():
+    """The split-KV kernels with sinks themselves: against gpt-oss's eager attention, and inside a tiny gpt-oss's
+    fast step (prompts past its window of 8, decodes that cross it): HF's tokens, and the step says so."""
+    code = ("import sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
+            "t._against_gpt_oss_eager()\n"
+            "from gdtool.kernels import step\n"
+            "model = gdtool.load_model('tiny-gpt-oss', seed=0)\n"
+            "prompt = gdtool.random_prompts(model, batch=2, lengths=(5, 11), seed=1)\n"
+            "kw = dict(max_new_tokens=6, eos_token_id=None, pad_token_id=0, do_sample=False)\n"
+            "hf = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)\n"
+            "mine = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, kernels='fast', **kw)\n"
+            "assert torch.equal(hf.tokens, mine.tokens), (hf.tokens, mine.tokens)\n"
+            "note = step.compiles(model).kernels.iloc[-1]\n"
+            "assert \"attention with sinks: gdtool's split-KV kernels\" in note, note\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=900)

@@ -37,7 +37,10 @@ returns at once:
     combine  per (row, query head): the live chunks' partial results, rescaled to the common max
 
 The arithmetic is flash-decoding's: scores and softmax in float32, probabilities rounded to the
-model dtype for the product with V (as SDPA's kernels do), output rounded once.
+model dtype for the product with V (as SDPA's kernels do), output rounded once. With gpt-oss's sinks
+(one learned logit per query head) the combine takes the sink into the common max and the sum; the
+fast step calls it for gpt-oss through `sinks_attention`, a custom operator inside the compiled HF
+forward (`sinks_plan` decides, `scope(sinks_kernel=True)` switches the dispatcher to it).
 """
 from __future__ import annotations
 
@@ -46,12 +49,14 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, cdiv, launch_options, next_pow2, tl, triton
+from .triton import HAVE_TRITON, cdiv, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 BLOCK_S = 16          # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
 
 _active = False
+_sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
+SINKS_PATH = "gpt_oss attention, sinks, split-KV"  # its kernel path's name (triton.CUDA_TESTED)
 _original = None
 _original_sinks = None  # gpt-oss's eager attention (attention sinks), where the dispatcher replaced it
 # keyword arguments that change the math: left to HF's function
@@ -64,13 +69,16 @@ def active() -> bool:
 
 
 @contextmanager
-def scope():
-    global _active
-    before, _active = _active, True
+def scope(sinks_kernel: bool = False):
+    """gdtool's compiled step runs inside: the dispatchers' packed forms apply; sinks_kernel (`sinks_plan`):
+    gpt-oss's attention runs gdtool's split-KV kernels with its sinks (`sinks_attention`)."""
+    global _active, _sinks_kernel
+    before = _active, _sinks_kernel
+    _active, _sinks_kernel = True, bool(sinks_kernel)
     try:
         yield
     finally:
-        _active = before
+        _active, _sinks_kernel = before
 
 
 def install() -> None:
@@ -143,22 +151,74 @@ def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout:
     # `s_aux` (the module's sinks, which it reads from the module); outside the scope nothing more is done
     if _active and applies(query, key, attention_mask, dropout,
                            {k: v for k, v in kwargs.items() if k not in ("sliding_window", "s_aux")}):
+        if _sinks_kernel:
+            return torch.ops.gdtool.sinks_attention(query, key, value, attention_mask, module.sinks, scaling), None
         return sinks_decode_attention(query, key, value, attention_mask, scaling, module.sinks), None
     return _original_sinks(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def sinks_plan(model, kernels: str) -> tuple[bool, str]:
+    """(whether gpt-oss's attention runs gdtool's split-KV kernels with its sinks, what the step's note says).
+    kernels="fast" on a model whose attention has sinks (gpt-oss), where Triton runs on the model's device and
+    the path has passed its cuda tests there (or GDTOOL_UNTESTED_KERNELS=1)."""
+    if kernels != "fast" or not any(hasattr(m, "sinks") and type(m).__name__.endswith("Attention")
+                                    for m in model.modules()):
+        return False, ""
+    param = next(model.parameters())
+    if not usable(param):
+        return False, "attention with sinks: the packed torch form (no Triton on this device)"
+    untested = untested_on_cuda(SINKS_PATH, param.device)
+    if untested:
+        return False, f"attention with sinks: the packed torch form ({untested})"
+    return True, "attention with sinks: gdtool's split-KV kernels"
+
+
+@torch.library.custom_op("gdtool::sinks_attention", mutates_args=())
+def sinks_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                    sinks: torch.Tensor, scaling: float) -> torch.Tensor:
+    """gpt-oss's attention for a one-token query [B, Hq, 1, D] over the whole cache [B, Hkv, C, D] (a sliding
+    layer's cache is its window) in the split-KV kernels, its sinks joining the combine's softmax:
+    -> [B, 1, Hq, D]. The mask is HF's ([B, 1, 1, >= C], additive: 0 where a slot is attended; or boolean);
+    every slot counts as live (HF's call gives no counter), the mask says which attend. Float32 softmax,
+    where HF's eager attention takes it in the model dtype: it agrees with HF by rounding, as `fast` does."""
+    b, hq, _, d = query.shape
+    c = key.shape[2]
+    if attention_mask is None:
+        keep = torch.ones(b, c, dtype=torch.int8, device=query.device)
+    else:
+        cols = attention_mask[:, 0, 0, :c]
+        keep = (cols if cols.dtype == torch.bool else cols == 0).to(torch.int8)
+    slot = torch.full((), c - 1, dtype=torch.long, device=query.device)
+    q = query.reshape(b, hq, d).contiguous()
+    run = split_kv if usable(q, key) else split_kv_reference
+    return run(q, key.contiguous(), value.contiguous(), keep, slot, scaling, sinks).reshape(b, 1, hq, d)
+
+
+@sinks_attention.register_fake
+def _(query, key, value, attention_mask, sinks, scaling):
+    b, hq, _, d = query.shape
+    return query.new_empty(b, 1, hq, d)
+
+
 # -------------------------------------------------------------------- the fast step: split-KV
 
-def split_kv_reference(q, k_cache, v_cache, mask, slot, scale):
+def split_kv_reference(q, k_cache, v_cache, mask, slot, scale, sinks=None):
     """q [B, Hq, D], caches [B, Hkv, C, D], mask [B, C] (nonzero = attend), slot [] -> [B, Hq * D].
-    SDPA over the packed query heads of each group (attention's form), slots <= slot only."""
+    SDPA over the packed query heads of each group (attention's form), slots <= slot only. sinks [Hq] (gpt-oss):
+    one more logit per head joins each softmax, its probability dropped after it; in float32 here."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     live = torch.arange(c, device=q.device) <= slot
     keep = (mask != 0) & live[None, :]
     qp = q.reshape(b, hkv, hq // hkv, d)
-    out = F.scaled_dot_product_attention(qp, k_cache, v_cache, attn_mask=keep[:, None, None, :], scale=scale)
-    return out.reshape(b, hq * d)
+    if sinks is None:
+        out = F.scaled_dot_product_attention(qp, k_cache, v_cache, attn_mask=keep[:, None, None, :], scale=scale)
+        return out.reshape(b, hq * d)
+    scores = torch.matmul(qp.float(), k_cache.float().transpose(2, 3)) * scale            # [B, Hkv, G, C]
+    scores = scores.masked_fill(~keep[:, None, None, :], float("-inf"))
+    sink = sinks.float().reshape(1, hkv, hq // hkv, 1).expand(b, -1, -1, -1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(v_cache.dtype)
+    return torch.matmul(probs, v_cache).reshape(b, hq * d)
 
 
 def split_plan(batch: int, hkv: int, cache_len: int) -> tuple[int, int]:
@@ -215,9 +275,9 @@ if HAVE_TRITON:
             tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
 
     @triton.jit
-    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr,
-                        D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                        PDL: tl.constexpr):
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, sink_ptr,
+                        HQ: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)  # row * Hq + query head
         if PDL:
             tl.extra.cuda.gdc_wait()
@@ -231,12 +291,18 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         top = tl.max(m, axis=0)
+        if SINKS:  # the head's sink joins the softmax: in the common max and the sum, never in the output
+            sink = tl.load(sink_ptr + bh % HQ).to(tl.float32) * 1.4426950408889634   # log2 units, as m
+            top = tl.maximum(top, sink)
         w = tl.where(valid, tl.exp2(m - top), 0.0)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        total = tl.sum(l * w, axis=0)
+        if SINKS:
+            total += tl.exp2(sink - top)
+        out = tl.sum(acc * w[:, None], axis=0) / total
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
 
 
-def split_kv(q, k_cache, v_cache, mask, slot, scale):
+def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
     """Triton split-KV attention: same arguments and result as `split_kv_reference`."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
@@ -251,6 +317,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale):
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
         num_warps=4, **opts)
-    _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, D=d, CHUNK=chunk, SPLITS=splits,
-                               BLOCK_SPLITS=max(2, next_pow2(splits)), num_warps=4 if d >= 128 else 2, **opts)
+    _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, sinks if sinks is not None else m, HQ=hq, D=d,
+                               CHUNK=chunk, SPLITS=splits, BLOCK_SPLITS=max(2, next_pow2(splits)),
+                               SINKS=sinks is not None, num_warps=4 if d >= 128 else 2, **opts)
     return out

@@ -65,6 +65,7 @@ class _Impl:
     def attention(self, *args):
         return (attention.split_kv if self.triton else attention.split_kv_reference)(*args)
 
+
     def argmax(self, x):
         return (sampling.argmax if self.triton else sampling.argmax_reference)(x)
 
@@ -228,7 +229,7 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None,
     return results
 
 
-def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -> Result:
+def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0, sinks=False) -> Result:
     q = torch.randn(m, hq, d, generator=gen, device=device).to(dtype)
     kc = torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype)
     vc = torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype)
@@ -239,16 +240,24 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0) -
             mask[r, : min(r * pad, live - 1)] = 0
     slot = torch.tensor(live - 1, device=device)
     scale = d ** -0.5
-    out = _impl.attention(q, kc, vc, mask, slot, scale)
-    ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale)
+    # gpt-oss's sinks: learned logits near the scores' range (some heads' sink dominating, some not)
+    sink = (2.0 * torch.randn(hq, generator=gen, device=device)).to(dtype) if sinks else None
+    out = _impl.attention(q, kc, vc, mask, slot, scale, sink)
+    ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale, sink)
     keep = (mask != 0)[:, None, None, :]
     qd = q.double().view(m, hkv, hq // hkv, d)
     scores = (qd @ kc.double().transpose(-1, -2)) * scale
-    p = scores.masked_fill(~keep, float("-inf")).softmax(-1)
+    scores = scores.masked_fill(~keep, float("-inf"))
+    if sinks:
+        extra = sink.double().view(1, hkv, hq // hkv, 1).expand(m, -1, -1, -1)
+        p = torch.cat([scores, extra], -1).softmax(-1)[..., :-1]
+    else:
+        p = scores.softmax(-1)
     exact = (p @ vc.double()).reshape(m, hq * d)
     chunk, splits = attention.split_plan(m, hkv, cache_len)
-    return _judge("decode_attention", f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of {cache_len}"
-                  + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact, f"{splits} chunks of {chunk}")
+    return _judge("decode_attention" + ("+sinks" if sinks else ""), f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of "
+                  f"{cache_len}" + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact,
+                  f"{splits} chunks of {chunk}")
 
 
 def check_window_roll(b, hkv, w, d, dtype, device, gen, config=None) -> Result:
@@ -351,6 +360,7 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_window_roll(b, hkv, w, d, dtype, device, gen, config))
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
+        results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad, sinks=True))  # gpt-oss
     results.append(check_argmax(3, 5000, device, gen))
     if large:
         for m in (1, 4):
@@ -381,6 +391,9 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
             results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))
             results.append(check_attention(m, 4, 1, 256, 512, 300, dtype, device, gen, pad=7 * (m > 1)))
+            # gpt-oss-20b: 64 query over 8 key/value heads of 64, sinks; a 128-slot window and a full layer
+            results.append(check_attention(m, 64, 8, 64, 128, 128, dtype, device, gen, sinks=True))
+            results.append(check_attention(m, 64, 8, 64, 384, 200, dtype, device, gen, pad=7 * (m > 1), sinks=True))
             results.append(check_window_roll(m, 1, 512, 256, dtype, device, gen))               # its 512-token windows
             results.append(check_window_roll(m, 2, 1024, 256, dtype, device, gen))              # gemma-3-4b's
         for m in (8, 16):

@@ -164,6 +164,9 @@ class CompiledStep(Step):
         # calls gdtool's experts kernels (`experts.scope`, only for the duration of the compiled call)
         self.moe_plan = experts.plan(self.model, self.state.mask.shape[0]) \
             if kernels == "fast" and not self.fast_forward else None
+        # kernels="fast" on gpt-oss (attention with sinks): its attention in gdtool's split-KV kernels
+        self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels) \
+            if not self.fast_forward else (False, "")
         self._compiled = None
         self._cache_checked = False
         attention.install()
@@ -241,7 +244,7 @@ class CompiledStep(Step):
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes(), attention.scope(), experts.scope(self.moe_plan):
+            with _no_function_modes(), attention.scope(self.sinks_kernel), experts.scope(self.moe_plan):
                 result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
@@ -254,7 +257,7 @@ class CompiledStep(Step):
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
-            with _no_function_modes(), attention.scope(), experts.scope(self.moe_plan):
+            with _no_function_modes(), attention.scope(self.sinks_kernel), experts.scope(self.moe_plan):
                 result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
@@ -286,7 +289,7 @@ def _kernels_note(step: CompiledStep) -> str:
     if step.fast_plan is None:
         return step.kernels
     if not step.fast_plan.applies:
-        moe = step.moe_plan.note() if step.moe_plan is not None else ""
+        moe = "; ".join(n for n in (step.moe_plan.note() if step.moe_plan is not None else "", step.sinks_note) if n)
         if moe:
             return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
@@ -309,7 +312,7 @@ def _key(step: CompiledStep) -> tuple:
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
     base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
-            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else ())
+            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else (), step.sinks_kernel)
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
     return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)
