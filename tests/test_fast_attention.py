@@ -178,6 +178,10 @@ def test_sinks_plan_says_which_form_gpt_oss_attention_runs():
     assert fast_attention.sinks_plan(gdtool.load_model("tiny-llama", seed=0), "fast") == (False, "")
     applies, note = fast_attention.sinks_plan(model, "fast")
     assert not applies and note == "attention with sinks: the packed torch form (no Triton on this device)"
+    # another implementation than eager: gpt-oss calls it, not the dispatcher, and the note says so
+    model.config._attn_implementation = "sdpa"
+    applies, note = fast_attention.sinks_plan(model, "fast")
+    assert not applies and note.startswith("attention with sinks: HF's sdpa attention"), note
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")

@@ -159,11 +159,15 @@ def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout:
 
 def sinks_plan(model, kernels: str) -> tuple[bool, str]:
     """(whether gpt-oss's attention runs gdtool's split-KV kernels with its sinks, what the step's note says).
-    kernels="fast" on a model whose attention has sinks (gpt-oss), where Triton runs on the model's device and
-    the path has passed its cuda tests there (or GDTOOL_UNTESTED_KERNELS=1)."""
-    if kernels != "fast" or not any(hasattr(m, "sinks") and type(m).__name__.endswith("Attention")
+    kernels="fast" on gpt-oss's own attention modules (the ones whose calls `_dispatch_sinks` receives), where Triton
+    runs on the model's device and the path has passed its cuda tests there (or GDTOOL_UNTESTED_KERNELS=1). Set to
+    another attention implementation than eager, gpt-oss calls that one, not the dispatcher: said, not claimed."""
+    if kernels != "fast" or not any(type(m).__module__.endswith("modeling_gpt_oss") and hasattr(m, "sinks")
                                     for m in model.modules()):
         return False, ""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "eager":
+        return False, f"attention with sinks: HF's {implementation} attention (gdtool's kernels replace the eager one)"
     param = next(model.parameters())
     if not usable(param):
         return False, "attention with sinks: the packed torch form (no Triton on this device)"
