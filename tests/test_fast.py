@@ -3,6 +3,7 @@
 Compiling takes tens of seconds on a small CPU: one compile runs by default (greedy step-graph), the
 others are marked slow.
 """
+import contextlib
 import warnings
 
 import pytest
@@ -349,6 +350,47 @@ def test_teacher_forced_across_a_sliding_window_edge_keeps_each_step_in_its_phas
                                        capture=False)
         df = fast.agreement(hf["logits"], compiled["logits"])
         assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), (prompt_len, steps, df)
+
+
+def test_teacher_forced_warms_up_and_captures_as_the_decode_loops_do(monkeypatch):
+    """The capture path of teacher forcing, on a CPU (streams and the graph stood in for): the first warm-up
+    step is watched for host reads with HF's kernels only. Watched, a compiled step ran eagerly (dynamo
+    compiles nothing under the watching dispatch mode): its host constants went unrecorded, and on the GPU
+    gpt-oss's eager mask (`torch.tensor(0.0, device=...)`) then failed inside the capture."""
+    from gdtool.core import graphs
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+    watched, captured = [], []
+
+    class Graph(graphs.Uncaptured):
+        def __init__(self, fn, device, pool=None, keep_graph=False, model=None, constants=None):
+            super().__init__(fn)
+            with graphs.HostConstants(constants):  # as Captured runs the step inside torch.cuda.graph
+                fn()
+            captured.append(constants)
+    real_warm_up = graphs.warm_up
+    monkeypatch.setattr(graphs, "can_capture", lambda device: True)
+    monkeypatch.setattr(graphs, "side_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(graphs, "warm_up", lambda fn, steps, model=None, before=None:
+                        watched.append(model) or real_warm_up(fn, steps, model, before))
+    monkeypatch.setattr(graphs, "capture", Graph)
+    model = gdtool.load_model("tiny-llama", seed=0)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=1)
+    continuation = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(2))
+    logits = {}
+    for kernels in ("hf", "compiled"):
+        watched.clear()
+        logits[kernels] = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation,
+                                              kernels)["logits"]
+        assert watched == [model if kernels == "hf" else None, None] and len(captured) > 0, (kernels, watched)
+    table = fast.compiles(model)
+    assert (table.compiles == 1).all() and table.fullgraph.all() and (table.note == "").all(), table
+    df = fast.agreement(logits["hf"], logits["compiled"])
+    assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), df
 
 
 def test_compiled_step_refuses_linear_attention_layers():

@@ -72,6 +72,15 @@ INDUCTOR_OPTIONS = {"triton.cudagraphs": False, "fallback_random": True}
 _ATTR = "_gdtool_compiled_steps"
 
 
+def watched(model, kernels: str):
+    """The model `graphs.warm_up` watches in a step's first warm-up (host reads, host constants), or None.
+
+    HF's kernels only. A compiled step is one dynamo graph already (a host read is a graph break there),
+    and dynamo compiles nothing under the watching dispatch mode: the step would run eagerly in that
+    warm-up, its host constants unrecorded (torch 2.13 refuses such a fullgraph call outright)."""
+    return model if kernels == DEFAULT_KERNELS else None
+
+
 def check_kernels(kernels, device: torch.device | None = None, model=None, mode: str | None = None) -> str:
     """The kernels choice, validated; on 'compiled', whether inductor can build kernels here and the
     model is one the graph modes accept (eager mode too: its compiled forward has the same needs)."""
@@ -408,9 +417,10 @@ def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         def enter(phase=phase):
             step.feed.enter_phase(phase, windows)
         if use_graph:
-            # with the model: what the capture cannot hold is refused with its cause, and the constants the
-            # step copies from the host (HF's full sliding window makes `torch.tensor([-1])` on it) are pinned
-            constants = graphs.warm_up(step, 2, model=model, before=enter)
+            # as the decode loops warm up: HF's kernels watched in the first step (what the capture cannot hold
+            # is refused with its cause; the constants the step copies from the host are pinned), then a second
+            constants = graphs.warm_up(step, 1, watched(model, kernels), before=enter)
+            graphs.warm_up(step, 1, before=enter)
             enter()
             by_phase[phase] = graphs.capture(step, device, model=model, constants=constants)
         else:

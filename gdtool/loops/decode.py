@@ -375,11 +375,8 @@ class Engine:
                 if self.captures_enabled:
                     offset = generator.get_offset()
                     with hidden_waits(self.device, waits):
-                        # HF's kernels: watch the first step for what a graph cannot hold. A compiled step
-                        # is one dynamo graph already (a host read is a graph break there), and dynamo
-                        # does not compile under the watching dispatch mode
-                        watched = self.model if self.kernels == fast.DEFAULT_KERNELS else None
-                        constants = graphs.warm_up(fn, 1, watched, before=enter)
+                        # the first step watched for what a graph cannot hold (HF's kernels: fast.watched)
+                        constants = graphs.warm_up(fn, 1, fast.watched(self.model, self.kernels), before=enter)
                         if self.rng_increment is None:
                             self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
                         graphs.warm_up(fn, steps - 1, before=enter)
