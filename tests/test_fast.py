@@ -393,6 +393,23 @@ def test_teacher_forced_warms_up_and_captures_as_the_decode_loops_do(monkeypatch
     assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), df
 
 
+def test_accuracy_measures_against_float32_and_leaves_the_model_as_it_was():
+    """accuracy(): bf16 tiny-llama with HF's kernels lands near float32 but not on it; the model comes back
+    in bf16 with the same weights, bit for bit; a float32 or fused model is refused with the reason."""
+    model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.bfloat16)
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    df = fast.accuracy(model, batch=2, prompt_len=6, steps=5, kernels="hf")
+    assert list(df.position) == [1, 2, 3, 4] and (df.hf_top1 == 1.0).all(), df
+    assert (df.hf_mean_error > 0).all() and (df.hf_max_error < 0.02 * df.max_abs_logit).all(), df
+    after = model.state_dict()
+    assert all(after[name].dtype == p.dtype and torch.equal(after[name], p) for name, p in before.items())
+    with pytest.raises(ValueError, match="float32 already"):
+        fast.accuracy(gdtool.load_model("tiny-llama", seed=0), steps=3)
+    gdtool.kernels.fuse.fuse_projections(model)
+    with pytest.raises(ValueError, match="fuse_projections"):
+        fast.accuracy(model, steps=3)
+
+
 def test_compiled_step_refuses_linear_attention_layers():
     from transformers import AutoModelForCausalLM, Qwen3NextConfig
     config = Qwen3NextConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -150,12 +150,12 @@ def test_window_roll_kernel_on_cuda_is_hfs_update_bit_for_bit(dtype):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 4])
-def test_fast_step_on_cuda_gemma3_1b_agrees_with_hf(batch):
+def test_fast_step_on_cuda_gemma3_1b_rounds_no_more_than_hf(batch):
     """gemma-3-1b's shapes (random weights, bf16; 512-token windows, 262k tied lm_head): the fast forward runs
-    and its teacher-forced top-1 agrees with HF's kernels (inside the window)."""
+    and its teacher-forced logits (inside the window) are as close to float32's as HF's own bf16 kernels are."""
     model = gdtool.load_model("gemma-3-1b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies, fast_decoder.plan(model, batch, 64).reason
-    df = fast.compare_kernels(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
+    df = fast.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
     print(df.to_string())
-    assert df.top1_agreement.mean() > 0.8, df
+    assert df.fast_mean_error.mean() <= 1.25 * df.hf_mean_error.mean(), df
     assert "Gemma3" in fast.compiles(model).kernels.iloc[-1]

@@ -193,15 +193,15 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("batch", [1, 8])
-def test_fast_step_on_cuda_qwen3_8b_agrees_with_hf(batch):
-    """Qwen3-8B's shapes (random weights, bf16): the fast forward runs (q/k norm fused, whole-head tiles)
-    and its teacher-forced top-1 agrees with HF's kernels about as compiled's does (random weights give
-    flat logits, so a few ties flip; measured values go in docs/fast.md)."""
+def test_fast_step_on_cuda_qwen3_8b_rounds_no_more_than_hf(batch):
+    """Qwen3-8B's shapes (random weights, bf16): the fast forward runs (q/k norm fused) and its teacher-forced
+    logits are as close to float32's as HF's own bf16 kernels are. Top-1 against HF is no test here: random
+    weights give logits so flat that any two bf16 forwards flip a few ties (0.8 at batch 1 at cb883e2)."""
     model = gdtool.load_model("qwen3-8b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies
-    df = fast.compare_kernels(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
+    df = fast.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
     print(df.to_string())
-    assert df.top1_agreement.mean() > 0.8, df
+    assert df.fast_mean_error.mean() <= 1.25 * df.hf_mean_error.mean(), df
     assert "q/k norm" in fast.compiles(model).kernels.iloc[-1]
 
 

@@ -487,6 +487,52 @@ def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32
     return df
 
 
+def accuracy(model, batch: int = 4, prompt_len: int = 32, steps: int = 16, seed: int = 0,
+             kernels: str = "fast") -> "pandas.DataFrame":
+    """How far `kernels` and HF's kernels each land from float32, one row per decode position.
+
+    Two bf16 (or fp16) forwards agree only up to rounding, and on random weights the logits are so flat
+    that top-1 flips between any two of them (compare_kernels). The question that has an answer is
+    whether gdtool's kernels round more than HF's own: the same teacher-forced steps (compare_kernels'
+    prompt and continuation), then the model upcast to float32 (its weights exactly as they were) and
+    run with HF's kernels as the reference, then cast back. Per position: each one's mean and largest
+    |logit - reference| over rows and vocabulary, and its rows whose top-1 token is the reference's.
+    """
+    import pandas as pd
+    from ..core.models import random_prompts
+
+    dtype = next(model.parameters()).dtype
+    if dtype == torch.float32:
+        raise ValueError("accuracy() measures a bf16 or fp16 model against itself in float32; this model is "
+                         "float32 already: use compare_kernels(model)")
+    if fuse.is_fused(model):
+        raise ValueError("accuracy() casts the model to float32 and back, which would leave fused projections' "
+                         "shared weight behind; call it on a model without fuse_projections")
+    prompt = random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=seed)
+    vocab = model.config.get_text_config().vocab_size
+    continuation = torch.randint(3, vocab, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
+    ran = {name: teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, name)["logits"]
+           for name in dict.fromkeys(("hf", kernels))}
+    try:
+        model.float()
+        reference = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf")["logits"]
+    finally:
+        model.to(dtype)
+    ref = reference[1:]
+    columns = {"position": range(1, steps)}
+    for name, logits in ran.items():
+        error = (logits[1:] - ref).abs()
+        columns[f"{name}_mean_error"] = error.mean(dim=(1, 2)).cpu().numpy()
+        columns[f"{name}_max_error"] = error.amax(dim=(1, 2)).cpu().numpy()
+        columns[f"{name}_top1"] = (logits[1:].argmax(-1) == ref.argmax(-1)).float().mean(-1).cpu().numpy()
+    columns["max_abs_logit"] = ref.abs().amax(dim=(1, 2)).cpu().numpy()
+    df = pd.DataFrame(columns)
+    df.insert(0, "kernels", kernels)
+    df.insert(0, "batch", batch)
+    df.insert(0, "model", getattr(model, "gdtool_name", type(model).__name__))
+    return df
+
+
 def agreement(reference: torch.Tensor, other: torch.Tensor) -> "pandas.DataFrame":
     """Per decode position of two [T, B, V] logits tensors (position 0, the prefill, left out): share
     of rows with the same top-1 token, largest |difference|, largest |reference logit|."""
