@@ -47,17 +47,22 @@ def usable(*tensors) -> bool:
 # runs on a CPU (Triton's interpreter, the torch references) but is refused on CUDA, with this reason,
 # until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
 # These passed on an H200 at 68c2cf6 (`gpu_run.sh OUT tests-kernels`; profiles/kernel_paths.py's list is
-# profiles/h200/tests/kernel-paths-68c2cf6.txt), Gemma 3's at 86b10e6 (`gpu_run.sh OUT recheck`,
-# profiles/h200/tests/kernel-paths-86b10e6.txt). Qwen3's and Gemma 3's (the q/k-norm paths) left the list after
-# d506703: their qkv_rope became two kernels (the products on tiles smaller than a head, then each head's norm and
-# RoPE), and wait for their cuda tests again.
+# profiles/h200/tests/kernel-paths-68c2cf6.txt); Gemma 3's and Qwen3's passes of 4 rows at cb883e2, their q/k norm
+# in two kernels (kernel-paths-cb883e2.txt). Left out until their cuda tests pass: Qwen3 at <= 4 rows (its test
+# asked for top-1 agreement with HF's bf16 kernels, 0.8 at batch 1, where random weights' ties flip; the test
+# now measures against float32) and gpt-oss's attention with sinks (its test's teacher-forced compiled step failed
+# in capture, the harness's fault, fixed in 9075705). gpt-oss's experts stay listed: that harness failure was the
+# only failure in their test.
 CUDA_TESTED = frozenset({
+    "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
+    "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
     "Llama, <= 4 rows",
     "Llama, passes of 4 rows",
     "Mistral, window >= cache, <= 4 rows",
     "Mistral, window >= cache, passes of 4 rows",
     "Qwen2, q/k/v biases, <= 4 rows",
     "Qwen2, q/k/v biases, passes of 4 rows",
+    "Qwen3, q/k norm, passes of 4 rows",
     "gpt_oss experts",
     "mixtral experts",
     "mixtral experts, grouped",
