@@ -113,7 +113,7 @@ def gemv_configs(k: int, tiles: int, m: int = 1, n: int = 1, sweep: str = "full"
         bn, warps, per_sm = fast_gemv.gemv_config(m, n, k, tiles)
         return [None] + [(b, warps, per_sm) for b in (bn // 2, bn * 2) if b >= 1]
     sweep = [(1, 4, 4), (1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (4, 4, 4), (8, 8, 2), (4, 8, 4), (2, 8, 4),
-             (1, 16, 1), (2, 16, 1)]
+             (1, 16, 1), (2, 16, 1), (8, 4, 4), (8, 8, 4), (16, 8, 2), (16, 16, 1)]
     return [None] + [c for c in sweep if c[0] * fast_triton.next_pow2(k) * 2 * tiles <= 65536]
 
 
@@ -148,7 +148,7 @@ def part_gemv(args, rows):
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
             qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
                          "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]}
-            configs = [None] + (qkv_sweep[args.sweep] if model == "llama-1b" else [])  # (HB, warps, per SM)
+            configs = [None] + (qkv_sweep[args.sweep] if model in args.sweep_models else [])  # (HB, warps, per SM)
             if qk_norm is not None:  # the per-head norm in one kernel: a tile per head (the default before d506703)
                 configs.append(fast_gemv.whole_head_config(hidden, d, m))
             for config in configs:
@@ -185,7 +185,7 @@ def part_gemv(args, rows):
                 else:
                     base = [lambda w=w: F.linear(x, w[0]) for w in weights]
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
-                for config in gemv_configs(k, count, m, n, args.sweep if model == "llama-1b" else "none"):
+                for config in gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none"):
                     if config is not None and m > 1:
                         continue
                     for pdl in ((False, True) if config is None else (False,)):
@@ -365,7 +365,8 @@ def parse_args(argv):
                                       "1:fast:device-loop:1",
                    help="step part: batch:kernels:mode:pdl, in order (kernels 'agree': compare_kernels, fast vs hf)")
     p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
-                   help="gemv part: tile configs besides the default (small: two neighbours, llama-1b only)")
+                   help="gemv part: tile configs besides the default (small: two neighbours), for --sweep-models")
+    p.add_argument("--sweep-models", default="llama-1b", help="the models whose projections --sweep sweeps")
     p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -376,6 +377,7 @@ def parse_args(argv):
     args = p.parse_args(argv)
     args.parts = args.parts.split(",")
     args.models = args.models.split(",")
+    args.sweep_models = args.sweep_models.split(",")
     args.gemv_rows = [int(x) for x in args.gemv_rows.split(",")]
     args.step_models = args.step_models.split(",")
     # the riskiest cases last: a capture that fails can leave the process unusable

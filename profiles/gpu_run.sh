@@ -31,6 +31,8 @@
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
+#   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at 1 row over the probe's full sweep of tile
+#                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
 #   bench-1b, bench-8b   python -m gdtool bench
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
 #   devloop-host   device-loop host time per token, geometric lengths
@@ -186,6 +188,9 @@ for p in "$@"; do
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
+    kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \
+           --models ${SWEEP_MODELS:-gemma-3-1b} --sweep-models ${SWEEP_MODELS:-gemma-3-1b} --gemv-rows 1 --sweep full \
+           --budget-s $(( ${KERNELS_SWEEP_SECONDS:-150} - 30 )) --out "$work/kernels-sweep" ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
        failed+=("$p") ;;
   esac
