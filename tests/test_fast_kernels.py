@@ -157,6 +157,25 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
     run_interpreted(code, timeout=600)
 
 
+def test_gemv_default_tiles_are_the_fastest_measured_for_gemma3_1b():
+    """gemv_config picks, for each of Gemma-3-1B's projections at one row, a tile config within 3% of the
+    fastest of the H200 sweep (profiles/h200/decode-kernels/sweep-6e765ba/gemv.csv: every config, PDL off)."""
+    import ast
+    import csv
+    from gdtool.kernels import gemv
+    path = os.path.join(ROOT, "profiles", "h200", "decode-kernels", "sweep-6e765ba", "gemv.csv")
+    timed = {}  # (proj, n, k) -> {config: us}
+    for row in csv.DictReader(open(path)):
+        if row["proj"] == "qkv" or row["pdl"] != "False" or not row["kernel"].startswith("triton"):
+            continue
+        config = ast.literal_eval("(" + row["kernel"].split("(", 1)[1])  # "triton [default ](2, 8, 2)"
+        timed.setdefault((row["proj"], int(row["n"]), int(row["k"])), {})[config] = float(row["us"])
+    assert len(timed) == 4, timed
+    for (proj, n, k), times in timed.items():
+        config = gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1)
+        assert config in times and times[config] <= 1.03 * min(times.values()), (proj, config, times)
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda

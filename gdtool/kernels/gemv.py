@@ -465,15 +465,24 @@ def _programs(tiles: int, device, per_sm: int) -> int:
 
 def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, programs per SM) for an [m, k] x [k, n] product (`tiles` weights per call:
-    2 for gate/up): tiles of ~16 KB (both weights together), 8 warps, 2 programs per SM."""
+    2 for gate/up): tiles of ~16 KB (both weights together, K padded to a power of two), 8 warps and 2
+    programs per SM from K = 2048, else 4 warps and 4 per SM, and at least two tiles per multiprocessor.
+
+    Measured on the H200 (profiles/h200/decode-kernels/: gemv.csv for Llama-1B, sweep-6e765ba/gemv.csv
+    for Gemma-3-1B at one row). Gemma's K = 1152 pads to a 2048-wide tile: with 8 warps, 2 per SM, gate/up
+    took 15.3 us and the lm_head 182; with 4 warps, 4 per SM (the warps by K itself, not its padding)
+    12.2 and 154. Its o projection (n = 1152) in 8-row tiles left 144 tiles for 132 multiprocessors: 3.7
+    us, against 3.0 in 4-row tiles."""
     block_k = next_pow2(k)
     block_n = max(1, min(16, (8192 // block_k) // tiles))
-    warps = 8 if block_k >= 2048 else 4
+    warps = 8 if k >= 2048 else 4
     per_sm = 2 if warps == 8 else 4
-    if block_k <= 2048 and block_n < 16 and n > 64 * block_n * 132 * per_sm:
+    if warps == 8 and block_k <= 2048 and block_n < 16 and n > 64 * block_n * 132 * per_sm:
         # a long stream of tiles per program (llama-1b's lm_head: ~120): 32 KB tiles measured faster on
-        # the H200, 128 against 140 us (profiles/h200/decode-kernels/gemv.csv)
+        # the H200, 128 against 140 us (gemv.csv); at 4 warps not (Gemma's lm_head: 220 against 154 us)
         block_n *= 2
+    while block_n > 1 and -(-n // block_n) < 2 * 132:
+        block_n //= 2
     return block_n, warps, per_sm
 
 
