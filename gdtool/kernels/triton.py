@@ -48,11 +48,11 @@ def usable(*tensors) -> bool:
 # until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
 # These passed on an H200 at 68c2cf6 (`gpu_run.sh OUT tests-kernels`; profiles/kernel_paths.py's list is
 # profiles/h200/tests/kernel-paths-68c2cf6.txt); Gemma 3's and Qwen3's passes of 4 rows at cb883e2, their q/k norm
-# in two kernels (kernel-paths-cb883e2.txt). Left out until their cuda tests pass: Qwen3 at <= 4 rows (its test
-# asked for top-1 agreement with HF's bf16 kernels, 0.8 at batch 1, where random weights' ties flip; the test
-# now measures against float32) and gpt-oss's attention with sinks (its test's teacher-forced compiled step failed
-# in capture, the harness's fault, fixed in 9075705). gpt-oss's experts stay listed: that harness failure was the
-# only failure in their test.
+# in two kernels (kernel-paths-cb883e2.txt); gpt-oss's attention with sinks at cb883e2 and 6e765ba (its two tests:
+# the sliding-window one at cb883e2; the MoE one failed there in its teacher-forced compiled step, the harness's
+# fault, fixed in 9075705, and passed at 6e765ba: profiles/h200/tests/pytest-cuda-gpt-oss-6e765ba.log). Left out
+# until its cuda test passes: Qwen3 at <= 4 rows (the test asked for top-1 agreement with HF's bf16 kernels, 0.8
+# at batch 1, where random weights' ties flip; it now measures both against float32).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -63,6 +63,7 @@ CUDA_TESTED = frozenset({
     "Qwen2, q/k/v biases, <= 4 rows",
     "Qwen2, q/k/v biases, passes of 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
+    "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
     "mixtral experts",
     "mixtral experts, grouped",
