@@ -176,10 +176,28 @@ def test_gemv_default_tiles_are_the_fastest_measured_for_gemma3_1b():
         assert config in times and times[config] <= 1.03 * min(times.values()), (proj, config, times)
 
 
+def test_pdl_setting_off_on_or_auto_by_the_weights_a_kernel_reads(monkeypatch):
+    """GDTOOL_PDL / pdl(): 0, 1 or auto (PDL on the kernels reading at most PDL_AUTO_MAX_BYTES of weights);
+    anything else is refused with the values it takes. No PDL where the device has none (a CPU)."""
+    limit = fast_triton.PDL_AUTO_MAX_BYTES
+    with fast_triton.pdl("auto"):
+        assert fast_triton.uses_pdl(0) and fast_triton.uses_pdl(limit) and not fast_triton.uses_pdl(limit + 1)
+        assert "64 MB" in fast_triton.pdl_label()
+        assert fast_triton.launch_options(torch.device("cpu"), 1) == {"PDL": False}
+    with fast_triton.pdl(True):
+        assert fast_triton.uses_pdl(10 * limit) and fast_triton.pdl_label() == "on"
+    with fast_triton.pdl("0"):
+        assert not fast_triton.uses_pdl(0) and fast_triton.pdl_label() == "off"
+    with pytest.raises(ValueError, match="0 \\(off\\), 1 \\(every kernel\\) or auto"):
+        fast_triton.set_pdl("sometimes")
+    monkeypatch.setenv("GDTOOL_PDL", "auto")
+    assert fast_triton._pdl_mode(os.environ["GDTOOL_PDL"]) == "auto"
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("pdl", [True, False], ids=["pdl", "no-pdl"])
+@pytest.mark.parametrize("pdl", [True, False, "auto"], ids=["pdl", "no-pdl", "pdl-auto"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_triton_kernels_on_cuda(dtype, pdl):
     with fast_triton.pdl(pdl):
@@ -199,8 +217,11 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch):
     direct = _decode(model, prompt, kernels="fast", max_new_tokens=24, capture=False)
     with fast_triton.pdl(False):
         plain = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+    with fast_triton.pdl("auto"):
+        auto = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     assert captured.replays == captured.steps > 0
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
+    assert torch.equal(auto.tokens, plain.tokens)
     table = fast.compiles(model)
     assert table.compiles.sum() == 1 and table.kernels.iloc[0].startswith("fast: fast decode forward"), table
     if gdtool.loops.devloop.device_loop_support() is None:

@@ -486,6 +486,11 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     return block_n, warps, per_sm
 
 
+def _bytes(*weights) -> int:
+    """The weight bytes a kernel streams (the PDL setting "auto" decides by them)."""
+    return sum(w.numel() * w.element_size() for w in weights if w is not None)
+
+
 def _row_passes(m: int) -> tuple[int, int]:
     """(ROWS, PASSES): rows multiplied at once against a weight tile, and how many such passes cover m."""
     if m > MAX_ROWS:
@@ -530,7 +535,8 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
         OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
-        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, num_warps=warps, **launch_options(x.device))
+        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, num_warps=warps,
+        **launch_options(x.device, _bytes(weight, weight2)))
     return (y, h) if fold and keep else y
 
 
@@ -600,7 +606,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
         PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, num_warps=warps,
-        **launch_options(x.device))
+        **launch_options(x.device, _bytes(wq, wk, wv)))
     if two:
         norm_rows = next_pow2(m)
         _qk_norm_rope_kernel[(1, hq + hkv)](

@@ -303,7 +303,7 @@ def _kernels_note(step: CompiledStep) -> str:
             return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
     device = next(step.model.parameters()).device
-    pdl = "on" if fast_triton.pdl_enabled() and fast_triton.pdl_supported(device) else "off"
+    pdl = fast_triton.pdl_label() if fast_triton.pdl_supported(device) else "off"
     argmax = "two-stage argmax; " if step._eager_argmax() else ""
     return f"fast: {step.fast_plan.reason}; {argmax}PDL {pdl} at first use"
 

@@ -24,8 +24,29 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 HAVE_TRITON = triton is not None
 
-# Off unless asked for (GDTOOL_PDL=1 or `pdl(True)`): see docs/fast.md for what was measured.
-_pdl = os.environ.get("GDTOOL_PDL", "0") not in ("0", "false", "off", "")
+# Programmatic dependent launch: False (off), True (every kernel) or "auto" (per kernel, by the weights it
+# reads: `uses_pdl`). Off unless asked for (GDTOOL_PDL=1 / auto, or `pdl(...)`): docs/fast.md has what was measured.
+PDL_MODES = (False, True, "auto")
+# "auto": PDL on a kernel that reads at most this many weight bytes. Measured per kernel on the H200 (each kernel
+# after itself in a graph; profiles/h200/decode-kernels/): PDL saved 0.4-1.7 us a call on every product of at
+# most 50 MB but Llama-1B's down projection (+0.8 us, 34 MB), and cost 8-9 us on Qwen3-8B's and Llama-8B's
+# gate/up (201 and 117 MB) and 5 us on Gemma-3-1B's lm_head (604 MB); larger products were mixed.
+PDL_AUTO_MAX_BYTES = 64 << 20
+
+
+def _pdl_mode(value) -> bool | str:
+    text = str(value).strip().lower()
+    if text in ("0", "false", "off", "", "none"):
+        return False
+    if text == "auto":
+        return "auto"
+    if text in ("1", "true", "on"):
+        return True
+    raise ValueError(f"PDL setting {value!r}: give 0 (off), 1 (every kernel) or auto (kernels reading at most "
+                     f"{PDL_AUTO_MAX_BYTES >> 20} MB of weights)")
+
+
+_pdl = _pdl_mode(os.environ.get("GDTOOL_PDL", "0"))
 
 
 def interpreting() -> bool:
@@ -96,31 +117,41 @@ def pdl_supported(device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
 
 
-def pdl_enabled() -> bool:
-    """Whether the next kernel launches use PDL (where the device supports it). Read at launch: a captured
-    graph keeps what was set when it was captured."""
+def pdl_enabled() -> bool | str:
+    """The PDL setting for the next kernel launches (where the device supports it): False, True or "auto".
+    Read at launch: a captured graph keeps what was set when it was captured."""
     return _pdl
 
 
-def set_pdl(enabled: bool) -> None:
+def pdl_label() -> str:
+    return {False: "off", True: "on"}.get(_pdl, f"on kernels reading <= {PDL_AUTO_MAX_BYTES >> 20} MB of weights")
+
+
+def set_pdl(enabled: bool | str) -> None:
     global _pdl
-    _pdl = bool(enabled)
+    _pdl = _pdl_mode(enabled)
 
 
 @contextmanager
-def pdl(enabled: bool):
-    """Launch the decode kernels with (True) or without (False) programmatic dependent launch."""
+def pdl(enabled: bool | str):
+    """Launch the decode kernels with (True), without (False) programmatic dependent launch, or with it on the
+    kernels that read at most PDL_AUTO_MAX_BYTES of weights ("auto")."""
     global _pdl
-    before, _pdl = _pdl, bool(enabled)
+    before, _pdl = _pdl, _pdl_mode(enabled)
     try:
         yield
     finally:
         _pdl = before
 
 
-def launch_options(device) -> dict:
+def uses_pdl(weight_bytes: int = 0) -> bool:
+    """Whether a kernel reading `weight_bytes` of weights launches with PDL under the current setting."""
+    return _pdl is True or (_pdl == "auto" and weight_bytes <= PDL_AUTO_MAX_BYTES)
+
+
+def launch_options(device, weight_bytes: int = 0) -> dict:
     """Keyword arguments for a kernel launch: the PDL attribute, and the flag that makes the kernel wait."""
-    use = _pdl and pdl_supported(device)
+    use = uses_pdl(weight_bytes) and pdl_supported(device)
     return {"launch_pdl": True, "PDL": True} if use else {"PDL": False}
 
 
