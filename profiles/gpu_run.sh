@@ -33,6 +33,8 @@
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
 #   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at 1 row over the probe's full sweep of tile
 #                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
+#   bench-pdl      the fast step of each of PDL_MODELS (space-separated; gemma-3-1b) at BENCH_BATCHES (1) with GDTOOL_PDL=0, auto, 1
+#                  (no peers): which PDL setting each preset's step wants
 #   bench-1b, bench-8b   python -m gdtool bench
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
 #   devloop-host   device-loop host time per token, geometric lengths
@@ -183,6 +185,9 @@ for p in "$@"; do
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers none \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
+    bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
+           GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
+           --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;
     moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
