@@ -201,3 +201,60 @@ def test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens():
             "assert \"attention with sinks: gdtool's split-KV kernels\" in note, note\n"
             "print('ok')\n")
     run_interpreted(code, timeout=900)
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
+    """GDTOOL_FUSED_COMBINE: the split kernel's last program per (row, key/value head) combines. Under the
+    interpreter, for rows, grouped heads, live lengths (one chunk, several, all), left padding and sinks: the
+    output equals the two-kernel form's bit for bit, again on a second call (the counts back at zero), and
+    the float64 check passes."""
+    code = ("import torch\nfrom gdtool.kernels import attention, check\n"
+            "gen = torch.Generator().manual_seed(0)\n"
+            "for m, hq, hkv, d, c, live, pad, sinks in ((1, 4, 1, 16, 40, 1, 0, False), (1, 4, 1, 16, 40, 23, 0, True),\n"
+            "        (3, 8, 2, 32, 64, 64, 5, False), (2, 4, 4, 16, 48, 17, 3, True)):\n"
+            "    q = torch.randn(m, hq, d, generator=gen).half()\n"
+            "    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))\n"
+            "    mask = torch.ones(m, c, dtype=torch.long)\n"
+            "    for r in range(m):\n"
+            "        mask[r, : min(r * pad, live - 1)] = 0\n"
+            "    sink = torch.randn(hq, generator=gen).half() if sinks else None\n"
+            "    args = (q, kc, vc, mask, torch.tensor(live - 1), d ** -0.5, sink)\n"
+            "    attention._FUSED_COMBINE = False\n"
+            "    two = attention.split_kv(*args)\n"
+            "    attention._FUSED_COMBINE = True\n"
+            "    one, again = attention.split_kv(*args), attention.split_kv(*args)\n"
+            "    assert torch.equal(one, two) and torch.equal(again, two), (m, hq, hkv, live, (one - two).abs().max())\n"
+            "    assert not attention._COUNTS['cpu'].any()\n"
+            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    assert r.ok, r\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+def test_fused_combine_on_cuda(monkeypatch, pdl):
+    """GDTOOL_FUSED_COMBINE on the GPU, where the programs of one launch run at once: the float64 checks at
+    small and real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64, 8 rows, sinks), each twice (the
+    counts reset), and tiny-llama's fast step captured equal to itself uncaptured and to the two-kernel form."""
+    from gdtool.kernels import check
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    check._impl.triton = True
+    shapes = ((1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False),
+              (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False))
+    with fast_triton.pdl(pdl):
+        for m, hq, hkv, d, c, live, pad, sinks in shapes:
+            monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", True)
+            for _ in range(2):
+                r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad, sinks=sinks)
+                assert r.ok, r
+        model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
+        prompt = gdtool.random_prompts(model, batch=3, lengths=(5, 12), seed=0)
+        kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast",
+                  mode="step-graph")
+        captured = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+        direct = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)
+        monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", False)
+        two = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+    assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, two.tokens)

@@ -44,6 +44,7 @@ forward (`sinks_plan` decides, `scope(sinks_kernel=True)` switches the dispatche
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -235,10 +236,10 @@ def split_plan(batch: int, hkv: int, cache_len: int) -> tuple[int, int]:
 if HAVE_TRITON:
     @triton.jit
     def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
-                      C, stride_mask, qk_scale,
+                      C, stride_mask, qk_scale, count_ptr, o_ptr, sink_ptr,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                      PDL: tl.constexpr):
+                      FUSED: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
@@ -277,23 +278,37 @@ if HAVE_TRITON:
             tl.store(m_ptr + row, m_i, mask=g < G)
             tl.store(l_ptr + row, l_i, mask=g < G)
             tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        if FUSED:
+            # The combine in the last of the (row, key/value head)'s SPLITS programs to finish: every thread's
+            # stores done (the barrier), then one acq_rel count: the last sees the others' partials. It sets
+            # the count back to 0 for the next call (the next kernel to use it waits for this one's end).
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
+            if done == SPLITS - 1:
+                tl.store(count_ptr + bh, 0)
+                for gi in tl.static_range(G):
+                    _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, b * HQ + hk * G + gi, live, HQ, D, CHUNK,
+                             SPLITS, BLOCK_SPLITS, SINKS, True)
 
     @triton.jit
-    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, sink_ptr,
-                        HQ: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-                        BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
-        bh = tl.program_id(0)  # row * Hq + query head
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        live = tl.load(slot_ptr) + 1
+    def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh, live, HQ: tl.constexpr, D: tl.constexpr,
+                 CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr,
+                 FROM_L2: tl.constexpr):
+        """One (row, query head) bh: its live chunks' partial results, rescaled to the common max, stored.
+        FROM_L2 (the fused form, where other programs wrote the partials just before): read past L1 (.cg)."""
         n_live = (live + CHUNK - 1) // CHUNK
         s = tl.arange(0, BLOCK_SPLITS)
         valid = s < n_live
-        m = tl.load(m_ptr + bh * SPLITS + s, mask=valid, other=float("-inf"))
-        l = tl.load(l_ptr + bh * SPLITS + s, mask=valid, other=0.0)
         d = tl.arange(0, D)
-        acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+        if FROM_L2:
+            m = tl.load(m_ptr + bh * SPLITS + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+            l = tl.load(l_ptr + bh * SPLITS + s, mask=valid, other=0.0, cache_modifier=".cg")
+            acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0,
+                          cache_modifier=".cg")
+        else:
+            m = tl.load(m_ptr + bh * SPLITS + s, mask=valid, other=float("-inf"))
+            l = tl.load(l_ptr + bh * SPLITS + s, mask=valid, other=0.0)
+            acc = tl.load(acc_ptr + (bh * SPLITS + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
         top = tl.max(m, axis=0)
         if SINKS:  # the head's sink joins the softmax: in the common max and the sum, never in the output
             sink = tl.load(sink_ptr + bh % HQ).to(tl.float32) * 1.4426950408889634   # log2 units, as m
@@ -304,6 +319,17 @@ if HAVE_TRITON:
             total += tl.exp2(sink - top)
         out = tl.sum(acc * w[:, None], axis=0) / total
         tl.store(o_ptr + bh * D + d, out.to(o_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, sink_ptr,
+                        HQ: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+                        BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
+        bh = tl.program_id(0)  # row * Hq + query head
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        live = tl.load(slot_ptr) + 1
+        _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh, live, HQ, D, CHUNK, SPLITS, BLOCK_SPLITS, SINKS, False)
 
 
 def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
@@ -317,11 +343,43 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
     acc = torch.empty(b * hq * splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq * d, device=q.device, dtype=q.dtype)
     opts = launch_options(q.device)
+    fused = fused_combine(q.device)
+    sink = sinks if sinks is not None else m
+    block_splits = max(2, next_pow2(splits))
     _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
+        _counts(b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
-        num_warps=4, **opts)
-    _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, sinks if sinks is not None else m, HQ=hq, D=d,
-                               CHUNK=chunk, SPLITS=splits, BLOCK_SPLITS=max(2, next_pow2(splits)),
-                               SINKS=sinks is not None, num_warps=4 if d >= 128 else 2, **opts)
+        FUSED=fused, BLOCK_SPLITS=block_splits, SINKS=sinks is not None, num_warps=4, **opts)
+    if not fused:
+        _attention_combine_kernel[(b * hq,)](m, l, acc, out, slot, sink, HQ=hq, D=d, CHUNK=chunk, SPLITS=splits,
+                                             BLOCK_SPLITS=block_splits, SINKS=sinks is not None,
+                                             num_warps=4 if d >= 128 else 2, **opts)
     return out
+
+
+# The combine inside the split kernel, in the last program of each (row, key/value head) to finish: one kernel
+# instead of two per attention (the combine's launch is ~2.4 us a layer at gemma-3-1b's batch 1, nsys at cb883e2).
+# Off unless asked for (GDTOOL_FUSED_COMBINE=1) and, on CUDA, until its cuda tests pass (CUDA_TESTED).
+FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
+_FUSED_COMBINE = os.environ.get("GDTOOL_FUSED_COMBINE", "0") not in ("0", "")
+_COUNTS: dict = {}
+
+
+def fused_combine(device) -> bool:
+    """Whether split_kv combines inside its split kernel on `device` (refused on CUDA while untested)."""
+    if not _FUSED_COMBINE:
+        return False
+    why = untested_on_cuda(FUSED_COMBINE_PATH, device)
+    if why:
+        raise RuntimeError(f"GDTOOL_FUSED_COMBINE=1: {why}")
+    return True
+
+
+def _counts(n: int, device) -> torch.Tensor:
+    """Per (row, key/value head), how many of its split programs have finished: zero between calls (the last
+    program resets its count). One buffer per device, made before any capture (the warm-up's first call)."""
+    key = str(device)
+    if key not in _COUNTS or _COUNTS[key].numel() < n:
+        _COUNTS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return _COUNTS[key]
