@@ -35,6 +35,8 @@ returns at once:
              heads, read once for all G) against the chunk's keys, masked by the 2-D mask and the
              live length; online softmax; unnormalized output, running max and sum (float32)
     combine  per (row, query head): the live chunks' partial results, rescaled to the common max
+             (GDTOOL_FUSED_COMBINE=1: inside the split kernel, by the last of a row and key/value head's
+             programs to finish; one launch instead of two)
 
 The arithmetic is flash-decoding's: scores and softmax in float32, probabilities rounded to the
 model dtype for the product with V (as SDPA's kernels do), output rounded once. With gpt-oss's sinks
