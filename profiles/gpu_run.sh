@@ -13,9 +13,10 @@
 #   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
 #   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
 #                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
-#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the
-#                  window sweep with them), and which kernel paths passed them (profiles/kernel_paths.py)
-#   recheck        what changed after the last GPU run (at 829123a): the timing tests alone (Kineto records on torch
+#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, attention
+#                  (the fused combine), the window sweep with them), and which kernel paths passed them
+#                  (profiles/kernel_paths.py)
+#   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
 #                  2.11; their busy-vs-span checks are not for a shared GPU), capture through a device mask
 #                  (`ids[image_mask] = 0`) in the capture tests and the zoo's image-text cases that 829123a refused
 #   windows-gpt-oss  gpt-oss's captured window sweep with kernels=fast: its attention in the split-KV kernels with
@@ -25,7 +26,7 @@
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each
 #                  case's outcome (outcomes.jsonl: profiles/zoo_table.py --cuda-outcomes renders it)
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
-#   bench-qwen3-8b, bench-gemma, bench-moe   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
+#   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
@@ -161,7 +162,7 @@ for p in "$@"; do
     tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-360} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
            "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py \
-           tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured
+           tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured
            "$py" profiles/kernel_paths.py "$work/tests-kernels/paths.jsonl" 2>&1 | tee "$work/tests-kernels/paths.txt" | tee -a "$log"
            keep tests-kernels ;;
     recheck) part recheck ${RECHECK_SECONDS:-150} bash -c "$py -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
@@ -182,6 +183,9 @@ for p in "$@"; do
     bench-gemma) part bench-gemma ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model gemma-3-1b --batch ${BENCH_BATCHES:-1,64} --max-new-tokens 256 --repeats 2 --modes step-graph device-loop \
            --peers generate-static --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-gemma" ;;
+    bench-gpt-oss) part bench-gpt-oss ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
+           --model gpt-oss-20b --batch ${BENCH_BATCHES:-1} --repeats 2 --modes step-graph --peers generate-static \
+           --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-gpt-oss" ;;
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers none \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
