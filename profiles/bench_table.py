@@ -31,6 +31,28 @@ def frame(paths):
     return pd.DataFrame(out)
 
 
+def fastest(runs):
+    """Per model and batch of `frame(...)`'s rows that ran: gdtool's fastest runner, and the fastest peer of
+    the same run (the same JSON file: ratios only between what one process measured), with the floor and the
+    commit. Peers of other runs are not compared; a run without a peer shows none."""
+    import pandas as pd
+    ok = runs[runs.status == "ok"].sort_values("ms_per_step")
+    out = []
+    for (name, batch), group in ok.groupby(["model", "batch"], sort=False):
+        mine = group[group.family == "gdtool"]
+        if not len(mine):
+            continue
+        best = mine.iloc[0]
+        peers = group[(group.family == "peer") & (group.file == best.file)]
+        out.append({"model": name, "batch": batch, "gdtool, fastest": best.runner, "ms/step": best.ms_per_step,
+                    "peer, fastest": peers.runner.iloc[0] if len(peers) else None,
+                    "peer ms/step": peers.ms_per_step.iloc[0] if len(peers) else float("nan"),
+                    "floor ms/step": best.floor_ms, "commit": str(best.commit)[:7]})
+    summary = pd.DataFrame(out).sort_values(["model", "batch"]).set_index(["model", "batch"])
+    summary["% of floor"] = 100 * summary["floor ms/step"] / summary["ms/step"]
+    return summary
+
+
 def fmt(value, spec):
     return "-" if value is None or value != value else format(value, spec)
 

@@ -187,3 +187,19 @@ def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_pa
     with pytest.raises(SystemExit):
         zoo_table.main(["--cuda-outcomes", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "zoo.md")])
     assert "--cuda-outcomes" in capsys.readouterr().err
+
+
+def test_bench_fastest_compares_with_the_peers_of_the_same_run():
+    """bench_table.fastest: gdtool's fastest runner per model and batch, beside the fastest peer of its own run
+    (a faster peer measured in another run is not its ratio), with that run's floor and commit."""
+    import pandas as pd
+    import bench_table  # profiles/, on the path above
+    rows = [("m", 1, "gdtool a", "gdtool", 2.0, 0.5, "c1", "old.json"), ("m", 1, "peer p", "peer", 1.5, 0.5, "c1", "old.json"),
+            ("m", 1, "gdtool b", "gdtool", 1.0, 0.4, "c2", "new.json"), ("m", 1, "peer p", "peer", 3.0, 0.4, "c2", "new.json"),
+            ("m", 2, "gdtool b", "gdtool", 1.2, 0.6, "c2", "new.json")]
+    runs = pd.DataFrame([dict(model=m, batch=b, runner=r, family=f, status="ok", ms_per_step=ms, floor_ms=fl, commit=c,
+                              file=path) for m, b, r, f, ms, fl, c, path in rows])
+    summary = bench_table.fastest(runs)
+    one, two = summary.loc[("m", 1)], summary.loc[("m", 2)]
+    assert (one["gdtool, fastest"], one["ms/step"], one["peer ms/step"], one["commit"]) == ("gdtool b", 1.0, 3.0, "c2")
+    assert one["% of floor"] == 40.0 and pd.isna(two["peer, fastest"]) and pd.isna(two["peer ms/step"])
