@@ -5,8 +5,10 @@
 Reads the last `decode` range of the export, the kernels of every graph launch made inside it (joined
 to the launch by correlation id, so it needs `--cuda-graph-trace=node`), and prints per decode step:
 time and count per kernel class (matmul: cuBLAS/CUTLASS GEMM and GEMV; attention; Triton (inductor's
-fused kernels); other) and the kernels that take the most time. With `--model` (a preset), the matmul
-class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul time per step.
+fused kernels); gdtool's MoE experts kernels; other) and the kernels that take the most time. With `--model`
+(a preset), the matmul class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul
+time per step; and the bytes a step must read at the export's batch (`bench.step_bytes`: of a mixture of
+experts, the stacked expert tensors its tokens hit on average) over the whole busy time.
 """
 from __future__ import annotations
 
@@ -26,7 +28,15 @@ CLASSES = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
            ("triton", ("triton",)))
 
 
+# gdtool's MoE kernels (gdtool/kernels/experts.py), by their exact names: "_combine_kernel" is also the tail of
+# the attention's combine, and none of them says gemm or gemv
+EXPERTS = ("_router_kernel", "_gate_up_kernel", "_down_kernel", "_route_kernel", "_align_kernel",
+           "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel")
+
+
 def kernel_class(name: str) -> str:
+    if name in EXPERTS:
+        return "experts"
     low = name.lower()
     for cls, keys in CLASSES:
         if any(k in low for k in keys):
@@ -75,6 +85,26 @@ def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
     return total
 
 
+def step_weight_bytes(model: str, batch: int) -> int:
+    """The weight bytes one decode step of preset `model` at `batch` rows reads (bf16), as the bench counts
+    them (`gdtool.frontends.bench.step_bytes`): built on the meta device."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from gdtool.core.models import preset_config
+    from gdtool.frontends.bench import step_bytes
+    with torch.device("meta"):
+        m = AutoModelForCausalLM.from_config(preset_config(model)).to(torch.bfloat16)
+    return step_bytes(m, batch, 0, 0)["weight_bytes"]
+
+
+def export_batch(path) -> int | None:
+    """The batch in a `gdtool profile --nsys` export's name (`<model>_b<batch>_<mode>_...`), or None."""
+    import re
+    found = re.search(r"_b(\d+)_", Path(path).name)
+    return int(found.group(1)) if found else None
+
+
 def breakdown(path, model: str | None = None, top: int = 12) -> str:
     kernels, launches = launch_kernels(path)
     per_step = kernels.groupby("class")["us"].agg(["sum", "count"]) / launches
@@ -91,6 +121,12 @@ def breakdown(path, model: str | None = None, top: int = 12) -> str:
         mm = per_step["sum"].get("matmul", float("nan"))
         lines += ["", f"{model}: linear weights {nbytes / 1e9:.3f} GB (bfloat16) read by the matmul class in "
                       f"{mm:.1f} µs per launch: {nbytes / (mm * 1e-6) / 1e12:.2f} TB/s."]
+        batch = export_batch(path)
+        if batch is not None:
+            step = step_weight_bytes(model, batch)
+            lines.append(f"Weights a step reads at batch {batch} (the bench's count: of the experts, those its tokens "
+                         f"hit on average): {step / 1e9:.3f} GB, over the GPU busy time: "
+                         f"{step / (total * 1e-6) / 1e12:.2f} TB/s.")
     by_name = kernels.groupby(["class", "name"])["us"].agg(["sum", "count", "mean"]).reset_index()
     by_name["sum"] /= launches
     by_name["count"] /= launches

@@ -203,3 +203,20 @@ def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     one, two = summary.loc[("m", 1)], summary.loc[("m", 2)]
     assert (one["gdtool, fastest"], one["ms/step"], one["peer ms/step"], one["commit"]) == ("gdtool b", 1.0, 3.0, "c2")
     assert one["% of floor"] == 40.0 and pd.isna(two["peer, fastest"]) and pd.isna(two["peer ms/step"])
+
+
+def test_breakdown_counts_the_experts_a_step_reads():
+    """kernel_breakdown: gdtool's MoE kernels are their own class (the experts' combine apart from the attention's);
+    a MoE step's weight bytes are the bench's (the experts its tokens hit on average, from 8 of 128 at one row to
+    nearly all at 64), and the breakdown of an export whose name gives the batch says them over its busy time."""
+    assert [kernel_breakdown.kernel_class(n) for n in ("_combine_kernel", "_attention_combine_kernel",
+                                                       "_grouped_gate_up_kernel", "_rms_gemv_kernel")] == \
+        ["experts", "attention", "experts", "matmul"]
+    one, all_rows = (kernel_breakdown.step_weight_bytes("qwen3-30b-a3b", b) for b in (1, 64))
+    dense = kernel_breakdown.linear_weight_bytes("qwen3-30b-a3b")
+    assert dense < one < all_rows and 5.5e9 < one < 6.5e9 and all_rows > 55e9
+    export = ROOT / "profiles" / "h200" / "nsys-gemma-fast-cb883e2" / "fast" / \
+        "gemma-3-1b_b1_step-graph_node_noeos_kernelsfast.sqlite.gz"
+    assert kernel_breakdown.export_batch(export) == 1
+    text = kernel_breakdown.breakdown(export, "gemma-3-1b")
+    assert "Weights a step reads at batch 1" in text and "2.000 GB" in text, text
