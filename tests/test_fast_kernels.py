@@ -192,6 +192,13 @@ def test_pdl_setting_off_on_or_auto_by_the_weights_a_kernel_reads(monkeypatch):
         fast_triton.set_pdl("sometimes")
     monkeypatch.setenv("GDTOOL_PDL", "auto")
     assert fast_triton._pdl_mode(os.environ["GDTOOL_PDL"]) == "auto"
+    # the on/off switches: a value that is neither is refused with the variable's name, not read as on
+    for value, on in (("0", False), ("false", False), ("", False), ("1", True), ("On", True)):
+        monkeypatch.setenv("GDTOOL_FUSED_COMBINE", value)
+        assert fast_triton.env_flag("GDTOOL_FUSED_COMBINE") is on
+    monkeypatch.setenv("GDTOOL_FUSED_COMBINE", "maybe")
+    with pytest.raises(ValueError, match="GDTOOL_FUSED_COMBINE='maybe': give 1 \\(on\\) or 0 \\(off\\)"):
+        fast_triton.env_flag("GDTOOL_FUSED_COMBINE")
 
 
 # -- CUDA ---------------------------------------------------------------------------------------

@@ -46,13 +46,12 @@ forward (`sinks_plan` decides, `scope(sinks_kernel=True)` switches the dispatche
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, cdiv, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 BLOCK_S = 16          # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
@@ -364,7 +363,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
 # instead of two per attention (the combine's launch is ~2.4 us a layer at gemma-3-1b's batch 1, nsys at cb883e2).
 # Off unless asked for (GDTOOL_FUSED_COMBINE=1) and, on CUDA, until its cuda tests pass (CUDA_TESTED).
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
-_FUSED_COMBINE = os.environ.get("GDTOOL_FUSED_COMBINE", "0") not in ("0", "")
+_FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE")
 _COUNTS: dict = {}
 
 

@@ -34,16 +34,28 @@ PDL_MODES = (False, True, "auto")
 PDL_AUTO_MAX_BYTES = 64 << 20
 
 
+_OFF, _ON = ("0", "false", "off", "", "none"), ("1", "true", "on")
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable of gdtool's kernels (GDTOOL_FUSED_COMBINE, GDTOOL_UNTESTED_KERNELS): 0,
+    false, off or unset; 1, true or on. Anything else is refused, not read as on."""
+    value = os.environ.get(name, "0").strip().lower()
+    if value in _OFF or value in _ON:
+        return value in _ON
+    raise ValueError(f"{name}={os.environ[name]!r}: give 1 (on) or 0 (off)")
+
+
 def _pdl_mode(value) -> bool | str:
     text = str(value).strip().lower()
-    if text in ("0", "false", "off", "", "none"):
+    if text in _OFF:
         return False
     if text == "auto":
         return "auto"
-    if text in ("1", "true", "on"):
+    if text in _ON:
         return True
-    raise ValueError(f"PDL setting {value!r}: give 0 (off), 1 (every kernel) or auto (kernels reading at most "
-                     f"{PDL_AUTO_MAX_BYTES >> 20} MB of weights)")
+    raise ValueError(f"PDL setting {value!r} (GDTOOL_PDL or pdl()): give 0 (off), 1 (every kernel) or auto (kernels "
+                     f"reading at most {PDL_AUTO_MAX_BYTES >> 20} MB of weights)")
 
 
 _pdl = _pdl_mode(os.environ.get("GDTOOL_PDL", "0"))
@@ -104,7 +116,7 @@ def untested_on_cuda(path: str, device) -> str:
     """'' where kernel path `path` may run on `device`; else why it is refused there."""
     if device.type == "cuda":
         asked_on_cuda.add(path)
-    if device.type != "cuda" or path in CUDA_TESTED or os.environ.get("GDTOOL_UNTESTED_KERNELS", "0") not in ("0", ""):
+    if device.type != "cuda" or path in CUDA_TESTED or env_flag("GDTOOL_UNTESTED_KERNELS"):
         return ""
     return (f"gdtool's kernels for {path} have not passed their cuda tests on a GPU yet (tested: "
             f"{', '.join(sorted(CUDA_TESTED))}); GDTOOL_UNTESTED_KERNELS=1 runs them anyway")
