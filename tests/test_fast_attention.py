@@ -1,6 +1,7 @@
 """The packed grouped-query attention of the compiled step, against HF's sdpa attention (and gpt-oss's eager
 attention with its sinks)."""
 import contextlib
+import random
 
 import pytest
 import torch
@@ -206,13 +207,18 @@ def test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens():
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
     """GDTOOL_FUSED_COMBINE: the split kernel's last program per (row, key/value head) combines. Under the
-    interpreter, for rows, grouped heads, live lengths (one chunk, several, all), left padding and sinks: the
+    interpreter, over a seeded sweep of rows, grouped heads, cache and live lengths, left padding and sinks: the
     output equals the two-kernel form's bit for bit, again on a second call (the counts back at zero), and
     the float64 check passes."""
-    code = ("import torch\nfrom gdtool.kernels import attention, check\n"
+    code = ("import random, torch\nfrom gdtool.kernels import attention, check\n"
             "gen = torch.Generator().manual_seed(0)\n"
-            "for m, hq, hkv, d, c, live, pad, sinks in ((1, 4, 1, 16, 40, 1, 0, False), (1, 4, 1, 16, 40, 23, 0, True),\n"
-            "        (3, 8, 2, 32, 64, 64, 5, False), (2, 4, 4, 16, 48, 17, 3, True)):\n"
+            "rng = random.Random(0)  # a seeded sweep, and the edges: one live slot, every slot live\n"
+            "cases = [(1, 4, 1, 16, 40, 1, 0, False), (2, 8, 2, 32, 64, 64, 5, True)]\n"
+            "for _ in range(8):\n"
+            "    hkv, c = rng.choice((1, 2, 4)), rng.randint(8, 96)\n"
+            "    cases.append((rng.randint(1, 4), hkv * rng.choice((1, 2, 4, 8)), hkv, rng.choice((16, 32)), c,\n"
+            "                  rng.randint(1, c), rng.randint(0, 3), rng.random() < 0.5))\n"
+            "for m, hq, hkv, d, c, live, pad, sinks in cases:\n"
             "    q = torch.randn(m, hq, d, generator=gen).half()\n"
             "    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))\n"
             "    mask = torch.ones(m, c, dtype=torch.long)\n"
@@ -236,13 +242,18 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
 def test_fused_combine_on_cuda(monkeypatch, pdl):
     """GDTOOL_FUSED_COMBINE on the GPU, where the programs of one launch run at once: the float64 checks at
-    small and real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64, 8 rows, sinks), each twice (the
+    real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64, 8 rows, sinks) and a seeded sweep, each twice (the
     counts reset), and tiny-llama's fast step captured equal to itself uncaptured and to the two-kernel form."""
     from gdtool.kernels import check
     gen = torch.Generator(device="cuda").manual_seed(0)
     check._impl.triton = True
-    shapes = ((1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False),
-              (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False))
+    shapes = [(1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False),
+              (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False)]
+    rng = random.Random(pdl)  # and a seeded sweep over rows, groups, head sizes, cache and live lengths, padding
+    for _ in range(12):
+        hkv, c = rng.choice((1, 2, 8)), rng.randint(16, 1024)
+        shapes.append((rng.randint(1, 16), hkv * rng.choice((1, 4, 8)), hkv, rng.choice((64, 128, 256)), c,
+                       rng.randint(1, c), rng.randint(0, 5), rng.random() < 0.3))
     with fast_triton.pdl(pdl):
         for m, hq, hkv, d, c, live, pad, sinks in shapes:
             monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", True)
