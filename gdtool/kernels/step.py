@@ -469,21 +469,31 @@ def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32
     (1..steps-1, position 0 is the shared prefill): share of rows whose top-1 token agrees, the
     largest absolute logit difference, the largest |logit| (for scale), and each step's time.
     """
+    force = _forcing(model, batch, prompt_len, steps, seed)
+    hf, compiled = force("hf", capture), force(kernels, capture)
+    df = _labelled(agreement(hf["logits"], compiled["logits"]), model, batch, prompt_len, kernels)
+    df["hf_step_ms"], df["compiled_step_ms"] = hf["step_ms"], compiled["step_ms"]
+    return df
+
+
+def _forcing(model, batch: int, prompt_len: int, steps: int, seed: int):
+    """teacher_forced over one seeded random prompt and continuation, as a function of the kernels (and capture)."""
     from ..core.models import random_prompts
 
     prompt = random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=seed)
     vocab = model.config.get_text_config().vocab_size
-    gen = torch.Generator().manual_seed(seed + 1)
-    continuation = torch.randint(3, vocab, (batch, steps), generator=gen)
-    hf = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture)
-    compiled = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels, capture)
-    df = agreement(hf["logits"], compiled["logits"])
+    continuation = torch.randint(3, vocab, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
+    return lambda kernels, capture=None: teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation,
+                                                        kernels, capture)
+
+
+def _labelled(df, model, batch: int, prompt_len: int, kernels: str):
+    """df with the run's model, dtype, batch, prompt length and kernels as its first columns."""
     name = getattr(model, "gdtool_name", type(model).__name__)
     dtype = str(next(model.parameters()).dtype).replace("torch.", "")
     columns = dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len, kernels=kernels)
     for column, value in reversed(list(columns.items())):
         df.insert(0, column, value)
-    df["hf_step_ms"], df["compiled_step_ms"] = hf["step_ms"], compiled["step_ms"]
     return df
 
 
@@ -499,7 +509,6 @@ def accuracy(model, batch: int = 4, prompt_len: int = 32, steps: int = 16, seed:
     |logit - reference| over rows and vocabulary, and its rows whose top-1 token is the reference's.
     """
     import pandas as pd
-    from ..core.models import random_prompts
 
     dtype = next(model.parameters()).dtype
     if dtype == torch.float32:
@@ -508,14 +517,11 @@ def accuracy(model, batch: int = 4, prompt_len: int = 32, steps: int = 16, seed:
     if fuse.is_fused(model):
         raise ValueError("accuracy() casts the model to float32 and back, which would leave fused projections' "
                          "shared weight behind; call it on a model without fuse_projections")
-    prompt = random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=seed)
-    vocab = model.config.get_text_config().vocab_size
-    continuation = torch.randint(3, vocab, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
-    ran = {name: teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, name)["logits"]
-           for name in dict.fromkeys(("hf", kernels))}
+    force = _forcing(model, batch, prompt_len, steps, seed)
+    ran = {name: force(name)["logits"] for name in dict.fromkeys(("hf", kernels))}
     try:
         model.float()
-        reference = teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf")["logits"]
+        reference = force("hf")["logits"]
     finally:
         model.to(dtype)
     ref = reference[1:]
@@ -526,11 +532,7 @@ def accuracy(model, batch: int = 4, prompt_len: int = 32, steps: int = 16, seed:
         columns[f"{name}_max_error"] = error.amax(dim=(1, 2)).cpu().numpy()
         columns[f"{name}_top1"] = (logits[1:].argmax(-1) == ref.argmax(-1)).float().mean(-1).cpu().numpy()
     columns["max_abs_logit"] = ref.abs().amax(dim=(1, 2)).cpu().numpy()
-    df = pd.DataFrame(columns)
-    df.insert(0, "kernels", kernels)
-    df.insert(0, "batch", batch)
-    df.insert(0, "model", getattr(model, "gdtool_name", type(model).__name__))
-    return df
+    return _labelled(pd.DataFrame(columns), model, batch, prompt_len, kernels)
 
 
 def agreement(reference: torch.Tensor, other: torch.Tensor) -> "pandas.DataFrame":
