@@ -31,7 +31,10 @@
 # %% tags=["parameters"]
 results = "h200/decode-kernels"   # under profiles/: the committed H200 results
 model = "llama-1b"
-bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b"]   # folders of profiles/h200/bench/ for the last section
+# folders of profiles/h200/bench/ for the last section (gemma-3-1b's second: its run at 69c20df with the fused
+# attention combine on, the fastest with peers in the same run)
+bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers", "qwen3-30b-a3b",
+                 "gpt-oss-20b"]
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -159,24 +162,15 @@ print("TB/s per projection as the best step runs them:", mine.round(2).to_dict()
 # `python -m gdtool bench` (prompt 128, 256 new tokens, greedy, EOS off) against its peers in the same
 # process, read from the committed runs under `profiles/h200/bench/<preset>/` (`profiles/bench_table.py`).
 # The floor is the bytes a step must read (weights once, the live KV cache) over the copy bandwidth measured
-# in the same run. Per preset and batch: gdtool's fastest runner, the fastest peer, and the floor.
+# in the same run. Per preset and batch: gdtool's fastest runner, the fastest peer measured in the same run
+# (none where that run had no peer), and the floor.
 
 # %%
 import bench_table  # noqa: E402
 
 paths = sorted(p for preset in bench_presets for p in (root / "profiles" / "h200" / "bench" / preset).glob("*.json"))
 runs = bench_table.frame(paths)
-ok = runs[runs.status == "ok"].sort_values("ms_per_step")
-rows = []
-for (name, batch), group in ok.groupby(["model", "batch"], sort=False):
-    mine, peers = group[group.family == "gdtool"], group[group.family == "peer"]
-    rows.append({"model": name, "batch": batch, "gdtool, fastest": mine.runner.iloc[0] if len(mine) else None,
-                 "ms/step": mine.ms_per_step.iloc[0] if len(mine) else float("nan"),
-                 "peer, fastest": peers.runner.iloc[0] if len(peers) else None,
-                 "peer ms/step": peers.ms_per_step.iloc[0] if len(peers) else float("nan"),
-                 "floor ms/step": group.floor_ms.iloc[0], "commit": str(group.commit.iloc[0])[:7]})
-summary = pd.DataFrame(rows).sort_values(["model", "batch"]).set_index(["model", "batch"])
-summary["% of floor"] = 100 * summary["floor ms/step"] / summary["ms/step"]
+summary = bench_table.fastest(runs)   # the peer of the same run (JSON file) as gdtool's fastest runner
 display(summary.round(3))
 fig, ax = plt.subplots(figsize=(8, 0.55 * len(summary) + 1.2), layout="constrained")
 names = [f"{m}, batch {b}" for m, b in summary.index]

@@ -305,7 +305,8 @@ def _kernels_note(step: CompiledStep) -> str:
     device = next(step.model.parameters()).device
     pdl = fast_triton.pdl_label() if fast_triton.pdl_supported(device) else "off"
     argmax = "two-stage argmax; " if step._eager_argmax() else ""
-    return f"fast: {step.fast_plan.reason}; {argmax}PDL {pdl} at first use"
+    combine = "attention combined in the split kernel's last program; " if attention.fused_combine(device) else ""
+    return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
 
 
 def _fresh(fn):

@@ -25,7 +25,10 @@ except ImportError:  # pragma: no cover - depends on the environment
 HAVE_TRITON = triton is not None
 
 # Programmatic dependent launch: False (off), True (every kernel) or "auto" (per kernel, by the weights it
-# reads: `uses_pdl`). Off unless asked for (GDTOOL_PDL=1 / auto, or `pdl(...)`): docs/fast.md has what was measured.
+# reads: `uses_pdl`). "auto" unless set otherwise (GDTOOL_PDL=0 / 1 / auto, or `pdl(...)`): the fast step measured
+# fastest with it on both presets run (H200, 69c20df, profiles/h200/bench/<preset>/pdl-*: gemma-3-1b at batch 1
+# 1.113 ms off, 0.975 on, 0.977 auto; llama-1b 0.919, 0.881, 0.875), and per kernel it leaves off the large
+# products where PDL cost time. docs/fast.md has what was measured.
 PDL_MODES = (False, True, "auto")
 # "auto": PDL on a kernel that reads at most this many weight bytes. Measured per kernel on the H200 (each kernel
 # after itself in a graph; profiles/h200/decode-kernels/): PDL saved 0.4-1.7 us a call on every product of at
@@ -58,7 +61,7 @@ def _pdl_mode(value) -> bool | str:
                      f"reading at most {PDL_AUTO_MAX_BYTES >> 20} MB of weights)")
 
 
-_pdl = _pdl_mode(os.environ.get("GDTOOL_PDL", "0"))
+_pdl = _pdl_mode(os.environ.get("GDTOOL_PDL", "auto"))
 
 
 def interpreting() -> bool:
@@ -83,9 +86,9 @@ def usable(*tensors) -> bool:
 # profiles/h200/tests/kernel-paths-68c2cf6.txt); Gemma 3's and Qwen3's passes of 4 rows at cb883e2, their q/k norm
 # in two kernels (kernel-paths-cb883e2.txt); gpt-oss's attention with sinks at cb883e2 and 6e765ba (its two tests:
 # the sliding-window one at cb883e2; the MoE one failed there in its teacher-forced compiled step, the harness's
-# fault, fixed in 9075705, and passed at 6e765ba: profiles/h200/tests/pytest-cuda-gpt-oss-6e765ba.log). Left out
-# until its cuda test passes: Qwen3 at <= 4 rows (the test asked for top-1 agreement with HF's bf16 kernels, 0.8
-# at batch 1, where random weights' ties flip; it now measures both against float32).
+# fault, fixed in 9075705, and passed at 6e765ba: profiles/h200/tests/pytest-cuda-gpt-oss-6e765ba.log); Qwen3 at
+# <= 4 rows (its test now measures gdtool's and HF's bf16 kernels against float32) and the fused attention combine
+# at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -95,6 +98,7 @@ CUDA_TESTED = frozenset({
     "Mistral, window >= cache, passes of 4 rows",
     "Qwen2, q/k/v biases, <= 4 rows",
     "Qwen2, q/k/v biases, passes of 4 rows",
+    "Qwen3, q/k norm, <= 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
@@ -105,6 +109,7 @@ CUDA_TESTED = frozenset({
     "qwen2_moe experts",
     "qwen3_moe experts",
     "qwen3_moe experts, grouped",
+    "split-KV attention, combine in the last program",
 })
 
 # The kernel paths this process has asked about on CUDA, tested or not (the cuda tests report, per test,
