@@ -564,7 +564,7 @@ def _check_grouped_order(name, shape, dtype, ids, order, tile_expert) -> Result:
 
 
 def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
-                      impl: str = "triton") -> list[Result]:
+                      impl: str = "triton", oss_config=None) -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
     float64 alone."""
@@ -575,5 +575,5 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
-        results += check_experts_oss(*shape, dtype, device, gen)
+        results += check_experts_oss(*shape, dtype, device, gen, config=oss_config)
     return results

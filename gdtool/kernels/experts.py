@@ -34,8 +34,10 @@ top-k pick the lower expert id first (torch.topk leaves the order of ties unspec
 Where the family is known (`FAMILIES`: Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral,
 OLMoE; transformers 5.x's fused experts `gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`,
 concatenated [gate; up], not transposed, no biases, SiLU; and gpt-oss, whose transposed, interleaved,
-biased experts, clamped SwiGLU and top-k-then-softmax router the same kernels read under their `OSS`
-switch, at HF's rounding points: each product rounded, its bias added and rounded, then each step of
+biased experts and clamped SwiGLU have gate/up and down kernels of their own (`block_oss`: tiles along the
+[E, K, N] weights' rows, one program per (row, expert) pair and column tile, then a fixed-order combine:
+four launches), and whose top-k-then-softmax router the shared routing reads under its `OSS` switch, at
+HF's rounding points: each product rounded, its bias added and rounded, then each step of
 `GptOssExperts._apply_gate` rounded; the router's bias added before its one rounding, as F.linear's
 bias epilogue on CUDA) and the step has at most `MAX_TOKENS`
 tokens, `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
@@ -77,7 +79,7 @@ FAMILIES = {
     "olmoe": ("OlmoeSparseMoeBlock", "OlmoeExperts", "OlmoeTopKRouter"),
     "gpt_oss": ("GptOssMLP", "GptOssExperts", "GptOssTopKRouter"),
 }
-# gpt-oss's experts differ from the others in every place the kernels see (`OSS` in the kernels): transposed
+# gpt-oss's experts differ from the others in every place the kernels see (`block_oss`, `OSS` in the routing): transposed
 # weights (gate_up_proj [E, H, 2I] with gate and up interleaved by column, down_proj [E, I, H]), biases on
 # both products and on the router, the clamped SwiGLU `(clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)`
 # with g = clamp(gate, max=limit), and the router's top-k taken over the logits before a softmax over the k.
@@ -232,14 +234,13 @@ if HAVE_TRITON:
     # sizes that both branches of the routed/shared `if` hold must stay runtime integers (Triton would make
     # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
     @triton.jit(do_not_specialize=["M", "I", "IS"])
-    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, gub_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
-                        M, H, E, I, IS, stride_x, stride_l, ALPHA, LIMIT,
+    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
+                        M, H, E, I, IS, stride_x, stride_l,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                        W_F32: tl.constexpr, SHARED: tl.constexpr, OSS: tl.constexpr, BLOCK_N: tl.constexpr,
+                        W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
-        one pair's tile (OSS: gpt-oss's biased products and clamped SwiGLU). Pair p < M * TOPK is
-        (row p // TOPK, its (p % TOPK)-th expert)."""
+        one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         out_ty = x_ptr.dtype.element_ty
@@ -247,37 +248,17 @@ if HAVE_TRITON:
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if p < M * TOPK:
             m = p // TOPK
-            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS)
-            slots = tl.arange(0, BLOCK_TOPK)
-            mine = slots == p % TOPK
-            expert = tl.sum(tl.where(mine, ids, 0), axis=0)
-            if t == 0:
-                weight = tl.sum(tl.where(mine, values, 0.0), axis=0)
-                if not W_F32:
-                    weight = weight.to(out_ty).to(tl.float32)
-                tl.store(ids_ptr + p, expert)
-                tl.store(wts_ptr + p, weight)
+            expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
+                                 BLOCK_E, NORM, W_F32, False)
             rows = I
-            if OSS:   # [E, H, 2I]: column 2n is gate row n, column 2n + 1 up row n
-                gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * 2 + \
-                    k[None, :].to(tl.int64) * (2 * I)
-                up = gate + 1
-                bias = gub_ptr + expert.to(tl.int64) * (2 * I) + n * 2
-                gate_bias = tl.load(bias, mask=n < I, other=0.0).to(tl.float32)
-                up_bias = tl.load(bias + 1, mask=n < I, other=0.0).to(tl.float32)
-            else:     # [E, 2I, H]: rows [gate; up]
-                gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
-                up = gate + I * H
-                gate_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
-                up_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
+            gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]  # [gate; up]
+            up = gate + I * H
             out = act_ptr + p.to(tl.int64) * I + n
         else:
             m = p - M * TOPK
             rows = IS
             gate = sg_ptr + n[:, None].to(tl.int64) * H + k[None, :]
             up = su_ptr + n[:, None].to(tl.int64) * H + k[None, :]
-            gate_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
-            up_bias = tl.zeros([BLOCK_N], dtype=tl.float32)
             out = sact_ptr + m.to(tl.int64) * IS + n
         nmask = n < rows
         g = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -285,55 +266,55 @@ if HAVE_TRITON:
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = nmask[:, None] & (k[None, :] < H)
-            if OSS:   # gpt-oss has no shared expert: the routed layout alone
-                step = (c * BLOCK_K) * (2 * I).to(tl.int64)
-            else:
-                step = c * BLOCK_K
-            wg = tl.load(gate + step, mask=kmask, other=0.0)
-            wu = tl.load(up + step, mask=kmask, other=0.0)
+            wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
+            wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
             x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
             g += tl.sum(x * wg.to(tl.float32), axis=1)
             u += tl.sum(x * wu.to(tl.float32), axis=1)
         g = g.to(out_ty).to(tl.float32)
         u = u.to(out_ty).to(tl.float32)
-        if OSS:   # HF: product, += bias, clamps, gate * alpha, sigmoid, glu, up + 1, times: each rounded
-            g = tl.minimum((g + gate_bias).to(out_ty).to(tl.float32), LIMIT)
-            u = tl.minimum(tl.maximum((u + up_bias).to(out_ty).to(tl.float32), -LIMIT), LIMIT)
-            s = (g * ALPHA).to(out_ty).to(tl.float32)
-            s = (1.0 / (1.0 + tl.exp(-s))).to(out_ty).to(tl.float32)
-            a = (g * s).to(out_ty).to(tl.float32)
-            u = (u + 1.0).to(out_ty).to(tl.float32)
-        else:
-            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
+        a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
         tl.store(out, (a * u).to(out_ty), mask=nmask)
 
     @triton.jit
-    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                  TRANSPOSED: tl.constexpr, N_TOTAL):
-        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr (TRANSPOSED: columns n of a [K, N_TOTAL]
-        weight) against the vector at a_ptr, in chunks."""
+    def _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty: tl.constexpr, TOPK: tl.constexpr,
+                    BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr, W_F32: tl.constexpr,
+                    OSS: tl.constexpr):
+        """Pair p's expert (row m, its (p % TOPK)-th), from the row's routing; the programs of tile t == 0 also
+        write the pair's expert id and routing weight (rounded to the model dtype unless W_F32) for the down
+        kernel."""
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS)
+        mine = tl.arange(0, BLOCK_TOPK) == p % TOPK
+        expert = tl.sum(tl.where(mine, ids, 0), axis=0)
+        if t == 0:
+            weight = tl.sum(tl.where(mine, values, 0.0), axis=0)
+            if not W_F32:
+                weight = weight.to(out_ty).to(tl.float32)
+            tl.store(ids_ptr + p, expert)
+            tl.store(wts_ptr + p, weight)
+        return expert
+
+    @triton.jit
+    def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+        """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
         acc = tl.zeros(n.shape, dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             i = c * BLOCK_K + tl.arange(0, BLOCK_K)
             imask = i < K
-            if TRANSPOSED:
-                where = w_ptr + n[:, None].to(tl.int64) + i[None, :].to(tl.int64) * N_TOTAL
-            else:
-                where = w_ptr + n[:, None].to(tl.int64) * K + i[None, :]
-            w = tl.load(where, mask=nmask[:, None] & imask[None, :], other=0.0)
+            w = tl.load(w_ptr + n[:, None].to(tl.int64) * K + i[None, :], mask=nmask[:, None] & imask[None, :],
+                        other=0.0)
             a = tl.load(a_ptr + i, mask=imask, other=0.0).to(tl.float32)
             acc += tl.sum(a[None, :] * w.to(tl.float32), axis=1)
         return acc
 
     @triton.jit
-    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, db_ptr, sd_ptr, out_ptr,
+    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, out_ptr,
                      H, I, IS, E, stride_l, stride_out,
-                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, OSS: tl.constexpr,
+                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
                      CHUNKS_S: tl.constexpr):
-        """Grid (tiles of the hidden dim, M rows): the routed experts' down products (OSS: of gpt-oss's
-        [E, I, H] weights, bias added and rounded), weighted and summed in routing order (float32, rounded
-        once), plus the gated shared expert."""
+        """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
+        routing order (float32, rounded once), plus the gated shared expert."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         out_ty = out_ptr.dtype.element_ty
@@ -344,24 +325,89 @@ if HAVE_TRITON:
             expert = tl.load(ids_ptr + m * TOPK + j)
             weight = tl.load(wts_ptr + m * TOPK + j)
             y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
-                          BLOCK_I, CHUNKS, OSS, H)
+                          BLOCK_I, CHUNKS)
             y = y.to(out_ty).to(tl.float32)
-            if OSS:
-                y += tl.load(db_ptr + expert.to(tl.int64) * H + n, mask=nmask, other=0.0).to(tl.float32)
-                y = y.to(out_ty).to(tl.float32)
             if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
                 acc += y * weight
             else:
                 acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
-            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S, False, 0)
+            ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
             ys = ys.to(out_ty).to(tl.float32)
             g = tl.load(logits_ptr + m * stride_l + E).to(tl.float32)
             gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
             shared = (gate * ys).to(out_ty).to(tl.float32)
             out = (out.to(tl.float32) + shared).to(out_ty)
         tl.store(out_ptr + m * stride_out + n, out, mask=nmask)
+
+    # gpt-oss's experts are stored the other way round: [E, K, N], each weight row a row of the reduction, its
+    # N outputs contiguous. A program of the kernels above reads rows of the N dimension, which here would be
+    # columns 2 or 2I elements apart: one useful bf16 pair per 32-byte sector fetched. These read tiles
+    # [BLOCK_K, N columns] along the rows instead, keep a 2-D float32 accumulator and reduce it once.
+
+    @triton.jit
+    def _oss_gate_up_kernel(x_ptr, logits_ptr, gu_ptr, gub_ptr, act_ptr, ids_ptr, wts_ptr, H, E, I, stride_x,
+                            stride_l, ALPHA, LIMIT, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Grid (tiles of BLOCK_N intermediate columns, M * TOPK pairs): gpt-oss's clamped SwiGLU of one pair's
+        tile, from gate_up [E, H, 2I] (column 2n gate n, 2n + 1 up n: the tile's 2 * BLOCK_N columns are
+        contiguous in every weight row). HF's rounding points: product, += bias, clamps, gate * alpha,
+        sigmoid, glu, up + 1, times, each rounded."""
+        t = tl.program_id(0)
+        p = tl.program_id(1)
+        out_ty = x_ptr.dtype.element_ty
+        m = p // TOPK
+        expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK, BLOCK_E,
+                             False, False, True)
+        c = t * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)    # gate 0, up 0, gate 1, up 1, ... of the tile
+        cmask = c < 2 * I
+        base = gu_ptr + expert.to(tl.int64) * H * (2 * I)
+        acc = tl.zeros([BLOCK_K, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < H
+            w = tl.load(base + k[:, None].to(tl.int64) * (2 * I) + c[None, :], mask=kmask[:, None] & cmask[None, :],
+                        other=0.0)
+            x = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
+            acc += x[:, None] * w.to(tl.float32)
+        bias = tl.load(gub_ptr + expert.to(tl.int64) * (2 * I) + c, mask=cmask, other=0.0).to(tl.float32)
+        gu = (tl.sum(acc, axis=0).to(out_ty).to(tl.float32) + bias).to(out_ty).to(tl.float32)
+        g, u = tl.split(tl.reshape(gu, [BLOCK_N, 2]))
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        s = (g * ALPHA).to(out_ty).to(tl.float32)
+        s = (1.0 / (1.0 + tl.exp(-s))).to(out_ty).to(tl.float32)
+        a = (g * s).to(out_ty).to(tl.float32)
+        u = (u + 1.0).to(out_ty).to(tl.float32)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + p.to(tl.int64) * I + n, (a * u).to(out_ty), mask=n < I)
+
+    @triton.jit
+    def _oss_down_kernel(act_ptr, ids_ptr, wts_ptr, d_ptr, db_ptr, y_ptr, H, I, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        """Grid (tiles of BLOCK_N hidden columns, M * TOPK pairs): y[pair] = round(round(round(act[pair] @
+        Wd[e]) + bias) * weight) from down [E, I, H] read along its rows, float32; `_combine_kernel` sums each
+        row's k pairs in routing order and rounds once, as HF's sum over the top-k."""
+        t = tl.program_id(0)
+        p = tl.program_id(1)
+        out_ty = act_ptr.dtype.element_ty
+        expert = tl.load(ids_ptr + p)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < H
+        base = d_ptr + expert.to(tl.int64) * I * H
+        acc = tl.zeros([BLOCK_K, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k = k0 + tl.arange(0, BLOCK_K)
+            kmask = k < I
+            w = tl.load(base + k[:, None].to(tl.int64) * H + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                        other=0.0)
+            a = tl.load(act_ptr + p.to(tl.int64) * I + k, mask=kmask, other=0.0).to(tl.float32)
+            acc += a[:, None] * w.to(tl.float32)
+        y = tl.sum(acc, axis=0).to(out_ty).to(tl.float32)
+        y = (y + tl.load(db_ptr + expert.to(tl.int64) * H + n, mask=nmask, other=0.0).to(tl.float32)).to(out_ty)
+        y = (y.to(tl.float32) * tl.load(wts_ptr + p)).to(out_ty).to(tl.float32)
+        tl.store(y_ptr + p.to(tl.int64) * H + n, y, mask=nmask)
 
 
 # -- launch ---------------------------------------------------------------------------------------
@@ -395,43 +441,98 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
                  shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None, config=None,
                  intermediates: dict | None = None):
     """The three kernels: x [M, H] -> [M, H]. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias,
-    alpha, limit), the weights in gpt-oss's layout. `intermediates`, when given, receives the logits,
-    expert ids, routing weights and activations (what the tests compare)."""
+    alpha, limit), the weights in gpt-oss's layout (its own gate/up and down kernels, `block_oss`; `config` an
+    OssConfig there). `intermediates`, when given, receives the logits, expert ids, routing weights and
+    activations (what the tests compare)."""
+    if oss is not None:
+        return block_oss(x, router_weight, gate_up, down, top_k, *oss, config=config, intermediates=intermediates)
     m, h = x.shape
-    router_bias, gate_up_bias, down_bias, alpha, limit = oss or (router_weight, gate_up, down, 0.0, 0.0)
     e = gate_up.shape[0]
-    i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
+    i = gate_up.shape[1] // 2
     shared = shared_gate is not None
     i_shared = shared_gate.shape[0] if shared else 1
     cfg = config or experts_config(h, i)
     dev = x.device
-    logits = torch.empty(m, e + shared, device=dev, dtype=x.dtype)
     ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
     weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
+    logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg)
     block_h, chunks_h = _chunks(h)
-    _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
-        x, router_weight, shared_router if shared else router_weight, router_bias, logits, h, e, x.stride(0),
-        logits.stride(0), SHARED=shared, BIAS=oss is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
-        x, logits, gate_up, gate_up_bias, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
-        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(alpha), float(limit),
+        x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
+        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, OSS=oss is not None, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     block_i, chunks_i = _chunks(i)
     block_s, chunks_s = _chunks(i_shared)
     _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
-        act, shared_act, ids, weights, logits, down, down_bias, shared_down if shared else down, out,
+        act, shared_act, ids, weights, logits, down, shared_down if shared else down, out,
         h, i, i_shared, e, logits.stride(0), out.stride(0),
-        TOPK=top_k, W_F32=weights_f32, SHARED=shared, OSS=oss is not None, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
+        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
         BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
     return out
+
+
+def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config) -> torch.Tensor:
+    """The router kernel: logits [M, E (+ 1: the shared expert's gate)], rounded as F.linear rounds them."""
+    m, h = x.shape
+    shared = shared_router is not None
+    logits = torch.empty(m, e + shared, device=x.device, dtype=x.dtype)
+    block_h, chunks_h = _chunks(h)
+    _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
+        x, router_weight, shared_router if shared else router_weight,
+        router_bias if router_bias is not None else router_weight, logits, h, e, x.stride(0), logits.stride(0),
+        SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h,
+        num_warps=cfg.warps)
+    return logits
+
+
+@dataclass(frozen=True)
+class OssConfig:
+    """gpt-oss's gate/up and down kernels: output columns per program (gate/up: intermediate columns, each
+    a gate and an up column), the reduction rows each step of the loop reads, warps. Untuned: chosen so that
+    gpt-oss-20b at batch 1 has ~360 programs of each (2.7 per H200 multiprocessor), each reading 64 or 128
+    contiguous bytes per weight row and 8K-element tiles."""
+    gate_up_cols: int = 32
+    down_cols: int = 32
+    block_k: int = 128
+    warps: int = 4
+
+
+def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias, down_bias, alpha, limit,
+              config: OssConfig | None = None, intermediates: dict | None = None):
+    """gpt-oss's block in four kernels: the router (its bias), gate/up and down along the [E, K, N] weights'
+    rows, per (row, expert) pair, then the fixed-order combine over each row's k pairs. x [M, H] -> [M, H]."""
+    m, h = x.shape
+    e, _, two_i = gate_up.shape
+    i = two_i // 2
+    cfg = config or OssConfig()
+    dev = x.device
+    ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
+    weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
+    act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
+    y = torch.empty(m * top_k, h, device=dev, dtype=torch.float32)
+    out = torch.empty(m, h, device=dev, dtype=x.dtype)
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
+    _oss_gate_up_kernel[(triton.cdiv(i, cfg.gate_up_cols), m * top_k)](
+        x, logits, gate_up, gate_up_bias, act, ids, weights, h, e, i, x.stride(0), logits.stride(0), float(alpha),
+        float(limit), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), BLOCK_N=cfg.gate_up_cols,
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps)
+    _oss_down_kernel[(triton.cdiv(h, cfg.down_cols), m * top_k)](
+        act, ids, weights, down, down_bias, y, h, i, BLOCK_N=cfg.down_cols, BLOCK_K=cfg.block_k, num_warps=cfg.warps)
+    _combine_kernel[(triton.cdiv(h, COMBINE_COLS), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=COMBINE_COLS)
+    if intermediates is not None:
+        intermediates.update(logits=logits, ids=ids, weights=weights, act=act, shared_act=None)
+    return out
+
+
+COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums read 4 float32 rows)
 
 
 # -- the grouped path: 17-64 tokens per step ------------------------------------------------------
@@ -616,7 +717,6 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     dev = x.device
     pairs = m * top_k
     slots = grouped_slots(pairs, e, cfg.block_m)
-    logits = torch.empty(m, e, device=dev, dtype=x.dtype)
     ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
     weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
     order = torch.empty(slots, device=dev, dtype=torch.int32)
@@ -624,11 +724,7 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
     y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    small = experts_config(h, i)
-    block_h, chunks_h = _chunks(h)
-    _router_kernel[(triton.cdiv(e, small.router_rows), m)](
-        x, router_weight, router_weight, router_weight, logits, h, e, x.stride(0), logits.stride(0),
-        SHARED=False, BIAS=False, BLOCK_N=small.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=small.warps)
+    logits = _logits(x, router_weight, None, None, e, experts_config(h, i))
     _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
                         BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32)
     _align_kernel[(1,)](ids, order, tile_expert, pairs, e, slots, BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(e),
