@@ -18,7 +18,7 @@ import torch
 
 import gdtool
 import gdtool.loops.devloop
-from gdtool.kernels import check as fast_check, experts, step as fast, triton as fast_triton
+from gdtool.kernels import check as fast_check, experts, forward as fast_forward, step as fast, triton as fast_triton
 from interpreter import run_interpreted
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -122,11 +122,11 @@ def test_plan_names_the_blocks_and_why_not():
 
 
 def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
-    """float32 on a CPU: the compiled HF forward calls gdtool's operator for both MoE blocks (its torch path
-    here), gives HF's tokens and logits within rounding, equals itself uncaptured, compiles once, and
-    leaves the blocks as HF made them."""
+    """float32 on a CPU, batch 12 (past the fast forward's 8 rows): the compiled HF forward calls gdtool's
+    operator for both MoE blocks (its torch path here), gives HF's tokens and logits within rounding, equals
+    itself uncaptured, compiles once, and leaves the blocks as HF made them."""
     model = gdtool.load_model("tiny-qwen3-moe", seed=0)
-    prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 9), seed=0)
+    prompt = gdtool.random_prompts(model, batch=12, lengths=(4, 9), seed=0)
     calls = []
     reference = experts.block_reference
     monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
@@ -134,14 +134,39 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
     mine = _decode(model, prompt, kernels="fast")
     again = _decode(model, prompt, kernels="fast", capture=False)
     assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
-    assert calls and set(calls) == {(3, 64)}  # one [batch, hidden] call per block and step, nothing else
+    assert calls and set(calls) == {(12, 64)}  # one [batch, hidden] call per block and step, nothing else
     assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
     table = fast.compiles(model)
     row = table[table.step.str.endswith("_fast")]
     assert len(row) == 1 and row.compiles.iloc[0] == 1, table
     assert "MoE blocks 2/2: layers 0-1 in gdtool's kernels" in row.kernels.iloc[0]
+    assert "batch 12: matrix products" in row.kernels.iloc[0]   # why the fast forward did not take it
     agreement = fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
     assert (agreement.top1_agreement == 1.0).all() and (agreement.max_abs_logit_diff < 1e-4).all(), agreement
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
+    """float32 on a CPU, batch 1, 3 and 6: the fast decode forward takes Qwen3-MoE (q/k norm), Mixtral and
+    Qwen2-MoE (q/k/v biases, the shared expert): each MoE layer is RMSNorm, gdtool's experts operator and the
+    residual add, HF's tokens, equal uncaptured; a block the experts kernels refuse sends the whole model
+    to the compiled HF forward with the layer and the reason."""
+    model = moe.build(family)
+    calls = []
+    reference = experts.block_reference
+    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    for batch in (1, 3, 6):
+        prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 9), seed=batch)
+        calls.clear()
+        mine = _decode(model, prompt, kernels="fast")
+        assert calls and set(calls) == {(batch, 64)}, calls
+        assert torch.equal(mine.tokens, _decode(model, prompt).tokens), batch
+        assert torch.equal(mine.tokens, _decode(model, prompt, kernels="fast", capture=False).tokens), batch
+        note = fast.compiles(model).kernels.iloc[-1]
+        assert note.startswith("fast: fast decode forward, 2 layers") and "experts" in note, note
+    model.model.layers[1].mlp.experts.has_bias = True
+    refused = fast_forward.plan(model, 1, 40)
+    assert not refused.applies and "layer 1's MoE block: experts with has_bias=True" in refused.reason
 
 
 def _teacher_forced_logits(model, kernels, batch=2, steps=6, seed=1):
@@ -245,11 +270,16 @@ def _against_hf_blocks_cuda(dtype):
     return bad
 
 
+# batch 3: the fast decode forward for the families it takes (Qwen3-MoE, Mixtral, Qwen2-MoE), the operator
+# inside the compiled HF forward for the others; batch 12: that operator path for Qwen3-MoE too
+CUDA_CASES = [(family, 3) for family in FAMILIES] + [("qwen3_moe", 12)]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("family", FAMILIES)
-def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family):
+@pytest.mark.parametrize("family,batch", CUDA_CASES, ids=[f"{f}-{b}" if b != 3 else f for f, b in CUDA_CASES])
+def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family, batch):
     model = moe.build(family, dtype=torch.bfloat16, device="cuda")
-    prompt = gdtool.random_prompts(model, batch=3, lengths=(5, 12), seed=0)
+    prompt = gdtool.random_prompts(model, batch=batch, lengths=(5, 12), seed=0)
     captured = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     direct = _decode(model, prompt, kernels="fast", max_new_tokens=24, capture=False)
     assert captured.replays == captured.steps > 0
@@ -260,7 +290,12 @@ def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family):
     assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
     table = fast.compiles(model)
     assert (table.compiles == 1).all(), table
-    assert all("MoE blocks 2/2: layers 0-1 in gdtool's kernels" in note and "Triton" in note for note in table.kernels)
+    if fast_forward.plan(model, batch, 64).applies:
+        assert all(note.startswith("fast: fast decode forward") and "experts" in note and "Triton kernels" in note
+                   for note in table.kernels), table
+    else:
+        assert all("MoE blocks 2/2: layers 0-1 in gdtool's kernels" in note and "Triton" in note
+                   for note in table.kernels), table
     if gdtool.loops.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)

@@ -91,7 +91,8 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
         assert "passes of 4 rows" in fast_decoder.plan(model, 8, 40).reason
         assert not fast_decoder.plan(model, 9, 40).applies and "matrix products" in fast_decoder.plan(model, 9).reason
     moe = gdtool.load_model("tiny-qwen3-moe", seed=0)
-    assert "is not one of LlamaForCausalLM" in fast_decoder.plan(moe, 1, 40).reason
+    assert "Qwen3Moe (experts, q/k norm), batch 1" in fast_decoder.plan(moe, 1, 40).reason
+    assert "is not one of LlamaForCausalLM" in fast_decoder.plan(gdtool.load_model("tiny-gpt-oss", seed=0), 1).reason
     mistral = _tiny_mistral(64)
     assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
@@ -127,8 +128,11 @@ def test_fast_forward_agrees_with_hf_teacher_forced_on_cpu():
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references():
     """One decode forward of each family with the Triton kernels themselves (Triton's CPU interpreter)
-    against the same forward in the torch references, float32: same top-1 token per row, logits close."""
-    code = ("import torch, gdtool\n"
+    against the same forward in the torch references, float32: same top-1 token per row, logits close. The
+    MoE families' layers: the norm kernel, the experts kernels and the residual add in their down kernel."""
+    code = ("import sys, torch, gdtool\n"
+            "sys.path.insert(0, 'tests')\n"
+            "import moe\n"
             "from gdtool.kernels import forward, triton as ft\n"
             "from gdtool.core import compat\n"
             "def once(model, batch):\n"
@@ -142,9 +146,10 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
             "from gdtool.kernels import gemv\n"
             "whole = gemv.qkv_rope_config\n"
             "# tiny-qwen3 again with tiles of 2 dims per head half, as at real sizes: the q/k norm's second kernel\n"
-            "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3 split'):\n"
+            "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3 split', 'qwen3_moe', 'mixtral', 'qwen2_moe'):\n"
             "    gemv.qkv_rope_config = whole if 'split' not in name else (lambda k, d, m=1, qk_norm=False: (2, 4, 2, ft.next_pow2(k)))\n"
-            "    model = gdtool.load_model(name.split()[0], seed=0)\n"
+            "    model = gdtool.load_model(name.split()[0], seed=0) if name.startswith('tiny') else moe.build(name)\n"
+            "    assert forward.plan(model, 2, 12).applies, forward.plan(model, 2, 12).reason\n"
             "    for batch in (2, 6):\n"
             "        assert ft.usable(next(model.parameters()))\n"
             "        mine = once(model, batch)\n"

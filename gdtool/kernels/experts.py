@@ -308,13 +308,14 @@ if HAVE_TRITON:
         return acc
 
     @triton.jit
-    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, out_ptr,
-                     H, I, IS, E, stride_l, stride_out,
-                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr,
+    def _down_kernel(act_ptr, sact_ptr, ids_ptr, wts_ptr, logits_ptr, d_ptr, sd_ptr, res_ptr, out_ptr,
+                     H, I, IS, E, stride_l, stride_res, stride_out,
+                     TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
                      CHUNKS_S: tl.constexpr):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
-        routing order (float32, rounded once), plus the gated shared expert."""
+        routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
+        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         out_ty = out_ptr.dtype.element_ty
@@ -339,6 +340,9 @@ if HAVE_TRITON:
             gate = (1.0 / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
             shared = (gate * ys).to(out_ty).to(tl.float32)
             out = (out.to(tl.float32) + shared).to(out_ty)
+        if RESIDUAL:
+            out = (tl.load(res_ptr + m * stride_res + n, mask=nmask, other=0.0).to(tl.float32)
+                   + out.to(tl.float32)).to(out_ty)
         tl.store(out_ptr + m * stride_out + n, out, mask=nmask)
 
     # gpt-oss's experts are stored the other way round: [E, K, N], each weight row a row of the reduction, its
@@ -439,12 +443,14 @@ def experts_config(hidden: int, intermediate: int) -> Config:
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
                  shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None, config=None,
-                 intermediates: dict | None = None):
-    """The three kernels: x [M, H] -> [M, H]. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias,
-    alpha, limit), the weights in gpt-oss's layout (its own gate/up and down kernels, `block_oss`; `config` an
-    OssConfig there). `intermediates`, when given, receives the logits, expert ids, routing weights and
-    activations (what the tests compare)."""
+                 intermediates: dict | None = None, residual=None):
+    """The three kernels: x [M, H] -> [M, H] (residual [M, H]: residual + that, the add in the down kernel).
+    `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in gpt-oss's layout
+    (its own gate/up and down kernels, `block_oss`; `config` an OssConfig there; no residual). `intermediates`,
+    when given, receives the logits, expert ids, routing weights and activations (what the tests compare)."""
     if oss is not None:
+        if residual is not None:
+            raise ValueError("block_oss adds no residual (gpt-oss's layers are not in the fast forward)")
         return block_oss(x, router_weight, gate_up, down, top_k, *oss, config=config, intermediates=intermediates)
     m, h = x.shape
     e = gate_up.shape[0]
@@ -468,10 +474,12 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
     block_i, chunks_i = _chunks(i)
     block_s, chunks_s = _chunks(i_shared)
+    res = residual if residual is not None else out
     _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
-        act, shared_act, ids, weights, logits, down, shared_down if shared else down, out,
-        h, i, i_shared, e, logits.stride(0), out.stride(0),
-        TOPK=top_k, W_F32=weights_f32, SHARED=shared, BLOCK_N=cfg.down_rows, BLOCK_I=block_i, CHUNKS=chunks_i,
+        act, shared_act, ids, weights, logits, down, shared_down if shared else down, res, out,
+        h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
+        TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
+        BLOCK_I=block_i, CHUNKS=chunks_i,
         BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
@@ -847,6 +855,12 @@ def is_moe_block(module) -> bool:
     return isinstance(experts, torch.nn.Module) and hasattr(experts, "is_concatenated")
 
 
+def refusal(block, tokens: int) -> str:
+    """'' when gdtool's kernels run this MoE block at `tokens` rows exactly as its HF forward (up to rounding
+    order), else why not."""
+    return _why_not(block, _family(block), tokens)
+
+
 def _why_not(block, family: str, tokens: int) -> str:
     """'' when the kernels compute this block exactly as its HF forward does (up to rounding order)."""
     if not family:
@@ -927,30 +941,44 @@ def _router_args(block, family: str) -> tuple:
     return int(router.top_k), norm, family == "mixtral"
 
 
+def block_args(block) -> tuple:
+    """What `block_reference` and `block_triton` take after x, read off a known family's block: router weight,
+    gate_up, down, top_k, norm_topk, weights_f32, the shared expert's four weights (Qwen2-MoE; else None) and
+    gpt-oss's (router_bias, gate_up_bias, down_bias, alpha, limit) (else None)."""
+    family = _family(block)
+    top_k, norm, weights_f32 = _router_args(block, family)
+    experts, router = block.experts, _router(block)
+    shared = (None,) * 4
+    if family == "qwen2_moe":
+        mlp = block.shared_expert
+        shared = (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight, block.shared_expert_gate.weight)
+    oss = None
+    if family == "gpt_oss":
+        oss = (router.bias, experts.gate_up_proj_bias, experts.down_proj_bias, float(experts.alpha),
+               float(experts.limit))
+    return (router.weight, experts.gate_up_proj, experts.down_proj, top_k, norm, weights_f32, *shared, oss)
+
+
 def make_forward(block, family: str):
     """The block's forward through `moe_block`: HF's arguments, HF's result ([B, S, H])."""
-    top_k, norm, weights_f32 = _router_args(block, family)
     original = type(block).forward
-    shared = family == "qwen2_moe"
     oss = family == "gpt_oss"
-    router = _router(block)
     limit = MAX_GROUPED_TOKENS if family in GROUPED_FAMILIES else MAX_TOKENS
 
     def forward(hidden_states):
         b, s, h = hidden_states.shape
         if b * s > limit:  # a shape the step never has (decode is one token per row); HF's block
             return original(block, hidden_states)
-        experts = block.experts
+        (router_weight, gate_up, down, top_k, norm, weights_f32, shared_gate, shared_up, shared_down, shared_router,
+         oss_args) = block_args(block)
         extra = {}
-        if shared:
-            mlp = block.shared_expert
-            extra = dict(shared_gate=mlp.gate_proj.weight, shared_up=mlp.up_proj.weight,
-                         shared_down=mlp.down_proj.weight, shared_router=block.shared_expert_gate.weight)
-        if oss:
-            extra = dict(router_bias=router.bias, gate_up_bias=experts.gate_up_proj_bias,
-                         down_bias=experts.down_proj_bias, alpha=float(experts.alpha), limit=float(experts.limit))
-        out = torch.ops.gdtool.moe_block(hidden_states.reshape(b * s, h), router.weight, experts.gate_up_proj,
-                                         experts.down_proj, top_k, norm, weights_f32, **extra).reshape(b, s, h)
+        if shared_gate is not None:
+            extra = dict(shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down,
+                         shared_router=shared_router)
+        if oss_args is not None:
+            extra = dict(zip(("router_bias", "gate_up_bias", "down_bias", "alpha", "limit"), oss_args))
+        out = torch.ops.gdtool.moe_block(hidden_states.reshape(b * s, h), router_weight, gate_up, down, top_k, norm,
+                                         weights_f32, **extra).reshape(b, s, h)
         # GptOssMLP returns (hidden states, router scores); its decoder layer drops the scores
         return (out, None) if oss else out
     return forward

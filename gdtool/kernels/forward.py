@@ -31,6 +31,12 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
               next layer's qkv_rope or the lm_head's norm; no kernel of their own), GELU-tanh gate/up, the scaled
               embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding
               layers whose window rolls (`StaticSlidingWindowLayer`: below)
+    Qwen3-MoE, Mixtral, Qwen2-MoE   Llama's sequence (Qwen3's q/k norm, Qwen2's biases) with a mixture of
+              experts for the MLP in some or all layers: there the norm kernel alone (`ops.rms_norm`), then
+              the experts kernels (`experts.block_triton`: router, gate/up, down; Qwen2-MoE's shared expert),
+              the residual added in the down kernel; the block must be one the experts kernels take at this
+              batch (`experts.refusal`), else the whole model keeps the compiled HF forward, where each block
+              still calls those kernels (`experts.scope`)
 
 Sliding-window cache layers (Gemma 3's local layers) hold the last W keys. Until the window is full a
 token goes to the slot the layer's tensor counter names, as in a full layer; once full, HF's update
@@ -54,12 +60,13 @@ import torch
 import torch.nn.functional as F
 
 from ..core import compat
-from . import gemv, ops
+from . import experts, gemv, ops
 from . import triton as fast_triton  # not the triton package itself
 
 # Causal-LM classes whose decoder layer runs Llama's sequence; the module classes checked are the
 # family's own (`<Prefix>DecoderLayer`, `<Prefix>MLP`, `<Prefix>RMSNorm`), found beside the model class.
-FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM")
+FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma3ForCausalLM",
+            "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM")
 # RMSNorm classes that scale by (1 + weight) in float32 and round once (the kernels' `plus_one`)
 PLUS_ONE_NORMS = ("Gemma3RMSNorm",)
 # the MLP's activation module -> the gate/up kernel's activation
@@ -136,10 +143,15 @@ def _rolling(attn) -> bool:
 
 
 def _window(config, attn):
-    """The layer's sliding window, or None: the attention's own attribute (Qwen2/3 set it per layer type),
-    else the config's (Mistral reads it there)."""
+    """The layer's sliding window, or None: the attention's own attribute (Qwen2/3 set it per layer type), else
+    None for a layer that `config.layer_types` says is full (Qwen2-MoE sets no attribute there), else the
+    config's (Mistral reads it there)."""
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
+    types, index = getattr(config, "layer_types", None), getattr(attn, "layer_idx", None)
+    if isinstance(types, (list, tuple)) and isinstance(index, int) and index < len(types) \
+            and types[index] == "full_attention":
+        return None
     return getattr(config, "sliding_window", None)
 
 
@@ -178,9 +190,10 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     if len(layers) != config.num_hidden_layers:
         return Plan(False, "the model runs a subset of its layers")
     features, sizes = set(), {}  # sizes: what the reason says beside a feature (the path's name holds none)
-    for layer in layers:
+    for index, layer in enumerate(layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if type(layer) is not layer_cls or type(mlp) is not mlp_cls \
+        moe = experts.is_moe_block(mlp)
+        if type(layer) is not layer_cls or (not moe and type(mlp) is not mlp_cls) \
                 or type(layer.input_layernorm) is not norm_cls or type(layer.post_attention_layernorm) is not norm_cls:
             return Plan(False, f"decoder layers other than transformers' {prefix} layers")
         sandwich = [getattr(layer, n, None) for n in ("pre_feedforward_layernorm", "post_feedforward_layernorm")]
@@ -190,18 +203,25 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             features.add("post norms")
         if type(layer.input_layernorm).__name__ in PLUS_ONE_NORMS:
             features.add("(1 + w) norms")
-        act = _activation(mlp)
-        if act is None:
-            return Plan(False, f"activation {type(getattr(mlp, 'act_fn', None)).__name__} (the kernels have SiLU and "
-                               "GELU's tanh form)")
-        if act != "silu":
-            features.add(act)
+        if moe:   # the block in gdtool's experts kernels, its norm before and the residual add in the last
+            refused = experts.refusal(mlp, batch)
+            if refused:
+                return Plan(False, f"layer {index}'s MoE block: {refused}")
+            features.add("experts")
+        else:
+            act = _activation(mlp)
+            if act is None:
+                return Plan(False, f"activation {type(getattr(mlp, 'act_fn', None)).__name__} (the kernels have SiLU "
+                                   "and GELU's tanh form)")
+            if act != "silu":
+                features.add(act)
         inv_freq, scaling, rope = _rope(rotary, attn)
         if "dynamic" in rope or "longrope" in rope:
             return Plan(False, f"RoPE type {rope!r} changes with the sequence length")
         if not isinstance(inv_freq, torch.Tensor) or not isinstance(scaling, (int, float)):
             return Plan(False, "a rotary embedding without inv_freq and attention_scaling")
-        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) + \
+            (() if moe else (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         if any(type(m) is not torch.nn.Linear or not m.weight.is_contiguous() for m in linears):
             return Plan(False, "projections that are not plain, contiguous nn.Linear")
         qkv_bias = [m.bias is not None for m in linears[:3]]
@@ -211,8 +231,9 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             features.add("q/k/v biases")
         q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         if q_norm is not None or k_norm is not None:
-            if type(q_norm) is not norm_cls or type(k_norm) is not norm_cls or _eps(q_norm) != _eps(k_norm):
-                return Plan(False, f"q/k norms other than two {prefix}RMSNorm of one epsilon")
+            if type(q_norm) is not norm_cls or type(k_norm) is not norm_cls or _eps(q_norm) != _eps(k_norm) \
+                    or q_norm.weight.shape != (attn.head_dim,) or k_norm.weight.shape != (attn.head_dim,):
+                return Plan(False, f"q/k norms other than two per-head {prefix}RMSNorm of one epsilon")
             features.add("q/k norm")
         window = _window(config, attn)
         if window is not None and _rolling(attn):
@@ -321,6 +342,9 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
                                 False, plus_one, act, add=(attended, norm2.weight, _eps(norm2)))
             pending = (ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, None, False), post_mlp.weight,
                        _eps(post_mlp))
+        elif experts.is_moe_block(mlp):   # the norm alone, then the block's kernels, the last adding the residual
+            h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
+            h = ops.moe(ops.rms_norm(h, norm2.weight, _eps(norm2), plus_one), mlp, h)
         else:
             h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
             a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
