@@ -220,3 +220,15 @@ def test_breakdown_counts_the_experts_a_step_reads():
     assert kernel_breakdown.export_batch(export) == 1
     text = kernel_breakdown.breakdown(export, "gemma-3-1b")
     assert "Weights a step reads at batch 1" in text and "2.000 GB" in text, text
+
+
+def test_moe_sweep_grid_and_fastest_config():
+    """The sweep's grid is every combination once; the fastest config per batch is taken among the rows whose
+    output stayed within tolerance, never a peer's or a wrong config's row."""
+    import moe_sweep
+    cells = moe_sweep.grid(moe_sweep.GROUPED_GRID)
+    assert len(cells) == len({tuple(c.items()) for c in cells}) == 3 * 2 * 2 * 2 * 2
+    rows = [dict(batch=1, us_per_block=5.0, ok=False), dict(batch=1, us_per_block=9.0, ok=True, config="a"),
+            dict(batch=1, us_per_block=7.0, ok=True, config="b"), dict(batch=4, us_per_block=3.0, ok=False)]
+    assert {b: r["config"] for b, r in moe_sweep.fastest(rows).items()} == {1: "b"}
+    assert set(moe_sweep.MODELS) == {"qwen3-30b-a3b", "gpt-oss-20b"}

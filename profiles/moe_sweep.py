@@ -1,0 +1,149 @@
+"""Tile configs of gdtool's experts kernels, swept on the GPU: what `experts.GROUPED_CONFIGS` and
+`experts.OssConfig` should hold.
+
+One block at real shapes, random bf16 weights, each variant captured in a CUDA graph and timed over 200
+replays (`moe_block.time_graph`), per batch:
+
+    qwen3-30b-a3b   the grouped kernels (`block_grouped`) over GROUPED_GRID at 1, 2, 4, ..., 64 tokens, beside
+                    the small kernels (`block_triton`, up to 16 tokens) and HF's batched_mm / grouped_mm
+    gpt-oss-20b     gpt-oss's kernels (`block_oss`) over OSS_GRID at 1, 4 and 16 tokens, beside HF's batched_mm
+
+Each row: the variant, its config, µs per block, GB/s over the bytes the block must read, and its largest
+difference from HF's batched_mm (a config that computes wrongly shows there). The CSV goes to --out; the
+fastest config per batch is printed last.
+
+    python profiles/moe_sweep.py --model qwen3-30b-a3b --out OUT/moe-sweep
+    python profiles/moe_sweep.py --model gpt-oss-20b --batch 1,4 --out OUT/moe-sweep
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import itertools
+import sys
+import time
+from pathlib import Path
+
+# the grouped kernels' configs: slots per tile (tl.dot's rows), output columns, reduction step, warps, stages
+GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), warps=(4, 8), stages=(3, 4))
+# gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
+OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
+MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16"}
+
+
+def grid(space: dict) -> list[dict]:
+    """Every combination of the space's values, in a fixed order."""
+    return [dict(zip(space, values)) for values in itertools.product(*space.values())]
+
+
+def fastest(rows: list[dict]) -> dict:
+    """Per batch, the fastest row whose output stayed within `ok` (the sweep marks each row)."""
+    best = {}
+    for row in rows:
+        if row["ok"] and (row["batch"] not in best or row["us_per_block"] < best[row["batch"]]["us_per_block"]):
+            best[row["batch"]] = row
+    return best
+
+
+def build_oss_block(dtype=None, seed: int = 0):
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+    config = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        block = GptOssMLP(config).to(dtype or torch.bfloat16)
+        experts = block.experts
+        for param, std in ((block.router.weight, 0.05), (block.router.bias, 0.1), (experts.gate_up_proj, 2880 ** -0.5),
+                           (experts.gate_up_proj_bias, 0.1), (experts.down_proj, 2880 ** -0.5),
+                           (experts.down_proj_bias, 0.1)):
+            torch.nn.init.normal_(param, std=std)
+    return config, block.eval()
+
+
+def oss_must_read(batch: int, e=32, k=4, h=2880, i=2880, dtype_bytes=2) -> float:
+    hit = e * (1 - (1 - k / e) ** batch)
+    return (e * h + hit * 3 * h * i) * dtype_bytes
+
+
+def sweep(model: str, batches: list[int]) -> list[dict]:
+    import torch
+
+    import gdtool.kernels.experts as experts
+    from moe_block import build_block, must_read, time_graph
+
+    rows = []
+    for batch in batches:
+        if model == "qwen3-30b-a3b":
+            config, block = build_block(batch)
+            args = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 8, True, False)
+            floor = must_read(batch)
+            variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(x, *args, config=experts.GroupedConfig(
+                **cfg))) for cfg in grid(GROUPED_GRID)]
+            if batch <= experts.MAX_TOKENS:
+                variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
+        else:
+            config, block = build_oss_block()
+            e = block.experts
+            args = (block.router.weight, e.gate_up_proj, e.down_proj, 4, block.router.bias, e.gate_up_proj_bias,
+                    e.down_proj_bias, float(e.alpha), float(e.limit))
+            floor = oss_must_read(batch)
+            variants = [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
+                        for cfg in grid(OSS_GRID)]
+        hidden = config.hidden_size
+        x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
+        flat = x.view(batch, hidden)
+        outputs = {}
+
+        def hf(impl):
+            config._experts_implementation = impl
+            out = block(x)
+            return out[0] if isinstance(out, tuple) else out
+        with torch.inference_mode():
+            reference = hf("batched_mm").view(batch, hidden).float()
+            scale = float(reference.abs().max())
+            for impl in ("batched_mm", "grouped_mm") if model == "qwen3-30b-a3b" else ("batched_mm",):
+                us = time_graph(lambda impl=impl: outputs.__setitem__(impl, hf(impl)))
+                rows.append(dict(model=model, batch=batch, variant=impl, config="", us_per_block=us,
+                                 gb_s=floor / us / 1e3, max_abs_diff=0.0, ok=False))  # a peer, not a candidate
+            for name, cfg, fn in variants:
+                start = time.perf_counter()
+                try:
+                    us = time_graph(lambda fn=fn: outputs.__setitem__(name, fn(flat)))
+                    diff = float((outputs[name].float() - reference).abs().max())
+                except Exception as error:  # a config the GPU cannot run (shared memory, registers): its row says so
+                    rows.append(dict(model=model, batch=batch, variant=name, config=repr(cfg), us_per_block=float("nan"),
+                                     gb_s=float("nan"), max_abs_diff=float("nan"), ok=False,
+                                     error=str(error).splitlines()[0][:200]))
+                    continue
+                rows.append(dict(model=model, batch=batch, variant=name, config=repr(cfg), us_per_block=us,
+                                 gb_s=floor / us / 1e3, max_abs_diff=diff, ok=diff <= 2e-2 * scale,
+                                 seconds=time.perf_counter() - start))
+        best = fastest([r for r in rows if r["batch"] == batch])
+        for r in [r for r in rows if r["batch"] == batch and not r["config"]] + list(best.values()):
+            print(f"{model} batch {batch:3d}  {r['variant']:10s} {r['us_per_block']:8.1f} us  {r['gb_s']:6.0f} GB/s  "
+                  f"{r['config']}", flush=True)
+    return rows
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
+    p.add_argument("--batch", default=None, help="comma-separated tokens per step (default: the model's list)")
+    p.add_argument("--out", required=True, help="folder for sweep.csv")
+    args = p.parse_args(argv)
+    batches = [int(b) for b in (args.batch or MODELS[args.model]).split(",")]
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    rows = sweep(args.model, batches)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    fields = list(dict.fromkeys(k for r in rows for k in r))
+    with open(out / f"{args.model}.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fields)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {out / f'{args.model}.csv'}")
+
+
+if __name__ == "__main__":
+    main()
