@@ -31,9 +31,9 @@
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
-#   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b gpt-oss-20b): the grouped kernels'
-#                  tile configs at 1-64 tokens and gpt-oss's kernels' at 1, 4, 16, one block captured, beside HF's
-#                  batched_mm: what GROUPED_CONFIGS and OssConfig should hold
+#   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b; one model a call): the grouped
+#                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
+#                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
@@ -199,7 +199,7 @@ for p in "$@"; do
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;
     moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
-    moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b gpt-oss-20b}; do \
+    moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
            $py profiles/moe_sweep.py --model \$m --out $work/moe-sweep || exit 1; done" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;

@@ -6,7 +6,8 @@ replays (`moe_block.time_graph`), per batch:
 
     qwen3-30b-a3b   the grouped kernels (`block_grouped`) over GROUPED_GRID at 1, 2, 4, ..., 64 tokens, beside
                     the small kernels (`block_triton`, up to 16 tokens) and HF's batched_mm / grouped_mm
-    gpt-oss-20b     gpt-oss's kernels (`block_oss`) over OSS_GRID at 1, 4 and 16 tokens, beside HF's batched_mm
+    gpt-oss-20b     gpt-oss's small kernels (`block_oss`) over OSS_GRID at 1, 4 and 16 tokens, and its grouped
+                    kernels (`block_grouped(..., oss=...)`) over GROUPED_GRID at 1-64, beside HF's batched_mm
 
 Each row: the variant, its config, µs per block, GB/s over the bytes the block must read, and its largest
 difference from HF's batched_mm (a config that computes wrongly shows there). The CSV goes to --out; the
@@ -14,6 +15,8 @@ fastest config per batch is printed last.
 
     python profiles/moe_sweep.py --model qwen3-30b-a3b --out OUT/moe-sweep
     python profiles/moe_sweep.py --model gpt-oss-20b --batch 1,4 --out OUT/moe-sweep
+
+One model per device call: each sweeps 300-400 configs (each compiled once, then timed per batch).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from pathlib import Path
 GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), warps=(4, 8), stages=(3, 4))
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
-MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16"}
+MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
 
 
 def grid(space: dict) -> list[dict]:
@@ -88,8 +91,12 @@ def sweep(model: str, batches: list[int]) -> list[dict]:
             args = (block.router.weight, e.gate_up_proj, e.down_proj, 4, block.router.bias, e.gate_up_proj_bias,
                     e.down_proj_bias, float(e.alpha), float(e.limit))
             floor = oss_must_read(batch)
-            variants = [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
-                        for cfg in grid(OSS_GRID)]
+            plain, oss = args[:4] + (False, False), args[4:]
+            variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(
+                x, *plain, config=experts.GroupedConfig(**cfg), oss=oss)) for cfg in grid(GROUPED_GRID)]
+            if batch <= experts.MAX_TOKENS:
+                variants += [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
+                             for cfg in grid(OSS_GRID)]
         hidden = config.hidden_size
         x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
         flat = x.view(batch, hidden)

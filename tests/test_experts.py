@@ -109,7 +109,7 @@ def test_plan_names_the_blocks_and_why_not():
     wide = experts.plan(model, experts.MAX_GROUPED_TOKENS + 1)
     assert not wide.applies and f"> {experts.MAX_GROUPED_TOKENS}" in wide.note() and "HF's" in wide.note()
     shared = experts.plan(moe.build("qwen2_moe"), 32)
-    assert not shared.applies and "grouped kernels (up to 64) take qwen3_moe, mixtral, olmoe only" in shared.note()
+    assert not shared.applies and "grouped kernels (up to 64) take qwen3_moe, mixtral, olmoe, gpt_oss only" in shared.note()
     model.model.layers[1].mlp.experts.has_bias = True
     mixed = experts.plan(model, 1)
     assert mixed.key() == (0,) and "layers 1 HF's (experts with has_bias=True" in mixed.note()

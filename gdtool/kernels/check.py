@@ -497,8 +497,8 @@ EXPERTS_GROUPED_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0)
     ("olmoe-1b-7b", 48, 64, 2048, 1024, 8, False, False, 0), ("mixtral-8x7b", 24, 8, 4096, 14336, 2, True, True, 0)]
 
 # gpt-oss: (name, tokens, experts, hidden, intermediate, top_k)
-EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4)]
-EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4, 16)] + [
+EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4), ("gpt-oss", 20, 8, 64, 48, 2)]
+EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4, 16, 32, 64)] + [
     ("gpt-oss-120b", 2, 128, 2880, 2880, 4)]
 OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 
@@ -517,7 +517,9 @@ def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) 
     oss = (router_bias, gate_up_bias, down_bias, OSS_ALPHA, OSS_LIMIT)
     args = (x, router, gate_up, down, top_k, False, False, None, None, None, None, oss)
     seen = {}
-    if _impl.triton:
+    if _impl.triton and m > experts.MAX_TOKENS:   # the grouped kernels (config: an OssConfig, for the small ones)
+        out = experts.block_grouped(x, router, gate_up, down, top_k, False, False, intermediates=seen, oss=oss)
+    elif _impl.triton:
         out = experts.block_triton(*args, config=config, intermediates=seen)
     else:
         out = experts.block_reference(*args)
@@ -543,6 +545,8 @@ def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) 
                          "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
         routing.ok = routing.ok and same_ids
         results.append(routing)
+        if "order" in seen:
+            results.append(_check_grouped_order(name, shape, dtype, ids, seen["order"], seen["tile_expert"]))
     return results
 
 

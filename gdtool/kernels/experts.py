@@ -376,16 +376,23 @@ if HAVE_TRITON:
             x = tl.load(x_ptr + m * stride_x + k, mask=kmask, other=0.0).to(tl.float32)
             acc += x[:, None] * w.to(tl.float32)
         bias = tl.load(gub_ptr + expert.to(tl.int64) * (2 * I) + c, mask=cmask, other=0.0).to(tl.float32)
-        gu = (tl.sum(acc, axis=0).to(out_ty).to(tl.float32) + bias).to(out_ty).to(tl.float32)
-        g, u = tl.split(tl.reshape(gu, [BLOCK_N, 2]))
-        g = tl.minimum(g, LIMIT)
+        g, u = tl.split(tl.reshape(tl.sum(acc, axis=0), [BLOCK_N, 2]))
+        gb, ub = tl.split(tl.reshape(bias, [BLOCK_N, 2]))
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(act_ptr + p.to(tl.int64) * I + n, _oss_swiglu(g, u, gb, ub, ALPHA, LIMIT, out_ty), mask=n < I)
+
+    @triton.jit
+    def _oss_swiglu(g, u, gate_bias, up_bias, ALPHA, LIMIT, out_ty: tl.constexpr):
+        """gpt-oss's activation of float32 products g, u (gate and up; any shape) with their biases, at HF's
+        rounding points: product, += bias, clamps, gate * alpha, sigmoid, glu, up + 1, times, each rounded."""
+        g = tl.minimum((g.to(out_ty).to(tl.float32) + gate_bias).to(out_ty).to(tl.float32), LIMIT)
+        u = (u.to(out_ty).to(tl.float32) + up_bias).to(out_ty).to(tl.float32)
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
         s = (g * ALPHA).to(out_ty).to(tl.float32)
         s = (1.0 / (1.0 + tl.exp(-s))).to(out_ty).to(tl.float32)
         a = (g * s).to(out_ty).to(tl.float32)
         u = (u + 1.0).to(out_ty).to(tl.float32)
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(act_ptr + p.to(tl.int64) * I + n, (a * u).to(out_ty), mask=n < I)
+        return (a * u).to(out_ty)
 
     @triton.jit
     def _oss_down_kernel(act_ptr, ids_ptr, wts_ptr, d_ptr, db_ptr, y_ptr, H, I, BLOCK_N: tl.constexpr,
@@ -562,7 +569,7 @@ COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums
 # of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200 later).
 
 MAX_GROUPED_TOKENS = 64
-GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe")   # no shared expert, the [E, 2I, H] layout
+GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")   # no shared expert (gpt-oss: its own layout)
 
 
 @dataclass(frozen=True)
@@ -597,10 +604,11 @@ if HAVE_TRITON:
     @triton.jit
     def _route_kernel(logits_ptr, ids_ptr, wts_ptr, E, stride_l,
                       TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
-                      W_F32: tl.constexpr):
-        """Grid (M,): row m's expert ids and routing weights (rounded to the model dtype unless W_F32)."""
+                      W_F32: tl.constexpr, OSS: tl.constexpr):
+        """Grid (M,): row m's expert ids and routing weights (rounded to the model dtype unless W_F32; OSS:
+        gpt-oss's routing)."""
         m = tl.program_id(0)
-        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, False)
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS)
         if not W_F32:   # rounded to the model dtype, the logits'
             values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
         slots = tl.arange(0, BLOCK_TOPK)
@@ -636,10 +644,12 @@ if HAVE_TRITON:
         tl.store(tile_expert_ptr + tiles, expert, mask=tiles < SLOTS // BLOCK_M)
 
     @triton.jit
-    def _grouped_gate_up_kernel(x_ptr, gu_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
-                                TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr):
-        """Grid (tiles, N tiles of I): act[pair, n] = silu(x @ Wg[e].T) * (x @ Wu[e].T), rounded as HF."""
+    def _grouped_gate_up_kernel(x_ptr, gu_ptr, gub_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
+                                ALPHA, LIMIT, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                BLOCK_K: tl.constexpr, OSS: tl.constexpr):
+        """Grid (tiles, N tiles of I): act[pair, n] = silu(x @ Wg[e].T) * (x @ Wu[e].T), rounded as HF; OSS:
+        gpt-oss's [E, H, 2I] weights, the tile's 2 * BLOCK_N interleaved gate/up columns contiguous in each
+        weight row, one tl.dot, its biases and clamped SwiGLU (`_oss_swiglu`)."""
         t = tl.program_id(0)
         nt = tl.program_id(1)
         expert = tl.load(tile_expert_ptr + t)
@@ -651,30 +661,48 @@ if HAVE_TRITON:
             n = nt * BLOCK_N + tl.arange(0, BLOCK_N)
             nmask = n < I
             base = gu_ptr + expert.to(tl.int64) * (2 * I * H)
-            g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, H, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                kmask = k < H
-                x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
-                            mask=real[:, None] & kmask[None, :], other=0.0)
-                wmask = kmask[:, None] & nmask[None, :]
-                wg = tl.load(base + n[None, :].to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)   # [K, N]
-                wu = tl.load(base + (I + n[None, :]).to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)
-                g = tl.dot(x, wg, g)
-                u = tl.dot(x, wu, u)
-            g = g.to(out_ty).to(tl.float32)
-            u = u.to(out_ty).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
-            tl.store(act_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], (a * u).to(out_ty),
-                     mask=real[:, None] & nmask[None, :])
+            if OSS:
+                c = nt * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)   # gate 0, up 0, gate 1, up 1, ...
+                cmask = c < 2 * I
+                acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    kmask = k < H
+                    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                                mask=real[:, None] & kmask[None, :], other=0.0)
+                    w = tl.load(base + k[:, None].to(tl.int64) * (2 * I) + c[None, :],
+                                mask=kmask[:, None] & cmask[None, :], other=0.0)                    # [K, 2N]
+                    acc = tl.dot(x, w, acc)
+                bias = tl.load(gub_ptr + expert.to(tl.int64) * (2 * I) + c, mask=cmask, other=0.0).to(tl.float32)
+                g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
+                gb, ub = tl.split(tl.reshape(bias, [BLOCK_N, 2]))
+                act = _oss_swiglu(g, u, gb[None, :], ub[None, :], ALPHA, LIMIT, out_ty)
+            else:
+                g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(0, H, BLOCK_K):
+                    k = k0 + tl.arange(0, BLOCK_K)
+                    kmask = k < H
+                    x = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_x + k[None, :],
+                                mask=real[:, None] & kmask[None, :], other=0.0)
+                    wmask = kmask[:, None] & nmask[None, :]
+                    wg = tl.load(base + n[None, :].to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)   # [K, N]
+                    wu = tl.load(base + (I + n[None, :]).to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)
+                    g = tl.dot(x, wg, g)
+                    u = tl.dot(x, wu, u)
+                g = g.to(out_ty).to(tl.float32)
+                u = u.to(out_ty).to(tl.float32)
+                a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
+                act = (a * u).to(out_ty)
+            tl.store(act_ptr + pairs[:, None].to(tl.int64) * I + n[None, :], act, mask=real[:, None] & nmask[None, :])
 
     @triton.jit
-    def _grouped_down_kernel(act_ptr, d_ptr, wts_ptr, sorted_ptr, tile_expert_ptr, y_ptr, H, I,
+    def _grouped_down_kernel(act_ptr, d_ptr, db_ptr, wts_ptr, sorted_ptr, tile_expert_ptr, y_ptr, H, I,
                              W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             BLOCK_K: tl.constexpr, OSS: tl.constexpr):
         """Grid (tiles, N tiles of H): y[pair, n] = round(act[pair] @ Wd[e].T) * weight[pair] (rounded
-        unless W_F32, whose y is float32)."""
+        unless W_F32, whose y is float32); OSS: gpt-oss's [E, I, H] weights and its bias, added to the rounded
+        product and rounded."""
         t = tl.program_id(0)
         nt = tl.program_id(1)
         expert = tl.load(tile_expert_ptr + t)
@@ -692,10 +720,17 @@ if HAVE_TRITON:
                 kmask = k < I
                 a = tl.load(act_ptr + safe[:, None].to(tl.int64) * I + k[None, :], mask=real[:, None] & kmask[None, :],
                             other=0.0)
-                w = tl.load(base + n[None, :].to(tl.int64) * I + k[:, None], mask=kmask[:, None] & nmask[None, :],
-                            other=0.0)
+                if OSS:
+                    w = tl.load(base + k[:, None].to(tl.int64) * H + n[None, :], mask=kmask[:, None] & nmask[None, :],
+                                other=0.0)
+                else:
+                    w = tl.load(base + n[None, :].to(tl.int64) * I + k[:, None], mask=kmask[:, None] & nmask[None, :],
+                                other=0.0)
                 acc = tl.dot(a, w, acc)
             y = acc.to(out_ty).to(tl.float32)
+            if OSS:
+                bias = tl.load(db_ptr + expert.to(tl.int64) * H + n, mask=nmask, other=0.0).to(tl.float32)
+                y = (y + bias[None, :]).to(out_ty).to(tl.float32)
             weight = tl.load(wts_ptr + safe, mask=real, other=0.0)
             y = y * weight[:, None]
             if not W_F32:
@@ -716,11 +751,13 @@ if HAVE_TRITON:
 
 
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
-                  intermediates: dict | None = None):
-    """The grouped kernels (17-64 tokens; families without a shared expert, gpt-oss not yet): x [M, H] -> [M, H]."""
+                  intermediates: dict | None = None, oss=None):
+    """The grouped kernels (17-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
+    gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout."""
     m, h = x.shape
-    e, two_i, _ = gate_up.shape
-    i = two_i // 2
+    e = gate_up.shape[0]
+    i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
+    router_bias, gate_up_bias, down_bias, alpha, limit = oss or (None, gate_up, down, 0.0, 0.0)
     cfg = config or grouped_config(m)
     dev = x.device
     pairs = m * top_k
@@ -732,18 +769,19 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
     y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, None, None, e, experts_config(h, i))
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
     _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
-                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32)
+                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
     _align_kernel[(1,)](ids, order, tile_expert, pairs, e, slots, BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(e),
                         BLOCK_M=cfg.block_m, BLOCK_S=next_pow2(slots), num_warps=8)
     tiles = slots // cfg.block_m
     _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
-        x, gate_up, order, tile_expert, act, h, i, x.stride(0), TOPK=top_k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+        x, gate_up, gate_up_bias, order, tile_expert, act, h, i, x.stride(0), float(alpha), float(limit), TOPK=top_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, num_warps=cfg.warps,
+        num_stages=cfg.stages)
     _grouped_down_kernel[(tiles, triton.cdiv(h, cfg.block_n))](
-        act, down, weights, order, tile_expert, y, h, i, W_F32=weights_f32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k, num_warps=cfg.warps, num_stages=cfg.stages)
+        act, down, down_bias, weights, order, tile_expert, y, h, i, W_F32=weights_f32, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, num_warps=cfg.warps, num_stages=cfg.stages)
     _combine_kernel[(triton.cdiv(h, cfg.block_n), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=cfg.block_n)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act, order=order, tile_expert=tile_expert)
@@ -767,8 +805,8 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
-        if x.shape[0] > MAX_TOKENS:   # plan() sends only families without a shared expert, not gpt-oss
-            return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32)
+        if x.shape[0] > MAX_TOKENS:   # plan() sends only families without a shared expert
+            return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, oss=oss)
         return block_triton(*args)
     return block_reference(*args)
 
