@@ -67,7 +67,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, the grouped ones (MAX_GROUPED_TOKENS)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
@@ -162,12 +162,16 @@ if HAVE_TRITON:
     @triton.jit
     def _router_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, H, E, stride_x, stride_l,
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CHUNKS: tl.constexpr):
+                       CHUNKS: tl.constexpr, PDL: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
-        rounding, as cuBLAS's bias epilogue of F.linear does."""
+        rounding, as cuBLAS's bias epilogue of F.linear does. PDL (as the small gate/up and down kernels):
+        launched early, it waits for the kernel before it first (`triton.py`)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
@@ -238,11 +242,14 @@ if HAVE_TRITON:
                         M, H, E, I, IS, stride_x, stride_l,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
                         W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
+                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
         one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
         t = tl.program_id(0)
         p = tl.program_id(1)
+        if PDL:   # which weights to read depends on the router's logits: nothing to load before the wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         out_ty = x_ptr.dtype.element_ty
         k = tl.arange(0, BLOCK_K)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -312,12 +319,15 @@ if HAVE_TRITON:
                      H, I, IS, E, stride_l, stride_res, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
-                     CHUNKS_S: tl.constexpr):
+                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
         routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
         decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`."""
         t = tl.program_id(0)
         m = tl.program_id(1)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         out_ty = out_ptr.dtype.element_ty
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < H
@@ -478,7 +488,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
         shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps)
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps,
+        **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i)
     block_s, chunks_s = _chunks(i_shared)
     res = residual if residual is not None else out
@@ -486,8 +497,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         act, shared_act, ids, weights, logits, down, shared_down if shared else down, res, out,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
-        BLOCK_I=block_i, CHUNKS=chunks_i,
-        BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps)
+        BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps,
+        **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
@@ -504,8 +515,18 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config) -
         x, router_weight, shared_router if shared else router_weight,
         router_bias if router_bias is not None else router_weight, logits, h, e, x.stride(0), logits.stride(0),
         SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h,
-        num_warps=cfg.warps)
+        num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
     return logits
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _routed_bytes(m: int, top_k: int, weight) -> int:
+    """The bytes of `weight` [E, ...] a step's routed experts read at most: min(M * k, E) experts' slices (what
+    `launch_options`' PDL setting weighs)."""
+    return min(m * top_k, weight.shape[0]) * _nbytes(weight) // weight.shape[0]
 
 
 @dataclass(frozen=True)

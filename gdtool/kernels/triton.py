@@ -91,7 +91,8 @@ def usable(*tensors) -> bool:
 # at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed). Out again until its cuda tests pass:
 # gpt-oss's experts, whose gate/up and down kernels were rewritten after 69c20df to read its [E, K, N] weights
 # along their rows (the kernels that passed read them by columns: 15.1 ms a step at batch 1 against 6.5 for
-# kernels="compiled", profiles/h200/bench/gpt-oss-20b/bench-69c20df.log).
+# kernels="compiled", profiles/h200/bench/gpt-oss-20b/bench-69c20df.log); and every family's experts: their router,
+# gate/up and down kernels launch with PDL (per `uses_pdl`) since the commit after 7ff9eb3.
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -104,13 +105,6 @@ CUDA_TESTED = frozenset({
     "Qwen3, q/k norm, <= 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
     "gpt_oss attention, sinks, split-KV",
-    "mixtral experts",
-    "mixtral experts, grouped",
-    "olmoe experts",
-    "olmoe experts, grouped",
-    "qwen2_moe experts",
-    "qwen3_moe experts",
-    "qwen3_moe experts, grouped",
     "split-KV attention, combine in the last program",
 })
 
