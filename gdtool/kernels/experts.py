@@ -69,6 +69,9 @@ import torch.nn.functional as F
 
 from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
+if HAVE_TRITON:
+    from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
+
 MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, the grouped ones (MAX_GROUPED_TOKENS)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
 # (block class, experts class, router class) per family, by module name in transformers.models
@@ -160,13 +163,14 @@ def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f
 
 if HAVE_TRITON:
     @triton.jit
-    def _router_kernel(x_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, H, E, stride_x, stride_l,
+    def _router_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, H, E, stride_x, stride_l, eps,
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                       CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
-        rounding, as cuBLAS's bias epilogue of F.linear does. PDL (as the small gate/up and down kernels):
-        launched early, it waits for the kernel before it first (`triton.py`)."""
+        rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
+        (`_x_chunk`). PDL (as the small gate/up and down kernels): launched early, it waits for the kernel
+        before it first (`triton.py`)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         if PDL:
@@ -174,6 +178,7 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, CHUNKS, NORM)
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = k[None, :] < H
@@ -181,11 +186,32 @@ if HAVE_TRITON:
             if SHARED:
                 ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
                 w = tl.where(n[:, None] == E, ws, w)
-            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0)
+            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, NORM)
             acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
         if BIAS:
             acc += tl.load(b_ptr + n, mask=n < E, other=0.0).to(tl.float32)
         tl.store(logits_ptr + m * stride_l + n, acc.to(x_ptr.dtype.element_ty), mask=n < E + SHARED)
+
+    @triton.jit
+    def _row_rstd(x_ptr, H, eps, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, NORM: tl.constexpr):
+        """1 / sqrt(mean(x^2) + eps) of the row at x_ptr in float32, as RMSNorm computes it (NORM; else 1)."""
+        total = 0.0
+        if NORM:
+            for c in tl.static_range(CHUNKS):
+                k = c * BLOCK_K + tl.arange(0, BLOCK_K)
+                xf = tl.load(x_ptr + k, mask=k < H, other=0.0).to(tl.float32)
+                total += tl.sum(xf * xf, axis=0)
+        return tl.rsqrt(total / H + eps) if NORM else 1.0
+
+    @triton.jit
+    def _x_chunk(x_ptr, g_ptr, k, H, rstd, NORM: tl.constexpr):
+        """The row's elements k as the block reads them: RMSNorm'd with weight g and Llama's roundings
+        (`gemv._scale_norm`) where NORM (the norm before the block, folded in), else as they are."""
+        x = tl.load(x_ptr + k, mask=k < H, other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + k, mask=k < H, other=0.0)
+            x = _scale_norm(x.to(tl.float32), rstd, g, x.dtype, False)
+        return x
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
@@ -238,13 +264,14 @@ if HAVE_TRITON:
     # sizes that both branches of the routed/shared `if` hold must stay runtime integers (Triton would make
     # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
     @triton.jit(do_not_specialize=["M", "I", "IS"])
-    def _gate_up_kernel(x_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
-                        M, H, E, I, IS, stride_x, stride_l,
+    def _gate_up_kernel(x_ptr, g_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
+                        M, H, E, I, IS, stride_x, stride_l, eps,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
                         W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, X_NORM: tl.constexpr, PDL: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
-        one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert)."""
+        one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert). NORM: the router's
+        renormalization; X_NORM: x RMSNorm'd first, as the router kernel reads it."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         if PDL:   # which weights to read depends on the router's logits: nothing to load before the wait
@@ -270,12 +297,13 @@ if HAVE_TRITON:
         nmask = n < rows
         g = tl.zeros([BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, CHUNKS, X_NORM)
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = nmask[:, None] & (k[None, :] < H)
             wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
             wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
-            x = tl.load(x_ptr + m * stride_x + k, mask=k < H, other=0.0).to(tl.float32)[None, :]
+            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, X_NORM).to(tl.float32)[None, :]
             g += tl.sum(x * wg.to(tl.float32), axis=1)
             u += tl.sum(x * wu.to(tl.float32), axis=1)
         g = g.to(out_ty).to(tl.float32)
@@ -460,14 +488,15 @@ def experts_config(hidden: int, intermediate: int) -> Config:
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
                  shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None, config=None,
-                 intermediates: dict | None = None, residual=None):
-    """The three kernels: x [M, H] -> [M, H] (residual [M, H]: residual + that, the add in the down kernel).
+                 intermediates: dict | None = None, residual=None, norm=None):
+    """The three kernels: x [M, H] -> [M, H] (residual [M, H]: residual + that, the add in the down kernel;
+    norm=(weight, eps): the block of RMSNorm(x), the norm in the router and gate/up kernels).
     `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in gpt-oss's layout
     (its own gate/up and down kernels, `block_oss`; `config` an OssConfig there; no residual). `intermediates`,
     when given, receives the logits, expert ids, routing weights and activations (what the tests compare)."""
     if oss is not None:
-        if residual is not None:
-            raise ValueError("block_oss adds no residual (gpt-oss's layers are not in the fast forward)")
+        if residual is not None or norm is not None:
+            raise ValueError("block_oss takes no residual or norm (gpt-oss's layers are not in the fast forward)")
         return block_oss(x, router_weight, gate_up, down, top_k, *oss, config=config, intermediates=intermediates)
     m, h = x.shape
     e = gate_up.shape[0]
@@ -481,14 +510,16 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg)
+    logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg, norm)
     block_h, chunks_h = _chunks(h)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
+    norm_weight, eps = norm or (x, 0.0)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
-        x, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
-        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0),
+        x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
+        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, num_warps=cfg.warps,
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
+        num_warps=cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i)
     block_s, chunks_s = _chunks(i_shared)
@@ -505,17 +536,20 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     return out
 
 
-def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config) -> torch.Tensor:
-    """The router kernel: logits [M, E (+ 1: the shared expert's gate)], rounded as F.linear rounds them."""
+def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None) -> torch.Tensor:
+    """The router kernel: logits [M, E (+ 1: the shared expert's gate)], rounded as F.linear rounds them (of
+    RMSNorm(x) where norm=(weight, eps))."""
     m, h = x.shape
     shared = shared_router is not None
     logits = torch.empty(m, e + shared, device=x.device, dtype=x.dtype)
     block_h, chunks_h = _chunks(h)
+    norm_weight, eps = norm or (x, 0.0)
     _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
-        x, router_weight, shared_router if shared else router_weight,
+        x, norm_weight, router_weight, shared_router if shared else router_weight,
         router_bias if router_bias is not None else router_weight, logits, h, e, x.stride(0), logits.stride(0),
-        SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h, CHUNKS=chunks_h,
-        num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
+        float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
+        CHUNKS=chunks_h, NORM=norm is not None, num_warps=cfg.warps,
+        **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
 

@@ -32,9 +32,9 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
               embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding
               layers whose window rolls (`StaticSlidingWindowLayer`: below)
     Qwen3-MoE, Mixtral, Qwen2-MoE   Llama's sequence (Qwen3's q/k norm, Qwen2's biases) with a mixture of
-              experts for the MLP in some or all layers: there the norm kernel alone (`ops.rms_norm`), then
-              the experts kernels (`experts.block_triton`: router, gate/up, down; Qwen2-MoE's shared expert),
-              the residual added in the down kernel; the block must be one the experts kernels take at this
+              experts for the MLP in some or all layers: there the experts kernels (`experts.block_triton`:
+              router, gate/up, down; Qwen2-MoE's shared expert), the RMSNorm before the block folded into the
+              first two, the residual added in the last; the block must be one the experts kernels take at this
               batch (`experts.refusal`), else the whole model keeps the compiled HF forward, where each block
               still calls those kernels (`experts.scope`)
 
@@ -342,9 +342,9 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
                                 False, plus_one, act, add=(attended, norm2.weight, _eps(norm2)))
             pending = (ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, None, False), post_mlp.weight,
                        _eps(post_mlp))
-        elif experts.is_moe_block(mlp):   # the norm alone, then the block's kernels, the last adding the residual
+        elif experts.is_moe_block(mlp):   # the block's kernels, the norm in the first two, the residual in the last
             h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
-            h = ops.moe(ops.rms_norm(h, norm2.weight, _eps(norm2), plus_one), mlp, h)
+            h = ops.moe(h, mlp, norm2.weight, _eps(norm2))
         else:
             h = ops.rms_gemv(o, None, 0.0, attn.o_proj.weight, None, h, False)
             a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,

@@ -175,10 +175,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _rms_add_kernel(y_ptr, g_ptr, res_ptr, out_ptr, stride_y, stride_res, stride_out, eps,
-                        N: tl.constexpr, BLOCK_N: tl.constexpr, PLUS_ONE: tl.constexpr, RESIDUAL: tl.constexpr,
-                        PDL: tl.constexpr):
-        # one program per row: the norm needs the whole row, which the product before it spread over programs;
-        # without RESIDUAL the norm alone (what an MoE block reads: its kernels take x as it is)
+                        N: tl.constexpr, BLOCK_N: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+        # one program per row: the norm needs the whole row, which the product before it spread over programs
         row = tl.program_id(0)
         n = tl.arange(0, BLOCK_N)
         g = tl.load(g_ptr + n, mask=n < N, other=0.0)
@@ -189,10 +187,8 @@ if HAVE_TRITON:
         yf = y.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(yf * yf, axis=0) / N + eps)
         normed = _scale_norm(yf, rstd, g, y.dtype, PLUS_ONE)
-        if RESIDUAL:
-            r = tl.load(res_ptr + row * stride_res + n, mask=n < N, other=0.0)
-            normed = (r.to(tl.float32) + normed.to(tl.float32)).to(y.dtype)
-        tl.store(out_ptr + row * stride_out + n, normed, mask=n < N)
+        r = tl.load(res_ptr + row * stride_res + n, mask=n < N, other=0.0)
+        tl.store(out_ptr + row * stride_out + n, (r.to(tl.float32) + normed.to(tl.float32)).to(y.dtype), mask=n < N)
 
     @triton.jit
     def _gemv_tile_out(x, w, w2, t, r0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
@@ -545,15 +541,13 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
 
 
 def rms_add(y, norm_weight, eps, residual, plus_one=False):
-    """Triton `rms_add`: same arguments and result as `rms_add_reference` (y, residual [M, N]); residual None:
-    RMSNorm(y) alone, as `rms_norm_reference`."""
+    """Triton `rms_add`: same arguments and result as `rms_add_reference` (y, residual [M, N])."""
     m, n = y.shape
-    out = torch.empty_like(y)
+    out = torch.empty_like(residual)
     block_n = next_pow2(n)
-    res = residual if residual is not None else y
-    _rms_add_kernel[(m,)](y, norm_weight, res, out, y.stride(0), res.stride(0), out.stride(0), float(eps),
-                          N=n, BLOCK_N=block_n, PLUS_ONE=bool(plus_one), RESIDUAL=residual is not None,
-                          num_warps=8 if block_n >= 2048 else 4, **launch_options(y.device))
+    _rms_add_kernel[(m,)](y, norm_weight, residual, out, y.stride(0), residual.stride(0), out.stride(0), float(eps),
+                          N=n, BLOCK_N=block_n, PLUS_ONE=bool(plus_one), num_warps=8 if block_n >= 2048 else 4,
+                          **launch_options(y.device))
     return out
 
 

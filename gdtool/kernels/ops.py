@@ -10,8 +10,7 @@ reference runs, with the same arguments and result. The fast decode forward call
     qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot,
              biases?, qk_norm?, plus_one)                                 -> q  (biases: Qwen2; qk_norm: Qwen3, Gemma 3)
     rms_add(y, norm_weight, eps, residual, plus_one)                       -> residual + RMSNorm(y)  (Gemma 3)
-    rms_norm(x, norm_weight, eps)                                           -> RMSNorm(x)  (before an MoE block)
-    moe(x, block, residual)                                                 -> residual + the MoE block of x
+    moe(x, block, norm_weight, eps)                                         -> x + the MoE block of RMSNorm(x)
                                                                             (`experts.block_args`: its weights)
     roll_window(k_cache!, v_cache!)                                         a full sliding window shifted left by
                                                                             one slot, for qkv_rope to write the last
@@ -48,19 +47,14 @@ def rms_add(y, norm_weight, eps, residual, plus_one=False):
     return gemv.rms_add_reference(y, norm_weight, eps, residual, plus_one)
 
 
-def rms_norm(x, norm_weight, eps, plus_one=False):
-    if usable(x, norm_weight):
-        return gemv.rms_add(x, norm_weight, eps, None, plus_one)
-    return gemv.rms_norm_reference(x, norm_weight, eps, plus_one)
-
-
-def moe(x, block, residual):
-    """residual + the MoE block (`block`, a family `experts.block_args` reads) of x [M, H], the add rounded once
-    as HF's residual add: in the down kernel where Triton runs."""
+def moe(x, block, norm_weight, eps):
+    """x + the MoE block (`block`, a family `experts.block_args` reads) of RMSNorm(x) (Llama's), the add rounded
+    once as HF's residual add. Where Triton runs: the norm inside the router and gate/up kernels, the add in
+    the down kernel."""
     args = experts.block_args(block)
     if usable(x, args[2]):
-        return experts.block_triton(x, *args, residual=residual)
-    return residual + experts.block_reference(x, *args)
+        return experts.block_triton(x, *args, residual=x, norm=(norm_weight, eps))
+    return x + experts.block_reference(gemv.rms_norm_reference(x, norm_weight, eps), *args)
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
