@@ -50,8 +50,13 @@ see the swap (a captured graph replays no Python, so the scope costs nothing aft
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
 
-From MAX_TOKENS + 1 to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE) the grouped kernels below
-run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine.
+From MAX_TOKENS + 1 to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
+below run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine.
+
+The fast decode forward (`forward.py`: Qwen3-MoE, Mixtral, Qwen2-MoE at 1-8 rows) calls `block_triton`
+itself, outside any compiled HF forward, with the layer's RMSNorm folded into the router and gate/up
+kernels (`norm`) and its residual added in the down kernel (`residual`). The small kernels take the PDL
+setting (`triton.launch_options`) as the forward's kernels do.
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
