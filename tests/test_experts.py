@@ -149,8 +149,8 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
 def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
     """float32 on a CPU, batch 1, 3 and 6: the fast decode forward takes Qwen3-MoE (q/k norm), Mixtral and
     Qwen2-MoE (q/k/v biases, the shared expert): each MoE layer is RMSNorm, gdtool's experts operator and the
-    residual add, HF's tokens, equal uncaptured; a block the experts kernels refuse sends the whole model
-    to the compiled HF forward with the layer and the reason."""
+    residual add, HF's tokens greedy and sampled, equal uncaptured; a block the experts kernels refuse sends
+    the whole model to the compiled HF forward with the layer and the reason."""
     model = moe.build(family)
     calls = []
     reference = experts.block_reference
@@ -164,6 +164,9 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
         assert torch.equal(mine.tokens, _decode(model, prompt, kernels="fast", capture=False).tokens), batch
         note = fast.compiles(model).kernels.iloc[-1]
         assert note.startswith("fast: fast decode forward, 2 layers") and "experts" in note, note
+    sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=5)
+    prompt = gdtool.random_prompts(model, batch=4, lengths=(2, 11), seed=9)
+    assert torch.equal(_decode(model, prompt, kernels="fast", **sampled).tokens, _decode(model, prompt, **sampled).tokens)
     model.model.layers[1].mlp.experts.has_bias = True
     refused = fast_forward.plan(model, 1, 40)
     assert not refused.applies and "layer 1's MoE block: experts with has_bias=True" in refused.reason
