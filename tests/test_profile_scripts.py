@@ -212,6 +212,9 @@ def test_breakdown_counts_the_experts_a_step_reads():
     assert [kernel_breakdown.kernel_class(n) for n in ("_combine_kernel", "_attention_combine_kernel",
                                                        "_grouped_gate_up_kernel", "_rms_gemv_kernel")] == \
         ["experts", "attention", "experts", "matmul"]
+    import re
+    launched = set(re.findall(r"def (_\w+_kernel)\(", (ROOT / "gdtool" / "kernels" / "experts.py").read_text()))
+    assert launched and launched <= set(kernel_breakdown.EXPERTS), launched - set(kernel_breakdown.EXPERTS)
     one, all_rows = (kernel_breakdown.step_weight_bytes("qwen3-30b-a3b", b) for b in (1, 64))
     dense = kernel_breakdown.linear_weight_bytes("qwen3-30b-a3b")
     assert dense < one < all_rows and 5.5e9 < one < 6.5e9 and all_rows > 55e9
