@@ -5,7 +5,8 @@ One block at real shapes, random bf16 weights, each variant captured in a CUDA g
 replays (`moe_block.time_graph`), per batch:
 
     qwen3-30b-a3b   the grouped kernels (`block_grouped`) over GROUPED_GRID at 1, 2, 4, ..., 64 tokens, beside
-                    the small kernels (`block_triton`, up to 16 tokens) and HF's batched_mm / grouped_mm
+                    the small kernels (`block_triton`, up to 16 tokens: their default config, config {}, and
+                    SMALL_GRID) and HF's batched_mm / grouped_mm
     gpt-oss-20b     gpt-oss's small kernels (`block_oss`) over OSS_GRID at 1, 4 and 16 tokens, and its grouped
                     kernels (`block_grouped(..., oss=...)`) over GROUPED_GRID at 1-64, beside HF's batched_mm
 
@@ -29,6 +30,9 @@ from pathlib import Path
 
 # the grouped kernels' configs: slots per tile (tl.dot's rows), output columns, reduction step, warps, stages
 GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), warps=(4, 8), stages=(3, 4))
+# the small kernels' configs (`experts.Config`; the router keeps its default): weight rows per program of
+# gate/up and of down, warps
+SMALL_GRID = dict(gate_up_rows=(1, 2, 4, 8), down_rows=(2, 4, 8, 16), warps=(4, 8))
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
@@ -84,7 +88,10 @@ def sweep(model: str, batches: list[int]) -> list[dict]:
             variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(x, *args, config=experts.GroupedConfig(
                 **cfg))) for cfg in grid(GROUPED_GRID)]
             if batch <= experts.MAX_TOKENS:
+                default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
+                variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
+                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID)]
         else:
             config, block = build_oss_block()
             e = block.experts

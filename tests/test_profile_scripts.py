@@ -235,3 +235,7 @@ def test_moe_sweep_grid_and_fastest_config():
             dict(batch=1, us_per_block=7.0, ok=True, config="b"), dict(batch=4, us_per_block=3.0, ok=False)]
     assert {b: r["config"] for b, r in moe_sweep.fastest(rows).items()} == {1: "b"}
     assert set(moe_sweep.MODELS) == {"qwen3-30b-a3b", "gpt-oss-20b"}
+    from gdtool.kernels import experts
+    for space, kind in ((moe_sweep.GROUPED_GRID, experts.GroupedConfig), (moe_sweep.OSS_GRID, experts.OssConfig)):
+        kind(**moe_sweep.grid(space)[0])   # the grids name the configs' own fields
+    experts.Config(router_rows=1, **moe_sweep.grid(moe_sweep.SMALL_GRID)[0])
