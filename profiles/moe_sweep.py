@@ -73,7 +73,12 @@ def oss_must_read(batch: int, e=32, k=4, h=2880, i=2880, dtype_bytes=2) -> float
     return (e * h + hit * 3 * h * i) * dtype_bytes
 
 
-def sweep(model: str, batches: list[int]) -> list[dict]:
+FIELDS = ("model", "batch", "variant", "config", "us_per_block", "gb_s", "max_abs_diff", "ok", "seconds", "error")
+
+
+def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
+    """Every variant at each batch; `done(rows)` gets each batch's rows as soon as they are measured (the CSV
+    keeps what a cut run measured)."""
     import torch
 
     import gdtool.kernels.experts as experts
@@ -133,6 +138,7 @@ def sweep(model: str, batches: list[int]) -> list[dict]:
                 rows.append(dict(model=model, batch=batch, variant=name, config=repr(cfg), us_per_block=us,
                                  gb_s=floor / us / 1e3, max_abs_diff=diff, ok=diff <= 2e-2 * scale,
                                  seconds=time.perf_counter() - start))
+        done([r for r in rows if r["batch"] == batch])
         best = fastest([r for r in rows if r["batch"] == batch])
         for r in [r for r in rows if r["batch"] == batch and not r["config"]] + list(best.values()):
             print(f"{model} batch {batch:3d}  {r['variant']:10s} {r['us_per_block']:8.1f} us  {r['gb_s']:6.0f} GB/s  "
@@ -148,15 +154,18 @@ def main(argv=None):
     args = p.parse_args(argv)
     batches = [int(b) for b in (args.batch or MODELS[args.model]).split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    rows = sweep(args.model, batches)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    fields = list(dict.fromkeys(k for r in rows for k in r))
-    with open(out / f"{args.model}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
+    path = out / f"{args.model}.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
         writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out / f'{args.model}.csv'}")
+
+        def done(rows):
+            writer.writerows(rows)
+            f.flush()
+        sweep(args.model, batches, done)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
