@@ -11,6 +11,7 @@ On CUDA: the kernels in bf16/fp16 at real shapes, and the fast step captured aga
 (bitwise) on each family in bf16, with its agreement with HF's kernels.
 """
 import os
+import random
 import sys
 
 import pytest
@@ -147,7 +148,7 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
-    """float32 on a CPU, batch 1, 3 and 6: the fast decode forward takes Qwen3-MoE (q/k norm), Mixtral and
+    """float32 on a CPU, batch 1 and seeded draws of 2-4 and 5-8 rows and prompt lengths: the fast decode forward takes Qwen3-MoE (q/k norm), Mixtral and
     Qwen2-MoE (q/k/v biases, the shared expert): each MoE layer is RMSNorm, gdtool's experts operator and the
     residual add, HF's tokens greedy and sampled, equal uncaptured; a block the experts kernels refuse sends
     the whole model to the compiled HF forward with the layer and the reason."""
@@ -155,8 +156,12 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
     calls = []
     reference = experts.block_reference
     monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
-    for batch in (1, 3, 6):
-        prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 9), seed=batch)
+    # seeded draws, per family: batch 1, one of the one-pass batches (2-4), one of two passes (5-8), each with
+    # its own prompt-length range (left padding up to its spread)
+    rng = random.Random(f"moe-fast-{family}")
+    for batch in (1, rng.randint(2, 4), rng.randint(5, 8)):
+        low = rng.randint(1, 6)
+        prompt = gdtool.random_prompts(model, batch=batch, lengths=(low, low + rng.randint(0, 8)), seed=rng.randrange(99))
         calls.clear()
         mine = _decode(model, prompt, kernels="fast")
         assert calls and set(calls) == {(batch, 64)}, calls
@@ -167,6 +172,11 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
     sampled = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, seed=5)
     prompt = gdtool.random_prompts(model, batch=4, lengths=(2, 11), seed=9)
     assert torch.equal(_decode(model, prompt, kernels="fast", **sampled).tokens, _decode(model, prompt, **sampled).tokens)
+    if family == "qwen3_moe":   # gpt-oss's kernels fold no norm or residual in: asking is refused, not ignored
+        x = torch.zeros(2, 64)
+        args = experts.block_args(moe.build("gpt_oss").model.layers[0].mlp)
+        with pytest.raises(ValueError, match="block_oss takes no residual or norm"):
+            experts.block_triton(x, *args, residual=x)
     model.model.layers[1].mlp.experts.has_bias = True
     refused = fast_forward.plan(model, 1, 40)
     assert not refused.applies and "layer 1's MoE block: experts with has_bias=True" in refused.reason
