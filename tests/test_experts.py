@@ -177,6 +177,11 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
         args = experts.block_args(moe.build("gpt_oss").model.layers[0].mlp)
         with pytest.raises(ValueError, match="block_oss takes no residual or norm"):
             experts.block_triton(x, *args, residual=x)
+    layer = model.model.layers[0]
+    layer.pre_feedforward_layernorm = type(layer.post_attention_layernorm)(64)
+    layer.post_feedforward_layernorm = type(layer.post_attention_layernorm)(64)
+    assert "layer 0: an MoE block with norms around it" in fast_forward.plan(model, 1, 40).reason
+    del layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm
     model.model.layers[1].mlp.experts.has_bias = True
     refused = fast_forward.plan(model, 1, 40)
     assert not refused.applies and "layer 1's MoE block: experts with has_bias=True" in refused.reason

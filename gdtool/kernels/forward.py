@@ -204,6 +204,9 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
         if type(layer.input_layernorm).__name__ in PLUS_ONE_NORMS:
             features.add("(1 + w) norms")
         if moe:   # the block in gdtool's experts kernels, its norm before and the residual add in the last
+            if sandwich[0] is not None or "(1 + w) norms" in features:
+                return Plan(False, f"layer {index}: an MoE block with norms around it or (1 + w) norms (the experts "
+                                   "kernels fold in one Llama RMSNorm before the block)")
             refused = experts.refusal(mlp, batch)
             if refused:
                 return Plan(False, f"layer {index}'s MoE block: {refused}")
