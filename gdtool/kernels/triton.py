@@ -88,11 +88,9 @@ def usable(*tensors) -> bool:
 # the sliding-window one at cb883e2; the MoE one failed there in its teacher-forced compiled step, the harness's
 # fault, fixed in 9075705, and passed at 6e765ba: profiles/h200/tests/pytest-cuda-gpt-oss-6e765ba.log); Qwen3 at
 # <= 4 rows (its test now measures gdtool's and HF's bf16 kernels against float32) and the fused attention combine
-# at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed). Out again until its cuda tests pass:
-# gpt-oss's experts, whose gate/up and down kernels were rewritten after 69c20df to read its [E, K, N] weights
-# along their rows (the kernels that passed read them by columns: 15.1 ms a step at batch 1 against 6.5 for
-# kernels="compiled", profiles/h200/bench/gpt-oss-20b/bench-69c20df.log); and every family's experts: their router,
-# gate/up and down kernels launch with PDL (per `uses_pdl`) since the commit after 7ff9eb3.
+# at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed); every family's experts (small and
+# grouped kernels, gpt-oss's rewritten ones among them) and the MoE layers of the fast forward at 0f91d78
+# (`KERNEL_TESTS_K="experts or moe" gpu_run.sh OUT tests-kernels`: 9 passed, kernel-paths-experts-0f91d78.txt).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -100,11 +98,23 @@ CUDA_TESTED = frozenset({
     "Llama, passes of 4 rows",
     "Mistral, window >= cache, <= 4 rows",
     "Mistral, window >= cache, passes of 4 rows",
+    "Mixtral, experts, <= 4 rows",
     "Qwen2, q/k/v biases, <= 4 rows",
     "Qwen2, q/k/v biases, passes of 4 rows",
+    "Qwen2Moe, experts, q/k/v biases, <= 4 rows",
     "Qwen3, q/k norm, <= 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
+    "Qwen3Moe, experts, q/k norm, <= 4 rows",
     "gpt_oss attention, sinks, split-KV",
+    "gpt_oss experts",
+    "gpt_oss experts, grouped",
+    "mixtral experts",
+    "mixtral experts, grouped",
+    "olmoe experts",
+    "olmoe experts, grouped",
+    "qwen2_moe experts",
+    "qwen3_moe experts",
+    "qwen3_moe experts, grouped",
     "split-KV attention, combine in the last program",
 })
 
