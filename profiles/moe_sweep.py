@@ -31,8 +31,8 @@ from pathlib import Path
 # the grouped kernels' configs: slots per tile (tl.dot's rows), output columns, reduction step, warps, stages
 GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), warps=(4, 8), stages=(3, 4))
 # the small kernels' configs (`experts.Config`; the router keeps its default): weight rows per program of
-# gate/up and of down, warps
-SMALL_GRID = dict(gate_up_rows=(1, 2, 4, 8), down_rows=(2, 4, 8, 16), warps=(4, 8))
+# gate/up and of down, warps (16 gate/up rows since 8, the grid's largest at 0f91d78, won at one token)
+SMALL_GRID = dict(gate_up_rows=(1, 2, 4, 8, 16), down_rows=(2, 4, 8, 16), warps=(4, 8))
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
@@ -50,6 +50,58 @@ def fastest(rows: list[dict]) -> dict:
         if row["ok"] and (row["batch"] not in best or row["us_per_block"] < best[row["batch"]]["us_per_block"]):
             best[row["batch"]] = row
     return best
+
+
+def load(path) -> list[dict]:
+    """A sweep's CSV, typed: batch int, us_per_block float, ok bool, config a dict ({} for a peer or a default)."""
+    import ast
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            rows.append(dict(row, batch=int(row["batch"]), us_per_block=float(row["us_per_block"] or "nan"),
+                             ok=row["ok"] == "True", config=ast.literal_eval(row["config"]) if row["config"] else {}))
+    return rows
+
+
+def steadiest(tables: list[dict]) -> dict:
+    """Among the configs every table ({repr(config): µs}) timed, the one whose worst ratio to each table's fastest
+    is smallest (one config for several models: none of them far from its own best)."""
+    common = set.intersection(*(set(t) for t in tables))
+    worst = {c: max(t[c] / min(t.values()) for t in tables) for c in common}
+    import ast
+    return ast.literal_eval(min(sorted(worst), key=worst.get))
+
+
+def _tables(rows: list[dict], variant: str) -> dict:
+    """{batch: [per model: {repr(config): µs}]} of the variant's rows whose output stayed within `ok`."""
+    out: dict = {}
+    for row in rows:
+        if row["variant"] == variant and row["ok"] and row["config"]:
+            out.setdefault(row["batch"], {}).setdefault(row["model"], {})[repr(row["config"])] = row["us_per_block"]
+    return {b: list(models.values()) for b, models in sorted(out.items())}
+
+
+def grouped_picks(rows: list[dict]) -> dict:
+    """Per swept batch, the grouped kernels' steadiest config over the models swept there."""
+    return {b: steadiest(tables) for b, tables in _tables(rows, "grouped").items()}
+
+
+def small_picks(rows: list[dict], variant: str = "small") -> dict:
+    """Per swept batch, the fastest config of the small kernels ("small", or gpt-oss's "oss"; one model each)."""
+    return {b: steadiest(tables) for b, tables in _tables(rows, variant).items()}
+
+
+def grouped_from(rows: list[dict]) -> int:
+    """One past the largest swept batch at which the small kernels (small or oss) beat the grouped ones in any
+    model: from there on the grouped kernels run."""
+    best: dict = {}
+    for row in rows:
+        if row["ok"] and row["variant"] in ("grouped", "small", "oss"):
+            kind = "grouped" if row["variant"] == "grouped" else "small"
+            key = (row["model"], row["batch"], kind)
+            best[key] = min(best.get(key, float("inf")), row["us_per_block"])
+    losses = [b for (model, b, kind), us in best.items() if kind == "small" and us < best[(model, b, "grouped")]]
+    return max(losses, default=0) + 1
 
 
 def build_oss_block(dtype=None, seed: int = 0):

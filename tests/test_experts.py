@@ -2,7 +2,9 @@
 
 On a CPU: the torch reference (what runs without Triton) against float64 and against HF's blocks of
 each family; the Triton kernels themselves under Triton's CPU interpreter (float32, float16), against
-float64 and against HF's blocks (the grouped kernels at 17-64 tokens too, their sorted buffer exactly);
+float64 and against HF's blocks (the grouped kernels at 2-64 tokens too, their sorted buffer exactly, over a
+seeded sweep of experts, top-k, tokens, tile heights and skewed routing); the tile tables held to the H200
+sweeps they were read from;
 the plan (which blocks, which path, why not); a tiny Qwen3-MoE (batch 3, and 24 for the grouped path)
 and a tiny gpt-oss decoding with kernels="fast" (the operator inside the compiled HF forward), equal to
 themselves uncaptured and to HF's tokens, the blocks left unpatched afterwards, and an in-place weight
@@ -96,11 +98,59 @@ def test_experts_triton_kernels_under_the_interpreter():
     run_interpreted(code, timeout=900)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_grouped_align_kernel_over_a_seeded_sweep():
+    """The align kernel's sorted buffer and tile owners, exactly, over drawn expert counts (up to 128, the
+    chunk of pairs counted at a time shrinking with them), top-k, 1-64 tokens and tile heights 16-64, with
+    routing uniform or piled on the first k experts (every token on the same experts: runs of several
+    tiles); slots and tiles are first filled with 7, so any slot the kernel leaves unwritten shows."""
+    code = ("import random, sys, torch\nsys.path.insert(0, 'tests')\n"
+            "from gdtool.kernels import check, experts\nfrom gdtool.kernels.triton import next_pow2, triton\n"
+            "rng = random.Random(11)\n"
+            "for trial in range(16):\n"
+            "    e = rng.choice([2, 8, 16, 32, 60, 128]); k = min(e, rng.choice([1, 2, 4, 8])); m = rng.randint(1, 64)\n"
+            "    bm = rng.choice([16, 32, 64]); gen = torch.Generator().manual_seed(trial)\n"
+            "    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(m)]).int()\n"
+            "    if trial % 4 == 0:\n"
+            "        ids = torch.arange(k, dtype=torch.int32).repeat(m, 1)\n"
+            "    slots = experts.grouped_slots(m * k, e, bm)\n"
+            "    order, tiles = torch.full((slots,), 7, dtype=torch.int32), torch.full((slots // bm,), 7, dtype=torch.int32)\n"
+            "    experts.align(ids, order, tiles, e, bm)\n"
+            "    r = check._check_grouped_order('sweep', f'e={e} k={k} m={m} bm={bm}', torch.float32, ids.long(), order, tiles)\n"
+            "    assert r.ok, (e, k, m, bm, r.note)\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+def test_experts_tiles_are_those_of_the_h200_sweeps():
+    """GROUPED_CONFIGS, the small kernels' experts_config, OssConfig and GROUPED_FROM are what
+    profiles/moe_sweep.py's rules read off the committed sweeps (experts.TUNED_FROM): a re-sweep that moves a
+    pick fails here until the table follows it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles"))
+    import glob
+
+    import moe_sweep
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = sorted(glob.glob(os.path.join(root, experts.TUNED_FROM, "*.csv")))
+    assert {os.path.basename(p) for p in paths} == {"qwen3-30b-a3b.csv", "gpt-oss-20b.csv"}
+    rows = [row for path in paths for row in moe_sweep.load(path)]
+    picks = moe_sweep.grouped_picks(rows)
+    assert set(picks) == {1, 2, 4, 8, 16, 32, 64}
+    for batch, pick in picks.items():
+        assert experts.grouped_config(batch) == experts.GroupedConfig(**pick), batch
+    for batch, pick in moe_sweep.small_picks([r for r in rows if r["model"] == "qwen3-30b-a3b"]).items():
+        config = experts.experts_config(2048, 768, batch)
+        assert dict(gate_up_rows=config.gate_up_rows, down_rows=config.down_rows, warps=config.warps) == pick, batch
+    assert experts.OssConfig() == experts.OssConfig(**moe_sweep.small_picks(rows, "oss")[1])
+    assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
+
+
 def test_plan_names_the_blocks_and_why_not():
     model = moe.build("qwen3_moe")
     plan = experts.plan(model, 3)
     assert plan.applies and plan.key() == (0, 1)
-    assert plan.note().startswith("MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8")
+    assert plan.note().startswith("MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8, grouped")
+    assert "grouped" not in experts.plan(model, 1).note()   # one token: the small kernels (GROUPED_FROM)
     table = plan.table()
     assert list(table.layer) == [0, 1] and set(table.path) == {"gdtool experts kernels"}
     for tokens in (32, experts.MAX_GROUPED_TOKENS):

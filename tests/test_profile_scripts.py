@@ -239,3 +239,23 @@ def test_moe_sweep_grid_and_fastest_config():
     for space, kind in ((moe_sweep.GROUPED_GRID, experts.GroupedConfig), (moe_sweep.OSS_GRID, experts.OssConfig)):
         kind(**moe_sweep.grid(space)[0])   # the grids name the configs' own fields
     experts.Config(router_rows=1, **moe_sweep.grid(moe_sweep.SMALL_GRID)[0])
+
+
+def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():
+    """steadiest: the config with the smallest worst ratio to each model's fastest, not the fastest of either;
+    grouped_from: one past the largest batch where the small (or gpt-oss's) kernels beat the grouped ones."""
+    import moe_sweep
+    a, b, c = ({"block_m": 16}, {"block_m": 32}, {"block_m": 64})
+    tables = [{repr(a): 10.0, repr(b): 11.0, repr(c): 15.0}, {repr(a): 30.0, repr(b): 21.0, repr(c): 20.0}]
+    assert moe_sweep.steadiest(tables) == b   # a is 1.5x off the second's best, c 1.5x off the first's; b 1.1x
+    rows = [dict(model="q", batch=1, variant="grouped", ok=True, us_per_block=9.0),
+            dict(model="q", batch=1, variant="small", ok=True, us_per_block=10.0),
+            dict(model="o", batch=1, variant="grouped", ok=True, us_per_block=10.0),
+            dict(model="o", batch=1, variant="oss", ok=True, us_per_block=9.5),
+            dict(model="o", batch=4, variant="grouped", ok=True, us_per_block=10.0),
+            dict(model="o", batch=4, variant="oss", ok=False, us_per_block=1.0),   # wrong output: not a candidate
+            dict(model="q", batch=2, variant="grouped", ok=True, us_per_block=5.0),
+            dict(model="q", batch=2, variant="small", ok=True, us_per_block=6.0)]
+    assert moe_sweep.grouped_from(rows) == 2
+    rows[-1]["us_per_block"] = 4.0
+    assert moe_sweep.grouped_from(rows) == 3

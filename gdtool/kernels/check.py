@@ -425,13 +425,14 @@ EXPERTS_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m i
 
 
 def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
-                  config=None) -> list[Result]:
-    """See below; m > experts.MAX_TOKENS runs the grouped kernels."""
-    return _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen, config)
+                  config=None, grouped: bool = False) -> list[Result]:
+    """See below; grouped=True runs the grouped kernels (else the small ones)."""
+    return _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen, config,
+                          grouped)
 
 
 def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
-                   config=None) -> list[Result]:
+                   config=None, grouped: bool = False) -> list[Result]:
     """One MoE block: the routing (exact equality of the expert ids with torch's, routing weights against
     float64) and the output against float64 on the kernel's own routing (no intermediate rounding)."""
     from . import experts
@@ -446,7 +447,7 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
              rand(1, h, scale=h ** -0.5)) if shared else ()
     args = (x, router, gate_up, down, top_k, norm_topk, weights_f32, *extra)
     seen = {}
-    if _impl.triton and m > experts.MAX_TOKENS:
+    if _impl.triton and grouped:
         assert not shared, "the grouped kernels take no shared expert"
         out = experts.block_grouped(*args, config=config, intermediates=seen)
     elif _impl.triton:
@@ -490,22 +491,25 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
     return results
 
 
-# the grouped kernels (more than experts.MAX_TOKENS tokens; no shared expert)
-EXPERTS_GROUPED_SMALL = [("qwen3-moe", 17, 8, 64, 32, 2, True, False, 0), ("olmoe", 24, 16, 64, 48, 4, False, False, 0),
+# the grouped kernels (from experts.GROUPED_FROM tokens; no shared expert)
+EXPERTS_GROUPED_SMALL = [("qwen3-moe", 2, 8, 64, 32, 2, True, False, 0), ("mixtral", 5, 8, 64, 48, 2, True, True, 0),
+                         ("qwen3-moe", 17, 8, 64, 32, 2, True, False, 0), ("olmoe", 24, 16, 64, 48, 4, False, False, 0),
                          ("mixtral", 40, 8, 64, 48, 2, True, True, 0), ("qwen3-moe", 64, 16, 96, 40, 4, True, False, 0)]
-EXPERTS_GROUPED_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m in (17, 32, 64)] + [
+EXPERTS_GROUPED_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m in (2, 4, 17, 32, 64)] + [
     ("olmoe-1b-7b", 48, 64, 2048, 1024, 8, False, False, 0), ("mixtral-8x7b", 24, 8, 4096, 14336, 2, True, True, 0)]
 
-# gpt-oss: (name, tokens, experts, hidden, intermediate, top_k)
-EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4), ("gpt-oss", 20, 8, 64, 48, 2)]
-EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4, 16, 32, 64)] + [
+# gpt-oss: (name, tokens, experts, hidden, intermediate, top_k), its small kernels and its grouped ones
+EXPERTS_OSS_SMALL = [("gpt-oss", 1, 8, 64, 32, 2), ("gpt-oss", 5, 16, 96, 40, 4)]
+EXPERTS_OSS_GROUPED_SMALL = [("gpt-oss", 3, 16, 96, 40, 4), ("gpt-oss", 20, 8, 64, 48, 2)]
+EXPERTS_OSS_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (1, 4)] + [("gpt-oss-120b", 2, 128, 2880, 2880, 4)]
+EXPERTS_OSS_GROUPED_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (2, 4, 16, 32, 64)] + [
     ("gpt-oss-120b", 2, 128, 2880, 2880, 4)]
 OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 
 
-def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) -> list[Result]:
+def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, grouped: bool = False) -> list[Result]:
     """One gpt-oss block (transposed, interleaved, biased experts; clamped SwiGLU; top-k then softmax),
-    as `check_experts`. The gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
+    as `check_experts` (grouped=True: the grouped kernels; config: an OssConfig for the small ones). The gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
     from . import experts
 
     def rand(*shape, scale=1.0):
@@ -517,7 +521,7 @@ def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None) 
     oss = (router_bias, gate_up_bias, down_bias, OSS_ALPHA, OSS_LIMIT)
     args = (x, router, gate_up, down, top_k, False, False, None, None, None, None, oss)
     seen = {}
-    if _impl.triton and m > experts.MAX_TOKENS:   # the grouped kernels (config: an OssConfig, for the small ones)
+    if _impl.triton and grouped:
         out = experts.block_grouped(x, router, gate_up, down, top_k, False, False, intermediates=seen, oss=oss)
     elif _impl.triton:
         out = experts.block_triton(*args, config=config, intermediates=seen)
@@ -577,7 +581,9 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
-        results += check_experts(*shape, dtype, device, gen)
+        results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
         results += check_experts_oss(*shape, dtype, device, gen, config=oss_config)
+    for shape in EXPERTS_OSS_GROUPED_SMALL + (EXPERTS_OSS_GROUPED_LARGE if large else []):
+        results += check_experts_oss(*shape, dtype, device, gen, grouped=True)
     return results

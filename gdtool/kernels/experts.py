@@ -40,7 +40,7 @@ four launches), and whose top-k-then-softmax router the shared routing reads und
 HF's rounding points: each product rounded, its bias added and rounded, then each step of
 `GptOssExperts._apply_gate` rounded; the router's bias added before its one rounding, as F.linear's
 bias epilogue on CUDA) and the step has at most `MAX_TOKENS`
-tokens, `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
+tokens (`MAX_GROUPED_TOKENS` without a shared expert), `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
 its compiled function, like attention's) gives each listed block a forward that calls
 `torch.ops.gdtool.moe_block`: a custom operator, opaque to dynamo and inductor, so the compiled HF
 forward keeps everything else and calls the kernels in place of the block. Outside the scope the
@@ -50,8 +50,10 @@ see the swap (a captured graph replays no Python, so the scope costs nothing aft
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
 
-From MAX_TOKENS + 1 to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
-below run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine.
+From GROUPED_FROM (2) to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
+below run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine (faster
+than the small kernels from 2 tokens in the H200 sweeps: `GROUPED_FROM`). Qwen2-MoE, with its shared
+expert, keeps the small kernels up to MAX_TOKENS.
 
 The fast decode forward (`forward.py`: Qwen3-MoE, Mixtral, Qwen2-MoE at 1-8 rows) calls `block_triton`
 itself, outside any compiled HF forward, with the layer's RMSNorm folded into the router and gate/up
@@ -77,7 +79,7 @@ from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
 
-MAX_TOKENS = 16      # tokens per step the small-batch kernels take; above, the grouped ones (MAX_GROUPED_TOKENS)
+MAX_TOKENS = 16      # tokens per step the small-batch kernels take (the grouped ones run from GROUPED_FROM)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
 # (block class, experts class, router class) per family, by module name in transformers.models
 FAMILIES = {
@@ -483,12 +485,15 @@ def _chunks(k: int) -> tuple[int, int]:
     return block, -(-k // block)
 
 
-def experts_config(hidden: int, intermediate: int) -> Config:
-    """Tiles of ~8 KB of weights per row group: the router's and gate/up's whole rows of `hidden`, down's
-    rows of `intermediate` (per routed expert; the k experts' loads of a down tile are independent)."""
+def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
+    """Gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
+    4 warps); down: 4K (4 rows of 1024); the router's whole rows, 4K per program. The fastest small-kernel
+    configs of the H200 sweep at Qwen3-30B-A3B's shapes, 1-16 tokens (profiles/moe_sweep.py, TUNED_FROM;
+    tests/test_experts.py holds this to it); other shapes keep the elements per program."""
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
-    return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, 4096 // kh)),
-                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if kh >= 2048 else 4)
+    one = tokens == 1
+    return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
+                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4)
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
@@ -508,7 +513,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     i = gate_up.shape[1] // 2
     shared = shared_gate is not None
     i_shared = shared_gate.shape[0] if shared else 1
-    cfg = config or experts_config(h, i)
+    cfg = config or experts_config(h, i, m)
     dev = x.device
     ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
     weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
@@ -571,9 +576,10 @@ def _routed_bytes(m: int, top_k: int, weight) -> int:
 @dataclass(frozen=True)
 class OssConfig:
     """gpt-oss's gate/up and down kernels: output columns per program (gate/up: intermediate columns, each
-    a gate and an up column), the reduction rows each step of the loop reads, warps. Untuned: chosen so that
-    gpt-oss-20b at batch 1 has ~360 programs of each (2.7 per H200 multiprocessor), each reading 64 or 128
-    contiguous bytes per weight row and 8K-element tiles."""
+    a gate and an up column), the reduction rows each step of the loop reads, warps. gpt-oss-20b at one token
+    has ~360 programs of each (2.7 per H200 multiprocessor), each reading 64 or 128 contiguous bytes per
+    weight row and 8K-element tiles: the fastest of the H200 sweep at one token (TUNED_FROM; from
+    GROUPED_FROM tokens the grouped kernels run)."""
     gate_up_cols: int = 32
     down_cols: int = 32
     block_k: int = 128
@@ -610,15 +616,16 @@ def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias,
 COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums read 4 float32 rows)
 
 
-# -- the grouped path: 17-64 tokens per step ------------------------------------------------------
-# Above MAX_TOKENS the same expert serves several rows, and a matrix-vector product per (row, expert)
+# -- the grouped path: 2-64 tokens per step (GROUPED_FROM) -----------------------------------------
+# With several tokens the same expert serves several rows, and a matrix-vector product per (row, expert)
 # would read it once per row. The grouped kernels read each routed expert once per tile of its rows:
 #
 #    route    per row: ids and routing weights, as the small path's gate/up programs compute them  (1)
-#    align    one program: the M*k (row, k) pairs sorted by expert (stable: by pair index within an
-#             expert), each expert's run padded to BLOCK_M slots, padding -1; which expert each tile
-#             of BLOCK_M slots belongs to (-1 past the last). Fixed sizes, worst case: M*k pairs plus
-#             BLOCK_M - 1 padding per expert that can appear (min(E, M*k)); no host read           (1)
+#    align    per expert (and one more for the tail): the M*k (row, k) pairs sorted by expert (stable:
+#             by pair index within an expert), each expert's run padded to BLOCK_M slots, padding -1;
+#             which expert each tile of BLOCK_M slots belongs to (-1 past the last). Fixed sizes, worst
+#             case: M*k pairs plus BLOCK_M - 1 padding per expert that can appear (min(E, M*k)); no
+#             host read                                                                            (1)
 #    gate_up  per (tile, N tile): the tile's pairs' x rows @ [Wg; Wu][e].T with tl.dot, rounded, SiLU,
 #             rounded, times up, rounded; written to the pair's own row of act [M*k, I]              (1)
 #    down     per (tile, N tile): act rows @ Wd[e].T, rounded, times the pair's weight (rounded, or
@@ -626,9 +633,10 @@ COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums
 #    combine  per (row, H tile): sum over its k pairs in routing order in float32, rounded once      (1)
 #
 # Same rounding points as the small path and HF's batched_mm / grouped_mm; no atomics, a fixed order
-# of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200 later).
+# of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200).
 
 MAX_GROUPED_TOKENS = 64
+ALIGN_ELEMENTS = 4096   # (expert, pair) comparisons an align program holds at a time: [BLOCK_E, 4096 // BLOCK_E]
 GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")   # no shared expert (gpt-oss: its own layout)
 
 
@@ -641,9 +649,28 @@ class GroupedConfig:
     stages: int = 2
 
 
-# one table, by the largest token count each row covers; untuned (the H200 session tunes it)
-GROUPED_CONFIGS = ((32, GroupedConfig(block_m=16, block_n=64, block_k=64)),
-                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=64, block_k=64)))
+# one table, by the largest token count each row covers: per batch of the H200 sweeps (qwen3-30b-a3b at 1, 2, 4,
+# ..., 64 tokens, gpt-oss-20b at 1, 4, 16, 32, 64), the config whose worst time over the models swept there is
+# nearest their fastest (profiles/moe_sweep.py `steadiest`; tests/test_experts.py holds the table to the sweeps
+# named in TUNED_FROM). At 64 tokens qwen3-30b-a3b's times were the align kernel's (every config ~580 us): gpt-oss
+# picked the row; sweep again after the align fix.
+_A = GroupedConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
+GROUPED_CONFIGS = ((2, _A), (4, GroupedConfig(block_m=16, block_n=64, block_k=64, warps=4, stages=3)), (32, _A),
+                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=32, block_n=128, block_k=64, warps=4, stages=4)))
+# the sweeps the tiles above and experts_config / OssConfig were read from (profiles/moe_sweep.py wrote them)
+TUNED_FROM = "profiles/h200/moe-sweep-0f91d78"
+# tokens per step from which the grouped kernels run (families without a shared expert; the others keep the
+# small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in either model
+# (`moe_sweep.grouped_from`). The grouped kernels won at every batch from 2 (qwen3-30b-a3b: 50 against 57 us a
+# block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1 gpt-oss-20b's small kernels
+# won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast forward's
+# MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
+GROUPED_FROM = 2
+
+
+def runs_grouped(family: str, tokens: int) -> bool:
+    """Whether a block of `family` at `tokens` rows runs the grouped kernels (else the small ones)."""
+    return family in GROUPED_FAMILIES and tokens >= GROUPED_FROM
 
 
 def grouped_config(tokens: int) -> GroupedConfig:
@@ -676,32 +703,45 @@ if HAVE_TRITON:
         tl.store(wts_ptr + m * TOPK + slots, values, mask=slots < TOPK)
 
     @triton.jit
-    def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, P, E, SLOTS,
-                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr):
-        """One program: sorted_ptr [SLOTS] = pair indices grouped by expert (ascending expert, then pair),
-        each group padded to a multiple of BLOCK_M with -1; tile_expert_ptr [SLOTS // BLOCK_M] = the expert
-        of each tile, -1 for tiles past the last group."""
-        p = tl.arange(0, BLOCK_P)
-        live = p < P
-        ids = tl.load(ids_ptr + p, mask=live, other=-1)
+    def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, P, E, SLOTS, BLOCK_P: tl.constexpr,
+                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+        """Grid (E + 1,): sorted_ptr [SLOTS] = pair indices grouped by expert (ascending expert, then pair),
+        each group padded to a multiple of BLOCK_M with -1; tile_expert_ptr [SLOTS // BLOCK_M] = the expert of
+        each tile, -1 for tiles past the last group. Program g < E writes expert g's slots and tiles (its run
+        starts after the padded counts of experts < g, which every program counts alike, CHUNK pairs at a
+        time); program E fills the slots and tiles past the last run. No [E, P] tensor in registers: the first
+        version, one program holding [128 experts x 512 pairs], is the likely reason every tile config took
+        ~580 us a block at 64 tokens in the H200 sweep against ~282 at 32 (not measured per kernel)."""
+        g = tl.program_id(0)
         e = tl.arange(0, BLOCK_E)
-        hit = (ids[None, :] == e[:, None]) & live[None, :]                         # [E, P]
-        counts = tl.sum(hit.to(tl.int32), axis=1)
+        counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        for p0 in range(0, P, CHUNK):
+            c = p0 + tl.arange(0, CHUNK)
+            chunk = tl.load(ids_ptr + c, mask=c < P, other=-1)
+            counts += tl.sum((chunk[None, :] == e[:, None]).to(tl.int32), axis=1)
         padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-        ends = tl.cumsum(padded, axis=0)
-        starts = ends - padded
-        # each pair's slot: its expert's start plus the number of earlier pairs of that expert
-        before = tl.cumsum(hit.to(tl.int32), axis=1) - 1                            # [E, P]
-        slot = tl.sum(tl.where(hit, starts[:, None] + before, 0), axis=0)           # [P]
-        s = tl.arange(0, BLOCK_S)
-        tl.store(sorted_ptr + s, tl.full([BLOCK_S], -1, tl.int32), mask=s < SLOTS)
-        tl.debug_barrier()
-        tl.store(sorted_ptr + slot, p, mask=live)
-        tiles = tl.arange(0, BLOCK_S // BLOCK_M)
-        first = tiles * BLOCK_M
-        owner = (first[:, None] >= starts[None, :]) & (first[:, None] < ends[None, :])   # [tiles, E]
-        expert = tl.max(tl.where(owner, e[None, :], -1), axis=1)
-        tl.store(tile_expert_ptr + tiles, expert, mask=tiles < SLOTS // BLOCK_M)
+        if g < E:
+            start = tl.sum(tl.where(e < g, padded, 0))
+            count = tl.sum(tl.where(e == g, counts, 0))
+            size = tl.sum(tl.where(e == g, padded, 0))
+            p = tl.arange(0, BLOCK_P)
+            live = p < P
+            hit = (tl.load(ids_ptr + p, mask=live, other=-1) == g) & live
+            before = tl.cumsum(hit.to(tl.int32), axis=0) - 1
+            tl.store(sorted_ptr + start + before, p, mask=hit)
+            pad = tl.arange(0, BLOCK_M)
+            tl.store(sorted_ptr + start + count + pad, tl.full([BLOCK_M], -1, tl.int32), mask=count + pad < size)
+            tiles = tl.arange(0, BLOCK_T)
+            tl.store(tile_expert_ptr + start // BLOCK_M + tiles, tl.full([BLOCK_T], 0, tl.int32) + g,
+                     mask=tiles * BLOCK_M < size)
+        else:
+            end = tl.sum(padded)
+            for s0 in range(end, SLOTS, CHUNK):
+                s = s0 + tl.arange(0, CHUNK)
+                tl.store(sorted_ptr + s, tl.full([CHUNK], -1, tl.int32), mask=s < SLOTS)
+            for t0 in range(end // BLOCK_M, SLOTS // BLOCK_M, CHUNK):
+                t = t0 + tl.arange(0, CHUNK)
+                tl.store(tile_expert_ptr + t, tl.full([CHUNK], -1, tl.int32), mask=t < SLOTS // BLOCK_M)
 
     @triton.jit
     def _grouped_gate_up_kernel(x_ptr, gu_ptr, gub_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
@@ -810,9 +850,19 @@ if HAVE_TRITON:
         tl.store(out_ptr + m * stride_out + n, acc.to(out_ptr.dtype.element_ty), mask=nmask)
 
 
+def align(ids, order, tile_expert, experts: int, block_m: int) -> None:
+    """The align kernel: ids [M, k] -> order [slots] (pair indices by expert, runs padded to block_m with -1)
+    and tile_expert [slots // block_m] (each tile's expert, -1 past the last run)."""
+    m, top_k = ids.shape
+    _align_kernel[(experts + 1,)](ids, order, tile_expert, m * top_k, experts, order.shape[0],
+                                  BLOCK_P=next_pow2(m * top_k), BLOCK_E=next_pow2(experts), BLOCK_M=block_m,
+                                  BLOCK_T=next_pow2(triton.cdiv(m, block_m)),
+                                  CHUNK=max(2, min(128, ALIGN_ELEMENTS // next_pow2(experts))))
+
+
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
                   intermediates: dict | None = None, oss=None):
-    """The grouped kernels (17-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
+    """The grouped kernels (GROUPED_FROM-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
     gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout."""
     m, h = x.shape
     e = gate_up.shape[0]
@@ -832,8 +882,7 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
     _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
                         BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
-    _align_kernel[(1,)](ids, order, tile_expert, pairs, e, slots, BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(e),
-                        BLOCK_M=cfg.block_m, BLOCK_S=next_pow2(slots), num_warps=8)
+    align(ids, order, tile_expert, e, cfg.block_m)
     tiles = slots // cfg.block_m
     _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
         x, gate_up, gate_up_bias, order, tile_expert, act, h, i, x.stride(0), float(alpha), float(limit), TOPK=top_k,
@@ -858,14 +907,15 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
               alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
     """One MoE block, x [M, H] -> [M, H]: the Triton kernels where they run (CUDA, or Triton's interpreter;
-    the small-batch kernels up to MAX_TOKENS rows, the grouped ones up to MAX_GROUPED_TOKENS), HF's
+    the grouped ones from GROUPED_FROM to MAX_GROUPED_TOKENS rows where there is no shared expert, else the
+    small-batch kernels up to MAX_TOKENS rows), HF's
     batched_mm arithmetic in torch elsewhere. The biases (all three) and alpha, limit are gpt-oss's:
     given, the weights are in its layout and routing."""
     oss = None if gate_up_bias is None else (router_bias, gate_up_bias, down_bias, alpha, limit)
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
-        if x.shape[0] > MAX_TOKENS:   # plan() sends only families without a shared expert
+        if shared_gate is None and x.shape[0] >= GROUPED_FROM:   # GROUPED_FAMILIES: those without a shared expert
             return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, oss=oss)
         return block_triton(*args)
     return block_reference(*args)
@@ -953,13 +1003,13 @@ def is_moe_block(module) -> bool:
     return isinstance(experts, torch.nn.Module) and hasattr(experts, "is_concatenated")
 
 
-def refusal(block, tokens: int) -> str:
+def refusal(block, tokens: int, small: bool = False) -> str:
     """'' when gdtool's kernels run this MoE block at `tokens` rows exactly as its HF forward (up to rounding
-    order), else why not."""
-    return _why_not(block, _family(block), tokens)
+    order), else why not. small=True: the small kernels at any token count (the fast forward's MoE layers)."""
+    return _why_not(block, _family(block), tokens, small)
 
 
-def _why_not(block, family: str, tokens: int) -> str:
+def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
     """'' when the kernels compute this block exactly as its HF forward does (up to rounding order)."""
     if not family:
         return f"{type(block).__name__} is not a known family ({', '.join(FAMILIES)})"
@@ -1017,7 +1067,8 @@ def _why_not(block, family: str, tokens: int) -> str:
             return "no Triton"
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
-    return untested_on_cuda(f"{family} experts" + (", grouped" if tokens > MAX_TOKENS else ""), gate_up.device)
+    grouped = runs_grouped(family, tokens) and not small
+    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ""), gate_up.device)
 
 
 def _router(block):
@@ -1093,7 +1144,7 @@ def plan(model, batch: int) -> Plan:
         why = _why_not(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
                       why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             + ("grouped, " if batch > MAX_TOKENS else "") + result.backend)
+                             + ("grouped, " if runs_grouped(family, batch) else "") + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)

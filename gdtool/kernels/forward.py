@@ -207,7 +207,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             if sandwich[0] is not None or "(1 + w) norms" in features:
                 return Plan(False, f"layer {index}: an MoE block with norms around it or (1 + w) norms (the experts "
                                    "kernels fold in one Llama RMSNorm before the block)")
-            refused = experts.refusal(mlp, batch)
+            refused = experts.refusal(mlp, batch, small=True)   # block_triton: the small kernels at 1-4 rows
             if refused:
                 return Plan(False, f"layer {index}'s MoE block: {refused}")
             features.add("experts")

@@ -91,6 +91,10 @@ def usable(*tensors) -> bool:
 # at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed); every family's experts (small and
 # grouped kernels, gpt-oss's rewritten ones among them) and the MoE layers of the fast forward at 0f91d78
 # (`KERNEL_TESTS_K="experts or moe" gpu_run.sh OUT tests-kernels`: 9 passed, kernel-paths-experts-0f91d78.txt).
+# Out again until their cuda tests pass: the grouped kernels (their align kernel rewritten to one program per
+# expert, their tiles and GROUPED_FROM read off the H200 sweeps) and the small kernels of the families other than
+# gpt-oss, the fast forward's MoE layers among them (experts_config's rows and warps per token count, from the
+# same sweeps). gpt-oss's small kernels (one token) are unchanged and stay.
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -98,23 +102,12 @@ CUDA_TESTED = frozenset({
     "Llama, passes of 4 rows",
     "Mistral, window >= cache, <= 4 rows",
     "Mistral, window >= cache, passes of 4 rows",
-    "Mixtral, experts, <= 4 rows",
     "Qwen2, q/k/v biases, <= 4 rows",
     "Qwen2, q/k/v biases, passes of 4 rows",
-    "Qwen2Moe, experts, q/k/v biases, <= 4 rows",
     "Qwen3, q/k norm, <= 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
-    "Qwen3Moe, experts, q/k norm, <= 4 rows",
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
-    "gpt_oss experts, grouped",
-    "mixtral experts",
-    "mixtral experts, grouped",
-    "olmoe experts",
-    "olmoe experts, grouped",
-    "qwen2_moe experts",
-    "qwen3_moe experts",
-    "qwen3_moe experts, grouped",
     "split-KV attention, combine in the last program",
 })
 
