@@ -41,6 +41,29 @@ def test_breakdown_adds_up_to_the_readers_busy_time():
     assert f"GPU busy {per_launch:.1f} µs per launch" in text and "| matmul |" in text
 
 
+def test_breakdown_own_times_sum_to_the_union_of_overlapping_kernels():
+    """Under PDL a kernel starts (and waits) while the one before runs: its 'own' time starts where every kernel
+    before it in the launch has ended, so per launch the own times sum to the union of the kernels' intervals
+    (merged here independently), none above its duration; the breakdown says the durations overlap."""
+    export = ROOT / "profiles" / "h200" / "nsys-fast" / "qwen3-30b-a3b-b1-0f91d78" / "fast" / \
+        "qwen3-30b-a3b_b1_step-graph_node_noeos_kernelsfast.sqlite.gz"
+    kernels, launches = kernel_breakdown.launch_kernels(export)
+    assert (kernels["own_us"] <= kernels["us"] + 1e-9).all() and (kernels["own_us"] >= 0).all()
+    for corr, group in list(kernels.groupby("corr"))[:5]:
+        union, end = 0.0, None
+        for start, stop in sorted(zip(group["start"], group["end"])):
+            if end is None or start >= end:
+                union += stop - start
+                end = stop
+            elif stop > end:
+                union += stop - end
+                end = stop
+        assert group["own_us"].sum() == pytest.approx(union / 1e3)
+    assert kernels["us"].sum() > 1.3 * kernels["own_us"].sum()   # this step overlaps: PDL on
+    assert "Kernels overlap (PDL" in kernel_breakdown.breakdown(export)
+    assert "Kernels overlap" not in kernel_breakdown.breakdown(NODE_EXPORT)
+
+
 def test_breakdown_refuses_a_graph_level_trace():
     graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
     with pytest.raises(ValueError, match="--cuda-graph-trace=node"):
