@@ -35,6 +35,9 @@
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
 #                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
+#   agree          the same probe's teacher-forced agreement of kernels="fast" with HF's kernels (top-1 share, largest
+#                  logit difference; compare_kernels) for each of AGREE_MODELS (qwen3-30b-a3b,gpt-oss-20b) at
+#                  AGREE_BATCHES (1,16,64): the per-preset agreement the MoE issue asks for
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
 #   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at 1 row over the probe's full sweep of tile
@@ -75,6 +78,7 @@ out=$(cd "$out" && pwd)
 work=$(mktemp -d)
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
+AGREE_BATCHES=${AGREE_BATCHES:-1,16,64}
 log="$out/log"
 # bench: every mode with HF's kernels, and the graph modes with the compiled option too
 bench_modes=${BENCH_MODES:-eager,forward-graph,step-graph,device-loop,step-graph+compiled,device-loop+compiled}
@@ -203,6 +207,10 @@ for p in "$@"; do
            $py profiles/moe_sweep.py --model \$m --out $work/moe-sweep || exit 1; done" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
+    agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \
+           --parts step --step-models ${AGREE_MODELS:-qwen3-30b-a3b,gpt-oss-20b} --prompt-len 32 --budget-s 360 \
+           --cases $(for b in ${AGREE_BATCHES//,/ }; do printf '%s:agree:step-graph:0,' "$b"; done | sed 's/,$//') \
+           --out "$work/agree" ;;
     kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
     kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \
