@@ -35,6 +35,9 @@ model = "llama-1b"
 # attention combine on, the fastest with peers in the same run)
 bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers", "qwen3-30b-a3b",
                  "gpt-oss-20b"]
+# mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
+# section reads
+moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -49,7 +52,8 @@ from IPython.display import display
 import gdtool
 from gdtool.frontends import notebook, plot
 
-notebook.setup(dict(results=results, model=model, bench_presets=bench_presets), cpu=cpu, cpu_fallback=cpu_fallback)
+notebook.setup(dict(results=results, model=model, bench_presets=bench_presets, moe_presets=moe_presets), cpu=cpu,
+               cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "profiles"))
 import decode_kernels_tables as tables  # noqa: E402
@@ -190,3 +194,46 @@ plot.caption(fig, "Per preset and batch size, from the committed bench runs (com
                   "bytes-over-bandwidth floor of that step. Lower is faster.")
 plt.show()
 
+# %% [markdown]
+# ## Mixture of experts: where the step goes, per kernel class
+# The fast step of each MoE preset, traced node by node (`gpu_run.sh OUT nsys-fast` with `NSYS_MODEL`,
+# `NSYS_BATCH`), read through `profiles/kernel_breakdown.py`. With PDL a kernel starts, and waits, while the one
+# before it runs, so durations overlap: each kernel counts from where the kernels before it ended ("own" time),
+# and the classes sum to the time some kernel runs. The black tick is the floor of the bench run of the same preset
+# and batch above (the bytes the step must read: of the experts, those its tokens hit on average).
+
+# %%
+import kernel_breakdown  # noqa: E402
+
+traced = []
+for preset in moe_presets:
+    for export in sorted((root / "profiles" / "h200" / "nsys-fast").glob(f"{preset}-b*-*/fast/*.sqlite.gz")):
+        kernels, launches = kernel_breakdown.launch_kernels(export)
+        batch = kernel_breakdown.export_batch(export)
+        own = kernels.groupby("class")["own_us"].sum() / launches
+        floor = summary["floor ms/step"].get((preset, batch), float("nan")) * 1e3
+        traced.append(dict(preset=preset, batch=batch, commit=export.parent.parent.name.rsplit("-", 1)[-1],
+                           floor_us=floor, **{f"{cls} µs": us for cls, us in own.items()}))
+moe = pd.DataFrame(traced)
+if moe.empty:
+    print("no MoE node traces committed under profiles/h200/nsys-fast/")
+else:
+    moe = moe.set_index(["preset", "batch"]).fillna(0.0)
+    classes = [c for c in moe.columns if c.endswith(" µs")]
+    moe["step µs"] = moe[classes].sum(axis=1)
+    moe["x floor"] = moe["step µs"] / moe["floor_us"]
+    display(moe.round(1))
+    fig, ax = plt.subplots(figsize=(9, 0.7 * len(moe) + 1.8), layout="constrained")
+    left = [0.0] * len(moe)
+    for cls in classes:
+        ax.barh(range(len(moe)), moe[cls], left=left, label=cls.removesuffix(" µs"))
+        left = [a + b for a, b in zip(left, moe[cls])]
+    ax.scatter(moe["floor_us"], range(len(moe)), color="black", marker="|", s=400, zorder=3, label="floor")
+    ax.set_yticks(range(len(moe)), [f"{p}, batch {b} ({c})" for (p, b), c in zip(moe.index, moe["commit"])])
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per decode step (own time per kernel class)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    plot.caption(fig, "Per MoE preset and batch, the fast step's GPU time by kernel class from a node-level nsys trace "
+                      "(commit in the label): each kernel from where the ones before it ended, so the bars sum to the "
+                      "time some kernel runs. Black tick: the bytes-over-bandwidth floor of that preset's bench run.")
+    plt.show()
