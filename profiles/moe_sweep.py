@@ -31,8 +31,11 @@ from pathlib import Path
 # the grouped kernels' configs: slots per tile (tl.dot's rows), output columns, reduction step, warps, stages
 GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), warps=(4, 8), stages=(3, 4))
 # the small kernels' configs (`experts.Config`; the router keeps its default): weight rows per program of
-# gate/up and of down, warps (16 gate/up rows since 8, the grid's largest at 0f91d78, won at one token)
-SMALL_GRID = dict(gate_up_rows=(1, 2, 4, 8, 16), down_rows=(2, 4, 8, 16), warps=(4, 8))
+# gate/up and of down, warps, and the elements of a weight row one load covers (the rest in static chunks; 4096:
+# a whole row of Qwen3-30B-A3B's hidden 2048 or intermediate 768 at once, as at 0f91d78). At 0f91d78 the grid had
+# gate/up rows 1-8 (8 won at one token) and no chunk: the gate/up kernel read 50 MB in 33.5 µs (1.5 TB/s) inside
+# qwen3-30b-a3b's step, gpt-oss's small kernels (128-row K steps) 3.2 TB/s
+SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8), chunk=(512, 1024, 4096))
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}

@@ -475,13 +475,14 @@ class Config:
     gate_up_rows: int
     down_rows: int
     warps: int = 4
+    chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
 
 
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
 
 
-def _chunks(k: int) -> tuple[int, int]:
-    block = min(next_pow2(k), MAX_CHUNK)
+def _chunks(k: int, limit: int | None = None) -> tuple[int, int]:
+    block = min(next_pow2(k), limit or MAX_CHUNK)
     return block, -(-k // block)
 
 
@@ -521,7 +522,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
     logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg, norm)
-    block_h, chunks_h = _chunks(h)
+    block_h, chunks_h = _chunks(h, cfg.chunk)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     norm_weight, eps = norm or (x, 0.0)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
@@ -531,8 +532,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
         num_warps=cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
-    block_i, chunks_i = _chunks(i)
-    block_s, chunks_s = _chunks(i_shared)
+    block_i, chunks_i = _chunks(i, cfg.chunk)
+    block_s, chunks_s = _chunks(i_shared, cfg.chunk)
     res = residual if residual is not None else out
     _down_kernel[(triton.cdiv(h, cfg.down_rows), m)](
         act, shared_act, ids, weights, logits, down, shared_down if shared else down, res, out,
