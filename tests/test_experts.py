@@ -392,3 +392,74 @@ def test_fast_moe_step_on_cuda_sees_an_in_place_weight_update():
     after = logits("fast")
     assert (after - before).abs().max() > 1e-2
     assert (fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast").top1_agreement > 0.4).all()
+
+
+# The zoo's mixture-of-experts architectures with kernels="fast": a known family's blocks in gdtool's kernels,
+# any other's kept as HF's inside the compiled forward; either way eager and step-graph decode generate()'s
+# tokens (float32), or the model is refused with the reason and kernels='hf' named. On a CPU a seeded sample of
+# three architectures beyond tests/moe.py's families (a compile takes ~30 s here); `pytest -m cuda` all of them.
+def _zoo_moe_model(model_type: str, device: str):
+    """The zoo's tiny model of `model_type` if it builds and holds an MoE block (else None: the zoo's own test
+    says why one does not build)."""
+    import zoo
+    try:
+        model = zoo.build(model_type, device=device)
+    except Exception:  # noqa: BLE001 - not built: tests/test_zoo.py holds the reason
+        return None
+    return model if any(experts.is_moe_block(m) for m in model.modules()) else None
+
+
+def _fast_outcome(model, device: str) -> str:
+    """'pass', 'refused: <reason>', 'no reference: <error>' (generate() cannot decode it: tests/test_zoo.py holds
+    why), or the mismatches with generate()'s tokens."""
+    import zoo
+    from gdtool.core.feed import Unsupported
+    from reference import decode, generate
+    ids, mask = zoo.prompt(model, device)
+    settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    try:
+        ref, _ = generate(model, ids, mask, 8, seed=0, **settings)
+    except Exception as error:  # noqa: BLE001
+        return f"no reference: {type(error).__name__}"
+    failures = []
+    for mode in ("eager", "step-graph"):
+        try:
+            out = decode(model, ids, mask, 8, seed=0, mode=mode, kernels="fast", **settings)
+        except Unsupported as refused:
+            assert "kernels='hf'" in str(refused), refused
+            return f"refused: {refused}"
+        if not torch.equal(out.tokens, ref.cpu()):
+            failures.append(f"{type(model).__name__} {mode}: tokens differ from generate()")
+    return "; ".join(failures) or "pass"
+
+
+def test_zoo_moe_sample_decodes_with_fast_kernels():
+    """Seeded order over the zoo: the first three MoE architectures that decode (refusals, with their reason,
+    are counted apart and must name kernels='hf')."""
+    import zoo
+    order = [t for t in zoo.architectures() if t not in FAMILIES]
+    random.Random(22).shuffle(order)
+    outcomes = {}
+    for model_type in order:
+        model = _zoo_moe_model(model_type, "cpu")
+        if model is None:
+            continue
+        outcomes[model_type] = _fast_outcome(model, "cpu")
+        if sum(not o.startswith(("refused", "no reference")) for o in outcomes.values()) == 3:
+            break
+    print(outcomes)
+    decoded = {t: o for t, o in outcomes.items() if not o.startswith(("refused", "no reference"))}
+    assert len(decoded) == 3, outcomes
+    assert all(o == "pass" for o in decoded.values()), outcomes
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("model_type", sorted(__import__("zoo").architectures()))
+def test_zoo_moe_decodes_with_fast_kernels_captured(model_type):
+    model = _zoo_moe_model(model_type, "cuda")
+    if model is None:
+        pytest.skip(f"{model_type}: no MoE block in its tiny model (or it does not build)")
+    outcome = _fast_outcome(model, "cuda")
+    if outcome.startswith(("refused", "no reference")):
+        pytest.skip(outcome)
+    assert outcome == "pass", outcome

@@ -4,6 +4,8 @@ short decodes, left padding, greedy and sampling with a repetition penalty; ever
 scores bit for bit. On a CPU the graph modes run their per-phase logic uncaptured; `pytest -m cuda` runs a
 larger sweep captured (windows up to 64, prompts one or two short of them).
 """
+import random
+
 import pytest
 import torch
 
@@ -80,4 +82,37 @@ def test_sliding_windows_with_gdtool_kernels_captured(arch, kernels):
         windows.cases(arch, patterns, per_fill=1, seed=4, windows=(64,), widths=range(60, 70), new_tokens=range(2, 15))
     failures = [f for case in sweep for f in windows.run_kernels(
         case, kernels, modes=windows.MODES, device="cuda", dtype=torch.bfloat16, expect=expect)]
+    assert not failures, "\n".join(failures)
+
+
+# Every sliding-window architecture of the zoo with kernels="compiled" (beside KERNEL_SWEEP's deep sweeps): one
+# seeded case each, eager and step-graph, tokens and scores equal to each other and (float32) the tokens
+# generate()'s; or refused with the reason and kernels='hf' named. A compile takes ~40 s on a CPU: there a seeded
+# sample of three; `pytest -m cuda` takes every architecture, float32, captured.
+ZOO_COMPILED_SAMPLE = random.Random(23).sample(sorted(set(ARCHS) - {arch for arch, _ in KERNEL_SWEEP}), 3)
+
+
+def _compiled_failures(arch: str, device: str) -> list[str]:
+    from gdtool.core.feed import Unsupported
+    patterns = windows.patterns_of(arch)
+    if not patterns:
+        pytest.skip(f"{arch} does not build at tiny size with a sliding window (the zoo reports why)")
+    case = windows.cases(arch, patterns, seed=23)[0]
+    try:
+        return windows.run_kernels(case, "compiled", device=device)
+    except Unsupported as refused:
+        assert "use kernels='hf'" in str(refused), refused
+        pytest.skip(f"{arch}: refused: {refused}")
+
+
+@pytest.mark.parametrize("arch", ZOO_COMPILED_SAMPLE)
+def test_zoo_sliding_windows_with_compiled_kernels(arch):
+    failures = _compiled_failures(arch, "cpu")
+    assert not failures, "\n".join(failures)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch", ARCHS)
+def test_zoo_sliding_windows_with_compiled_kernels_captured(arch):
+    failures = _compiled_failures(arch, "cuda")
     assert not failures, "\n".join(failures)
