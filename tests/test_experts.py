@@ -401,10 +401,10 @@ def test_fast_moe_step_on_cuda_sees_an_in_place_weight_update():
 # three architectures beyond tests/moe.py's families (a compile takes ~30 s here); `pytest -m cuda` all of them.
 def _zoo_moe_model(model_type: str, device: str):
     """The zoo's tiny model of `model_type` if it builds and holds an MoE block (else None: the zoo's own test
-    says why one does not build)."""
+    says why one does not build); bf16 on a GPU, where gdtool's experts kernels take bf16 and fp16 only."""
     import zoo
     try:
-        model = zoo.build(model_type, device=device)
+        model = zoo.build(model_type, device=device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     except Exception:  # noqa: BLE001 - not built: tests/test_zoo.py holds the reason
         return None
     return model if any(experts.is_moe_block(m) for m in model.modules()) else None
