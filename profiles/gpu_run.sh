@@ -25,6 +25,8 @@
 #                  ("fast compiled"), and each one's kernel breakdown (profiles/kernel_breakdown.py): the per-kernel
 #                  account an issue asks for where a target is missed (GDTOOL_UNTESTED_KERNELS=1 in the environment
 #                  runs paths not yet in CUDA_TESTED)
+#   tests-zoo-kernels  the zoo with the kernel options, captured: every sliding-window architecture with
+#                  kernels="compiled", every MoE architecture with kernels="fast" (tests-kernels leaves them out)
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each
 #                  case's outcome (outcomes.jsonl: profiles/zoo_table.py --cuda-outcomes renders it)
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
@@ -172,9 +174,15 @@ for p in "$@"; do
     tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-540} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
            "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py \
-           tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured
+           tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured \
+           --deselect tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
+           --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured
            "$py" profiles/kernel_paths.py "$work/tests-kernels/paths.jsonl" 2>&1 | tee "$work/tests-kernels/paths.txt" | tee -a "$log"
            keep tests-kernels ;;
+    tests-zoo-kernels) part tests-zoo-kernels ${ZOO_KERNELS_SECONDS:-560} "$py" -m pytest -q -rfE --tb=short -m cuda \
+           -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
+           tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
+           tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured ;;
     recheck) part recheck ${RECHECK_SECONDS:-150} bash -c "$py -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
            -p no:logging tests/test_timing.py && $py -m pytest -q -rfE --tb=short -m cuda -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -p no:logging tests/test_cuda.py tests/test_zoo.py -k 'index_lists or failed_capture or \
