@@ -22,6 +22,7 @@ One model per device call: each sweeps 300-400 configs (each compiled once, then
 from __future__ import annotations
 
 import argparse
+import ast
 import csv
 import itertools
 import sys
@@ -57,7 +58,6 @@ def fastest(rows: list[dict]) -> dict:
 
 def load(path) -> list[dict]:
     """A sweep's CSV, typed: batch int, us_per_block float, ok bool, config a dict ({} for a peer or a default)."""
-    import ast
     rows = []
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
@@ -71,7 +71,6 @@ def steadiest(tables: list[dict]) -> dict:
     is smallest (one config for several models: none of them far from its own best)."""
     common = set.intersection(*(set(t) for t in tables))
     worst = {c: max(t[c] / min(t.values()) for t in tables) for c in common}
-    import ast
     return ast.literal_eval(min(sorted(worst), key=worst.get))
 
 

@@ -146,6 +146,13 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
 
 
+def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
+    for chunk in (0, 1000, -512):
+        with pytest.raises(ValueError, match=r"Config\(chunk=.*power of two.*None for MAX_CHUNK"):
+            experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=chunk)
+    assert experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=512).chunk == 512
+
+
 def test_plan_names_the_blocks_and_why_not():
     model = moe.build("qwen3_moe")
     plan = experts.plan(model, 3)

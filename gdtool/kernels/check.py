@@ -509,7 +509,8 @@ OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 
 def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, grouped: bool = False) -> list[Result]:
     """One gpt-oss block (transposed, interleaved, biased experts; clamped SwiGLU; top-k then softmax),
-    as `check_experts` (grouped=True: the grouped kernels; config: an OssConfig for the small ones). The gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
+    as `check_experts` (grouped=True: the grouped kernels; config: an OssConfig for the small ones). The
+    gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
     from . import experts
 
     def rand(*shape, scale=1.0):

@@ -40,8 +40,8 @@ four launches), and whose top-k-then-softmax router the shared routing reads und
 HF's rounding points: each product rounded, its bias added and rounded, then each step of
 `GptOssExperts._apply_gate` rounded; the router's bias added before its one rounding, as F.linear's
 bias epilogue on CUDA) and the step has at most `MAX_TOKENS`
-tokens (`MAX_GROUPED_TOKENS` without a shared expert), `plan()` lists the blocks, and `scope()` (entered by `step.CompiledStep` around each call of
-its compiled function, like attention's) gives each listed block a forward that calls
+tokens (`MAX_GROUPED_TOKENS` without a shared expert), `plan()` lists the blocks, and `scope()` (entered
+by `step.CompiledStep` around each call of its compiled function, like attention's) gives each listed block a forward that calls
 `torch.ops.gdtool.moe_block`: a custom operator, opaque to dynamo and inductor, so the compiled HF
 forward keeps everything else and calls the kernels in place of the block. Outside the scope the
 blocks are HF's: the instance attribute is removed when the compiled call returns, so a step that
@@ -477,6 +477,11 @@ class Config:
     warps: int = 4
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
 
+    def __post_init__(self):
+        if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
+            raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
+                             "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
+
 
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
 
@@ -638,6 +643,7 @@ COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums
 
 MAX_GROUPED_TOKENS = 64
 ALIGN_ELEMENTS = 4096   # (expert, pair) comparisons an align program holds at a time: [BLOCK_E, 4096 // BLOCK_E]
+ALIGN_TAIL = 1024        # slots the align kernel's tail program fills with -1 at a time
 GROUPED_FAMILIES = ("qwen3_moe", "mixtral", "olmoe", "gpt_oss")   # no shared expert (gpt-oss: its own layout)
 
 
@@ -705,7 +711,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, P, E, SLOTS, BLOCK_P: tl.constexpr,
-                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr):
+                      BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, CHUNK: tl.constexpr,
+                      TAIL: tl.constexpr):
         """Grid (E + 1,): sorted_ptr [SLOTS] = pair indices grouped by expert (ascending expert, then pair),
         each group padded to a multiple of BLOCK_M with -1; tile_expert_ptr [SLOTS // BLOCK_M] = the expert of
         each tile, -1 for tiles past the last group. Program g < E writes expert g's slots and tiles (its run
@@ -735,14 +742,14 @@ if HAVE_TRITON:
             tiles = tl.arange(0, BLOCK_T)
             tl.store(tile_expert_ptr + start // BLOCK_M + tiles, tl.full([BLOCK_T], 0, tl.int32) + g,
                      mask=tiles * BLOCK_M < size)
-        else:
+        else:   # the tail, TAIL slots at a time (CHUNK shrinks with E: 4 at 1024 experts)
             end = tl.sum(padded)
-            for s0 in range(end, SLOTS, CHUNK):
-                s = s0 + tl.arange(0, CHUNK)
-                tl.store(sorted_ptr + s, tl.full([CHUNK], -1, tl.int32), mask=s < SLOTS)
-            for t0 in range(end // BLOCK_M, SLOTS // BLOCK_M, CHUNK):
-                t = t0 + tl.arange(0, CHUNK)
-                tl.store(tile_expert_ptr + t, tl.full([CHUNK], -1, tl.int32), mask=t < SLOTS // BLOCK_M)
+            for s0 in range(end, SLOTS, TAIL):
+                s = s0 + tl.arange(0, TAIL)
+                tl.store(sorted_ptr + s, tl.full([TAIL], -1, tl.int32), mask=s < SLOTS)
+            for t0 in range(end // BLOCK_M, SLOTS // BLOCK_M, TAIL):
+                t = t0 + tl.arange(0, TAIL)
+                tl.store(tile_expert_ptr + t, tl.full([TAIL], -1, tl.int32), mask=t < SLOTS // BLOCK_M)
 
     @triton.jit
     def _grouped_gate_up_kernel(x_ptr, gu_ptr, gub_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
@@ -858,7 +865,7 @@ def align(ids, order, tile_expert, experts: int, block_m: int) -> None:
     _align_kernel[(experts + 1,)](ids, order, tile_expert, m * top_k, experts, order.shape[0],
                                   BLOCK_P=next_pow2(m * top_k), BLOCK_E=next_pow2(experts), BLOCK_M=block_m,
                                   BLOCK_T=next_pow2(triton.cdiv(m, block_m)),
-                                  CHUNK=max(2, min(128, ALIGN_ELEMENTS // next_pow2(experts))))
+                                  CHUNK=max(2, min(128, ALIGN_ELEMENTS // next_pow2(experts))), TAIL=ALIGN_TAIL)
 
 
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
