@@ -24,6 +24,7 @@ The last stdout lines are a short table of each part.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import sys
@@ -263,6 +264,26 @@ def _decode(model, prompt, args, **kw):
                          do_sample=False, eos_token_id=None, **kw)
 
 
+def _accuracy_row(model, model_name, batch, mode, pdl, prompt_len):
+    """fast.accuracy's per-position table folded into one row: for HF's kernels and kernels="fast", the
+    largest and mean |logit - float32 reference| and the share of top-1 tokens equal to the reference's."""
+    try:
+        if next(model.parameters()).dtype == torch.float32:   # a tiny model on a CPU (the dry run): its bf16 copy
+            model = copy.deepcopy(model).to(torch.bfloat16)
+        with fast_triton.pdl(pdl):
+            df = fast.accuracy(model, batch=batch, prompt_len=prompt_len, steps=16, kernels="fast")
+        row = dict(model=model_name, batch=batch, kernels="fast and hf vs float32 (teacher-forced)", mode=mode,
+                   pdl=pdl, max_abs_logit=float(df.max_abs_logit.max()))
+        for name in ("hf", "fast"):
+            row.update({f"{name}_max_error": float(df[f"{name}_max_error"].max()),
+                        f"{name}_mean_error": float(df[f"{name}_mean_error"].mean()),
+                        f"{name}_top1": float(df[f"{name}_top1"].mean())})
+        return row
+    except Exception as error:
+        traceback.print_exc()
+        return dict(model=model_name, batch=batch, kernels="accuracy", error=repr(error)[:400])
+
+
 def part_step(args, rows):
     import gdtool.loops.devloop
     loop_ok = gdtool.loops.devloop.device_loop_support() is None
@@ -288,6 +309,10 @@ def part_step(args, rows):
                     traceback.print_exc()
                 rows.append(row)
                 log(row)
+                continue
+            if kernels == "accuracy":  # fast's and HF's bf16 logits each against the model in float32 (accuracy)
+                rows.append(_accuracy_row(model, model_name, batch, mode, pdl, args.prompt_len))
+                log(rows[-1])
                 continue
             if time.perf_counter() - START > args.budget_s:
                 log("budget reached: skipping the rest of the step part")
@@ -363,7 +388,8 @@ def parse_args(argv):
     p.add_argument("--cases", default="1:compiled:step-graph:0,1:fast:step-graph:0,1:fast:step-graph:1,"
                                       "1:fast:device-loop:0,64:compiled:step-graph:0,64:fast:step-graph:0,"
                                       "1:fast:device-loop:1",
-                   help="step part: batch:kernels:mode:pdl, in order (kernels 'agree': compare_kernels, fast vs hf)")
+                   help="step part: batch:kernels:mode:pdl, in order (kernels 'agree': compare_kernels, fast vs hf; "
+                        "'accuracy': fast.accuracy, fast's and hf's bf16 logits each against float32)")
     p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
                    help="gemv part: tile configs besides the default (small: two neighbours), for --sweep-models")
     p.add_argument("--sweep-models", default="llama-1b", help="the models whose projections --sweep sweeps")

@@ -23,8 +23,9 @@
 #                  sinks (attention.sinks_attention), its experts in gdtool's kernels
 #   nsys-fast      NSYS_MODEL (gemma-3-1b) at NSYS_BATCH (1), step-graph, node trace with each of NSYS_KERNELS
 #                  ("fast compiled"), and each one's kernel breakdown (profiles/kernel_breakdown.py): the per-kernel
-#                  account an issue asks for where a target is missed (GDTOOL_UNTESTED_KERNELS=1 in the environment
-#                  runs paths not yet in CUDA_TESTED)
+#                  account an issue asks for where a target is missed (GDTOOL_UNTESTED_KERNELS=1, as the bench parts:
+#                  the paths the bench runs, CUDA_TESTED or not; at c6bba88 without it qwen3-30b-a3b's batch-64 trace
+#                  was HF's experts, its grouped path then untested)
 #   tests-zoo-kernels  the zoo with the kernel options, captured: every sliding-window architecture with
 #                  kernels="compiled", every MoE architecture with kernels="fast" (tests-kernels leaves them out)
 #   tests-zoo      the captured zoo (`pytest -m cuda tests/test_zoo.py`, -n TEST_WORKERS, default 15), and each
@@ -40,6 +41,9 @@
 #   agree          the same probe's teacher-forced agreement of kernels="fast" with HF's kernels (top-1 share, largest
 #                  logit difference; compare_kernels) for each of AGREE_MODELS (qwen3-30b-a3b,gpt-oss-20b) at
 #                  AGREE_BATCHES (1,16,64): the per-preset agreement the MoE issue asks for
+#   accuracy       the same probe's fast.accuracy for each of ACCURACY_MODELS (gpt-oss-20b) at ACCURACY_BATCHES (1,16):
+#                  kernels="fast"'s and HF's bf16 logits, each against the model cast to float32 (largest and mean
+#                  error, top-1 share): whether fast rounds more than HF's kernels where `agree` finds them apart
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
 #   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at 1 row over the probe's full sweep of tile
@@ -141,7 +145,7 @@ for p in "$@"; do
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
     nsys-fast) part nsys-fast ${NSYS_FAST_SECONDS:-300} bash -c "m=${NSYS_MODEL:-gemma-3-1b}; b=${NSYS_BATCH:-1}; \
            for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b/\$k; \
-           $py -m gdtool profile --nsys --model \$m --batch \$b --trace node --modes step-graph --set kernels=\$k \
+           GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool profile --nsys --model \$m --batch \$b --trace node --modes step-graph --set kernels=\$k \
            --max-new-tokens 48 --no-eos --no-progress --out \$d && $py profiles/kernel_breakdown.py \
            \$d/*.sqlite.gz --model \$m --out \$d/breakdown.md || exit 1; done" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
@@ -219,6 +223,10 @@ for p in "$@"; do
            --parts step --step-models ${AGREE_MODELS:-qwen3-30b-a3b,gpt-oss-20b} --prompt-len 32 --budget-s 360 \
            --cases $(for b in ${AGREE_BATCHES//,/ }; do printf '%s:agree:step-graph:0,' "$b"; done | sed 's/,$//') \
            --out "$work/agree" ;;
+    accuracy) part accuracy ${ACCURACY_SECONDS:-300} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \
+           --parts step --step-models ${ACCURACY_MODELS:-gpt-oss-20b} --prompt-len 32 --budget-s 260 \
+           --cases $(b=${ACCURACY_BATCHES:-1,16}; for x in ${b//,/ }; do printf '%s:accuracy:step-graph:0,' "$x"; done | sed 's/,$//') \
+           --out "$work/accuracy" ;;
     kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
     kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \

@@ -493,13 +493,14 @@ def _chunks(k: int, limit: int | None = None) -> tuple[int, int]:
 
 def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     """Gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
-    4 warps); down: 4K (4 rows of 1024); the router's whole rows, 4K per program. The fastest small-kernel
-    configs of the H200 sweep at Qwen3-30B-A3B's shapes, 1-16 tokens (profiles/moe_sweep.py, TUNED_FROM;
-    tests/test_experts.py holds this to it); other shapes keep the elements per program."""
+    4 warps); down: 4K (4 rows of 1024); both read their rows 1024 elements a load (at one token 34.7 us a
+    block against 36.6 with whole 2048-element rows); the router's whole rows, 4K per program. The fastest
+    small-kernel configs of the H200 sweep at Qwen3-30B-A3B's shapes, 1-16 tokens (profiles/moe_sweep.py,
+    TUNED_FROM; tests/test_experts.py holds this to it); other shapes keep the elements per program."""
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
     return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
-                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4)
+                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
@@ -659,13 +660,14 @@ class GroupedConfig:
 # one table, by the largest token count each row covers: per batch of the H200 sweeps (qwen3-30b-a3b at 1, 2, 4,
 # ..., 64 tokens, gpt-oss-20b at 1, 4, 16, 32, 64), the config whose worst time over the models swept there is
 # nearest their fastest (profiles/moe_sweep.py `steadiest`; tests/test_experts.py holds the table to the sweeps
-# named in TUNED_FROM). At 64 tokens qwen3-30b-a3b's times were the align kernel's (every config ~580 us): gpt-oss
-# picked the row; sweep again after the align fix.
+# named in TUNED_FROM). qwen3-30b-a3b's sweep at c6bba88 (the align kernel one program per expert) took 307.8 us
+# a block at 64 tokens, 580 before it; gpt-oss-20b's is the one at 0f91d78.
 _A = GroupedConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 GROUPED_CONFIGS = ((2, _A), (4, GroupedConfig(block_m=16, block_n=64, block_k=64, warps=4, stages=3)), (32, _A),
-                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=32, block_n=128, block_k=64, warps=4, stages=4)))
-# the sweeps the tiles above and experts_config / OssConfig were read from (profiles/moe_sweep.py wrote them)
-TUNED_FROM = "profiles/h200/moe-sweep-0f91d78"
+                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=128, block_k=128, warps=8, stages=3)))
+# the sweeps the tiles above and experts_config / OssConfig were read from (profiles/moe_sweep.py wrote them):
+# one CSV per preset; every config in them was checked against the torch reference on the H200 (column `ok`)
+TUNED_FROM = ("profiles/h200/moe-sweep-c6bba88/qwen3-30b-a3b.csv", "profiles/h200/moe-sweep-0f91d78/gpt-oss-20b.csv")
 # tokens per step from which the grouped kernels run (families without a shared expert; the others keep the
 # small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in either model
 # (`moe_sweep.grouped_from`). The grouped kernels won at every batch from 2 (qwen3-30b-a3b: 50 against 57 us a

@@ -90,11 +90,12 @@ def usable(*tensors) -> bool:
 # <= 4 rows (its test now measures gdtool's and HF's bf16 kernels against float32) and the fused attention combine
 # at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed); every family's experts (small and
 # grouped kernels, gpt-oss's rewritten ones among them) and the MoE layers of the fast forward at 0f91d78
-# (`KERNEL_TESTS_K="experts or moe" gpu_run.sh OUT tests-kernels`: 9 passed, kernel-paths-experts-0f91d78.txt).
-# Out again until their cuda tests pass: the grouped kernels (their align kernel rewritten to one program per
-# expert, their tiles and GROUPED_FROM read off the H200 sweeps) and the small kernels of the families other than
-# gpt-oss, the fast forward's MoE layers among them (experts_config's rows and warps per token count, from the
-# same sweeps). gpt-oss's small kernels (one token) are unchanged and stay.
+# (`KERNEL_TESTS_K="experts or moe" gpu_run.sh OUT tests-kernels`: 9 passed, kernel-paths-experts-0f91d78.txt);
+# again at c6bba88, after their align kernel became one program per expert and their tiles were read off the
+# sweeps (9 passed, kernel-paths-experts-c6bba88.txt). The tiles read off the c6bba88 sweep since (the grouped
+# kernels' row for 33-64 tokens, the small kernels' 1024-element loads) are kernel code the tests ran with other
+# constants; each of those configs was checked against the torch reference on the H200 by that sweep (its column
+# `ok`, profiles/moe_sweep.py), so the paths stay.
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -106,8 +107,19 @@ CUDA_TESTED = frozenset({
     "Qwen2, q/k/v biases, passes of 4 rows",
     "Qwen3, q/k norm, <= 4 rows",
     "Qwen3, q/k norm, passes of 4 rows",
+    "Mixtral, experts, <= 4 rows",
+    "Qwen2Moe, experts, q/k/v biases, <= 4 rows",
+    "Qwen3Moe, experts, q/k norm, <= 4 rows",
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
+    "gpt_oss experts, grouped",
+    "mixtral experts",
+    "mixtral experts, grouped",
+    "olmoe experts",
+    "olmoe experts, grouped",
+    "qwen2_moe experts",
+    "qwen3_moe experts",
+    "qwen3_moe experts, grouped",
     "split-KV attention, combine in the last program",
 })
 
