@@ -31,10 +31,11 @@
 # %% tags=["parameters"]
 results = "h200/decode-kernels"   # under profiles/: the committed H200 results
 model = "llama-1b"
-# folders of profiles/h200/bench/ for the last section (gemma-3-1b's second: its run at 69c20df with the fused
-# attention combine on, the fastest with peers in the same run)
-bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers", "qwen3-30b-a3b",
-                 "gpt-oss-20b"]
+# folders of profiles/h200/bench/ for the last sections (gemma-3-1b's others: its batch-1 run at 69c20df with the
+# fused attention combine on, and its batch-64 run at c6bba88 with fused projections, each the fastest of that
+# batch with peers in the same run)
+bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers",
+                 "gemma-3-1b/fused-projections", "qwen3-30b-a3b", "gpt-oss-20b"]
 # mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
