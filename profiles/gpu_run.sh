@@ -13,7 +13,7 @@
 #   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
 #   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
 #                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
-#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, attention
+#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the linear layers of other models, attention
 #                  (the fused combine), the window sweep with them), and which kernel paths passed them
 #                  (profiles/kernel_paths.py)
 #   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
@@ -177,7 +177,7 @@ for p in "$@"; do
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-580} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-540} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
            "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
-           ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py \
+           ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py tests/test_linear.py \
            tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured \
            --deselect tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
            --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured

@@ -11,6 +11,8 @@
     window.py     a full sliding window's cache shifted left by one slot in place (Gemma 3; Triton)
     experts.py    mixture-of-experts blocks at small batch (router, gate/up over the routed experts only,
                   down with the weighted top-k sum; Triton), swapped into the compiled HF forward
+    linear.py     any other model's linear layers at 1-4 rows in gemv.py's kernel (bias epilogue), swapped in too
+    swap.py       the swap: modules' forwards replaced for the length of a compiled call
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
     fuse.py       q/k/v and gate/up as one weight each
     ops.py        each kernel behind one call: Triton where it runs, the torch reference elsewhere

@@ -42,12 +42,12 @@ class _Impl:
     references themselves, which then are checked against float64 alone."""
     triton = True
 
-    def gemv(self, x, g, eps, w, w2, r, out_f32, config=None, plus_one=False, act="silu"):
+    def gemv(self, x, g, eps, w, w2, r, out_f32, config=None, plus_one=False, act="silu", bias=None):
         if self.triton:
-            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config, plus_one=plus_one, act=act)
+            return gemv.rms_gemv(x, g, eps, w, w2, r, out_f32, config=config, plus_one=plus_one, act=act, bias=bias)
         if w2 is not None:
             return gemv.gate_up_reference(x, g, eps, w, w2, plus_one, act)
-        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32, plus_one)
+        return gemv.rms_gemv_reference(x, g, eps, w, r, out_f32, plus_one, bias)
 
     def rms_add(self, *args):
         return (gemv.rms_add if self.triton else gemv.rms_add_reference)(*args)
@@ -98,17 +98,19 @@ def _norm_weight(k, dtype, device, gen, plus_one):
 
 
 def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=False, config=None,
-               plus_one=False) -> Result:
+               plus_one=False, bias=False) -> Result:
+    """bias: F.linear's (`linear.py`, any model's linear layers outside the fast forward)."""
     x = torch.randn(m, k, generator=gen, device=device).to(dtype)
     w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
     g = _norm_weight(k, dtype, device, gen, plus_one) if norm else None
     r = torch.randn(m, n, generator=gen, device=device).to(dtype) if residual else None
-    out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config, plus_one=plus_one)
-    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32, plus_one)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
+    out = _impl.gemv(x, g, 1e-5, w, None, r, out_f32, config=config, plus_one=plus_one, bias=b)
+    ref = gemv.rms_gemv_reference(x, g, 1e-5, w, r, out_f32, plus_one, b)
     xn = _exact_norm(x, g, 1e-5, plus_one) if norm else x.double()
-    exact = xn @ w.double().T + (r.double() if residual else 0)
-    flags = "".join(f for f, on in (("+norm", norm), ("(1+w)", norm and plus_one), ("+res", residual),
-                                    ("->f32", out_f32)) if on)
+    exact = xn @ w.double().T + (b.double() if bias else 0) + (r.double() if residual else 0)
+    flags = "".join(f for f, on in (("+bias", bias), ("+norm", norm), ("(1+w)", norm and plus_one),
+                                    ("+res", residual), ("->f32", out_f32)) if on)
     return _judge("rms_gemv" + flags, f"{m}x{k} @ {k}x{n}", dtype, out, ref, exact,
                   "" if config is None else f"config {config}")
 
@@ -322,6 +324,9 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))  # default config
         results.append(check_gate_up(m, n, k, dtype, device, gen, config=(4, 4, 2)))
     results.append(check_gemv(2, 200, 128, dtype, device, gen, True, False, True, config=(8, 8, 2)))  # lm_head's
+    # any linear layer with its bias (`linear.py`): K not a power of two, one and several tiles per program
+    for m, n, k, config in ((1, 96, 72, None), (3, 40, 64, (4, 4, 2)), (4, 130, 96, None), (2, 64, 256, (4, 4, 2))):
+        results.append(check_gemv(m, n, k, dtype, device, gen, False, False, False, config=config, bias=True))
     results += check_qkv_rope(2, 64, 4, 2, 16, 9, dtype, device, gen)
     results += check_qkv_rope(1, 128, 8, 2, 32, 20, dtype, device, gen, config=(4, 4, 2, 128))
     results += check_qkv_rope(3, 96, 4, 2, 16, 9, dtype, device, gen, bias=True)            # Qwen2: q/k/v biases
@@ -394,6 +399,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             # gpt-oss-20b: 64 query over 8 key/value heads of 64, sinks; a 128-slot window and a full layer
             results.append(check_attention(m, 64, 8, 64, 128, 128, dtype, device, gen, sinks=True))
             results.append(check_attention(m, 64, 8, 64, 384, 200, dtype, device, gen, pad=7 * (m > 1), sinks=True))
+            for n, k in ((4096, 2880), (512, 2880), (2880, 4096)):                              # its q, k/v, o
+                results.append(check_gemv(m, n, k, dtype, device, gen, False, False, False, bias=True))
             results.append(check_window_roll(m, 1, 512, 256, dtype, device, gen))               # its 512-token windows
             results.append(check_window_roll(m, 2, 1024, 256, dtype, device, gen))              # gemma-3-4b's
         for m in (8, 16):

@@ -74,6 +74,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import swap
 from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 if HAVE_TRITON:
@@ -1168,26 +1169,10 @@ def _layer_index(name: str, default: int) -> int:
     return default
 
 
-_MISSING = object()
-
-
 @contextmanager
 def scope(moe_plan: Plan | None):
     """The planned blocks run gdtool's kernels inside this scope; each block's own forward is back on exit
-    (whatever happens inside)."""
-    if moe_plan is None or not moe_plan.applies:
+    (whatever happens inside: `swap.forwards`)."""
+    layers = moe_plan.layers if moe_plan is not None else []
+    with swap.forwards((layer.block, layer.forward) for layer in layers if layer.applies):
         yield
-        return
-    saved = []
-    try:
-        for layer in moe_plan.layers:
-            if layer.applies:
-                saved.append((layer.block, layer.block.__dict__.get("forward", _MISSING)))
-                layer.block.forward = layer.forward
-        yield
-    finally:
-        for block, before in reversed(saved):
-            if before is _MISSING:
-                block.__dict__.pop("forward", None)
-            else:
-                block.forward = before

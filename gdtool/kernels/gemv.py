@@ -7,7 +7,9 @@ H200, against ~4.3 TB/s for a plain copy. The kernels here read each program's w
 or a few wide tiles (16-byte loads, issued before anything waits), with enough programs to keep
 every multiprocessor's loads in flight, and fold in the small operations around the product:
 
-    rms_gemv    y = [RMSNorm](x) @ W.T  [+ residual]       (o, down and lm_head: one kernel each)
+    rms_gemv    y = [RMSNorm](x) @ W.T  [+ bias] [+ residual]  (o, down and lm_head: one kernel each; with a
+                                                           bias and neither norm nor residual, any nn.Linear:
+                                                           `linear.py`)
     gate_up     a = act(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side; act: SiLU,
                 or GELU's tanh form for Gemma)
     qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3,
@@ -68,9 +70,9 @@ def activation_reference(x: torch.Tensor, act: str) -> torch.Tensor:
     return F.silu(x) if act == "silu" else F.gelu(x, approximate="tanh")
 
 
-def rms_gemv_reference(x, norm_weight, eps, weight, residual=None, out_f32=False, plus_one=False):
+def rms_gemv_reference(x, norm_weight, eps, weight, residual=None, out_f32=False, plus_one=False, bias=None):
     n = rms_norm_reference(x, norm_weight, eps, plus_one) if norm_weight is not None else x
-    y = F.linear(n, weight)
+    y = F.linear(n, weight, bias)
     if residual is not None:
         y = residual + y
     return y.float() if out_f32 else y
@@ -191,19 +193,23 @@ if HAVE_TRITON:
         tl.store(out_ptr + row * stride_out + n, (r.to(tl.float32) + normed.to(tl.float32)).to(y.dtype), mask=n < N)
 
     @triton.jit
-    def _gemv_tile_out(x, w, w2, t, r0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                       GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr, ROWS: tl.constexpr,
-                       BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-        """Rows r0 .. r0 + ROWS of tile t: the product (gate/up: silu(gate) * up), the residual, the store."""
+    def _gemv_tile_out(x, w, w2, t, r0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                       GATE_UP: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
+                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
+        """Rows r0 .. r0 + ROWS of tile t: the product (gate/up: silu(gate) * up; BIAS: the bias added to the
+        float32 sum, rounded once, as F.linear's bias epilogue), the residual, the store."""
         out_ty = x_ptr.dtype.element_ty
-        y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2).to(out_ty)      # [ROWS, BLOCK_N]
+        rm2 = r0 + tl.arange(0, ROWS)[:, None]
+        rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
+        omask = (rm2 < M) & (rn2 < N)
+        y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)      # [ROWS, BLOCK_N]
+        if BIAS:
+            y += tl.load(b_ptr + rn2, mask=rn2 < N, other=0.0).to(tl.float32)
+        y = y.to(out_ty)
         if GATE_UP:  # act(gate) * up, each rounded as eager rounds it
             up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
             a = _activation(y.to(tl.float32), ACT).to(out_ty)
             y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
-        rm2 = r0 + tl.arange(0, ROWS)[:, None]
-        rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
-        omask = (rm2 < M) & (rn2 < N)
         if RESIDUAL:
             r = tl.load(res_ptr + rm2 * stride_res + rn2, mask=omask, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
@@ -213,9 +219,10 @@ if HAVE_TRITON:
             tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
 
     @triton.jit
-    def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, res_ptr, y_ptr, a_ptr, ga_ptr, h_ptr,
+    def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, b_ptr, res_ptr, y_ptr, a_ptr, ga_ptr, h_ptr,
                          M, N, stride_x, stride_res, stride_y, stride_a, stride_h, eps, eps_a, nprog,
-                         ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr, RESIDUAL: tl.constexpr,
+                         ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr,
+                         BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
                          WRITE_H: tl.constexpr, PDL: tl.constexpr):
@@ -248,15 +255,15 @@ if HAVE_TRITON:
             if GATE_UP:
                 w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
             if PASSES == 1:
-                _gemv_tile_out(x, w, w2, t, 0, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                               GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
+                _gemv_tile_out(x, w, w2, t, 0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                               GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             else:
                 for p in tl.static_range(PASSES):
                     xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
                                      PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
                                      h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H)
-                    _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                                   GATE_UP, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
+                    _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res,
+                                   stride_y, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             w = w_next
             w2 = w2_next
 
@@ -513,14 +520,17 @@ def _added(x, add, keep: bool):
 
 
 def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=False, config=None, plus_one=False,
-             act="silu", add=None, keep=True):
+             act="silu", add=None, keep=True, bias=None):
     """Triton `rms_gemv` / `gate_up` (weight2 given): x [M, K] (M <= MAX_ROWS) -> [M, N]. add=(a, weight, eps):
     the input is x + RMSNorm(a) (`rms_add`, folded in: Gemma's post norms), returned as well, (y, h), where
-    keep (the residual stream's next value)."""
+    keep (the residual stream's next value). bias [N]: added to the float32 product, rounded once (not with
+    gate/up)."""
     m, k = x.shape
     n = weight.shape[0]
     if weight2 is not None and norm_weight is None:
         raise ValueError("gate/up is fused with the RMSNorm that precedes it; give norm_weight")
+    if weight2 is not None and bias is not None:
+        raise ValueError("gate/up takes no bias (no family this kernel serves has one there)")
     block_n, warps, per_sm = config or gemv_config(m, n, k, 2 if weight2 is not None else 1)
     rows, passes = _row_passes(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_f32 else x.dtype)
@@ -529,11 +539,13 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
     tiles = triton.cdiv(n, block_n)
     grid = (_programs(tiles, x.device, per_sm),)
     _rms_gemv_kernel[grid](
-        x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight, res, y,
+        x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight,
+        bias if bias is not None else weight, res, y,
         a, ga, h if h is not None else x,
         m, n, x.stride(0), res.stride(0), y.stride(0), a.stride(0), (h if h is not None else x).stride(0), float(eps),
         eps_a, grid[0],
-        ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None, RESIDUAL=residual is not None,
+        ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None,
+        BIAS=bias is not None, RESIDUAL=residual is not None,
         OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
         ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, num_warps=warps,
         **launch_options(x.device, _bytes(weight, weight2)))

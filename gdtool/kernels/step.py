@@ -25,7 +25,9 @@ Mistral, Qwen2, Qwen3 at small batch: `forward.BATCH_PATHS`), by gdtool's own Tr
 around the compiled select and update (`forward.py`). On a mixture of experts of a known family
 (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) at <= 16 tokens per step, the compiled HF forward calls gdtool's
 experts kernels in place of each MoE block (`experts.py`, a custom operator swapped in only for the
-duration of the compiled call). Elsewhere it is exactly "compiled"; `compiles()` says which ran and why.
+duration of the compiled call), gpt-oss's attention its split-KV kernels with sinks (`attention.py`), and at
+1-4 rows the decoder's linear layers its matrix-vector kernel (`linear.py`, swapped in the same way).
+Elsewhere it is exactly "compiled"; `compiles()` says which ran and why.
 
 Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
 phase, as the graph modes capture one graph per phase: their Python counters are pinned on the phase's
@@ -57,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import compat, feed, graphs, sampling
-from . import attention, experts, forward, fuse, ops
+from . import attention, experts, forward, fuse, linear, ops
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.step import Step, new_state
@@ -173,6 +175,11 @@ class CompiledStep(Step):
         # calls gdtool's experts kernels (`experts.scope`, only for the duration of the compiled call)
         self.moe_plan = experts.plan(self.model, self.state.mask.shape[0]) \
             if kernels == "fast" and not self.fast_forward else None
+        # kernels="fast" outside the fast forward at 1-4 rows: the decoder's nn.Linear modules in gdtool's
+        # matrix-vector kernel (`linear.scope`), the MoE blocks the experts plan replaces left out
+        self.linear_plan = linear.plan(self.model, self.state.mask.shape[0],
+                                       skip=tuple(x.block for x in self.moe_plan.layers if x.applies)) \
+            if self.moe_plan is not None else None
         # kernels="fast" on gpt-oss (attention with sinks): its attention in gdtool's split-KV kernels
         self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels) \
             if not self.fast_forward else (False, "")
@@ -237,6 +244,13 @@ class CompiledStep(Step):
             return self._run(_update_only, self.select(logits))
         self._run(_select_update, logits)
 
+    @contextmanager
+    def _scopes(self):
+        """gdtool's kernels swapped into the HF modules for the duration of a compiled call (a captured graph
+        replays no Python: the swap costs nothing after capture)."""
+        with attention.scope(self.sinks_kernel), experts.scope(self.moe_plan), linear.scope(self.linear_plan):
+            yield
+
     def _run(self, body, *args):
         # sliding layers: dynamo specializes the step on their Python counters, pinned for the call at one value
         # per window phase (`Feed.pinned`). After the fast forward, select and update read no window: no phase,
@@ -253,7 +267,7 @@ class CompiledStep(Step):
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes(), attention.scope(self.sinks_kernel), experts.scope(self.moe_plan):
+            with _no_function_modes(), self._scopes():
                 result = entry.fn(self, *args)
         except Exception as error:
             if entry.calls or not entry.fullgraph or not _is_graph_break(error):
@@ -266,7 +280,7 @@ class CompiledStep(Step):
             entry.fn = torch.compile(_fresh(body), backend="inductor", fullgraph=False, dynamic=False,
                                      options=INDUCTOR_OPTIONS)
             entry.fullgraph = False
-            with _no_function_modes(), attention.scope(self.sinks_kernel), experts.scope(self.moe_plan):
+            with _no_function_modes(), self._scopes():
                 result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
@@ -298,7 +312,8 @@ def _kernels_note(step: CompiledStep) -> str:
     if step.fast_plan is None:
         return step.kernels
     if not step.fast_plan.applies:
-        moe = "; ".join(n for n in (step.moe_plan.note() if step.moe_plan is not None else "", step.sinks_note) if n)
+        moe = "; ".join(n for n in (step.moe_plan.note() if step.moe_plan is not None else "", step.sinks_note,
+                                    step.linear_plan.note() if step.linear_plan is not None else "") if n)
         if moe:
             return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
@@ -322,7 +337,8 @@ def _key(step: CompiledStep) -> tuple:
                     if isinstance(t, torch.Tensor))
     param = next(step.model.parameters())
     base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
-            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else (), step.sinks_kernel)
+            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else (), step.sinks_kernel,
+            step.linear_plan.key() if step.linear_plan is not None else ())
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
     return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)

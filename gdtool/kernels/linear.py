@@ -1,0 +1,130 @@
+"""The linear layers of a model outside the fast forward, at 1-4 rows, in gdtool's matrix-vector kernel.
+
+Where `forward.py` does not know a family (gpt-oss, and every other model that `kernels="fast"` runs as the
+compiled HF forward), the step's products are cuBLAS's or inductor's. At one token a projection is a
+matrix-vector product, and those run far from the copy bandwidth at these sizes: gpt-oss-20b's q/k/v and o
+projections (53 MB a layer, with biases) took 825 us a step at batch 1 on the H200, 1.5 TB/s, in cuBLAS's
+split-K kernels and their reduction (profiles/h200/nsys-fast/gpt-oss-20b-b1-c6bba88/). `gemv.rms_gemv` streams
+its weight tiles with one tile's loads in flight (the fast forward's o, down and lm_head products, 3-4 TB/s).
+
+`plan()` lists the decoder's `nn.Linear` modules at a batch size and which run `torch.ops.gdtool.linear`
+(bias added to the float32 sum and rounded once, as F.linear's bias epilogue on CUDA); `scope()`, entered by
+`step.CompiledStep` around each call of its compiled function as the experts' and attention's scopes are, gives
+each listed module a forward that calls it: a custom operator, opaque to dynamo and inductor, reading the
+module's parameters where they are (an in-place weight update is what the next step reads). Outside the scope
+the modules are HF's. Left as they are: the output embedding (the lm_head, a long stream of tiles that cuBLAS
+already reads near the copy bandwidth: 4.2 TB/s for gpt-oss-20b's), modules inside a MoE block that the experts
+plan replaces, and more rows than one pass of the kernel (`gemv.ROWS_PER_PASS`). Where Triton does not run (a
+CPU without the interpreter) the operator is F.linear itself: the swap is what the CPU tests exercise, and the
+kernel under the interpreter.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import gemv, swap
+from .triton import untested_on_cuda, usable
+
+MAX_ROWS = gemv.ROWS_PER_PASS   # rows (batch x one decode token) the swap takes: one pass over each weight tile
+PATH = f"linear, <= {MAX_ROWS} rows"           # the kernel path's name (CUDA_TESTED)
+PATH_BIAS = f"linear, bias, <= {MAX_ROWS} rows"
+
+
+@torch.library.custom_op("gdtool::linear", mutates_args=())
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias) for x [M, K], M <= MAX_ROWS: gdtool's matrix-vector kernel where Triton runs,
+    F.linear elsewhere."""
+    if usable(x, weight):
+        return gemv.rms_gemv(x.contiguous(), None, 0.0, weight, bias=bias)
+    return F.linear(x, weight, bias)
+
+
+@linear.register_fake
+def _(x, weight, bias=None):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@dataclass
+class Layer:
+    name: str
+    module: object
+    applies: bool
+    reason: str
+    forward: object = None
+
+
+@dataclass
+class Plan:
+    """The decoder's linear layers at one batch size: which run gdtool's matrix-vector kernel, and why not."""
+    layers: list = field(default_factory=list)
+
+    @property
+    def applies(self) -> bool:
+        return any(layer.applies for layer in self.layers)
+
+    def key(self) -> tuple:
+        return tuple(layer.name for layer in self.layers if layer.applies)
+
+    def note(self) -> str:
+        """One line for the kernels note: how many linear layers run the kernel, and why the others do not."""
+        if not self.layers:
+            return ""
+        mine = sum(layer.applies for layer in self.layers)
+        reasons = sorted({layer.reason for layer in self.layers if not layer.applies})
+        line = f"linear layers {mine}/{len(self.layers)} in gdtool's matrix-vector kernel"
+        return line + (f" (the others HF's: {'; '.join(reasons)})" if reasons else "")
+
+
+def plan(model, batch: int, skip: tuple = ()) -> Plan:
+    """The model's nn.Linear modules at `batch` rows of one decode token each. `skip`: modules whose calls do
+    not happen in the step (the MoE blocks the experts plan replaces: their routers stay HF's, never called)."""
+    result = Plan()
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    skipped = {id(m) for block in skip for m in block.modules()}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is output or id(module) in skipped:
+            continue
+        why = _why_not(module, batch)
+        layer = Layer(name, module, not why, why)
+        if layer.applies:
+            layer.forward = make_forward(module)
+        result.layers.append(layer)
+    if not any(layer.applies for layer in result.layers):
+        return Plan()   # nothing swapped: no note, no key
+    return result
+
+
+def _why_not(module, batch: int) -> str:
+    weight = module.weight
+    if batch > MAX_ROWS:
+        return f"batch {batch} > {MAX_ROWS} rows"
+    if not weight.is_floating_point() or not weight.is_contiguous():
+        return "weights not a contiguous floating-point matrix"
+    if module.bias is not None and module.bias.dtype != weight.dtype:
+        return "a bias in another dtype than the weight"
+    return untested_on_cuda(PATH_BIAS if module.bias is not None else PATH, weight.device)
+
+
+def make_forward(module):
+    """The module's forward through `linear`: HF's input ([..., K]), HF's result ([..., N])."""
+    original = type(module).forward
+
+    def forward(x):
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS or x.dtype != module.weight.dtype:  # a shape or dtype the decode step never has
+            return original(module, x)
+        out = torch.ops.gdtool.linear(x.reshape(rows, x.shape[-1]), module.weight, module.bias)
+        return out.reshape(*x.shape[:-1], module.weight.shape[0])
+    return forward
+
+
+@contextmanager
+def scope(linear_plan: Plan | None):
+    """The planned modules run the kernel inside this scope; each module's own forward is back on exit."""
+    layers = linear_plan.layers if linear_plan is not None else []
+    with swap.forwards((layer.module, layer.forward) for layer in layers if layer.applies):
+        yield

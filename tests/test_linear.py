@@ -1,0 +1,126 @@
+"""kernels="fast" outside the fast forward: the decoder's linear layers at 1-4 rows in gdtool's matrix-vector
+kernel (`gdtool/kernels/linear.py`), swapped into the compiled HF forward for the duration of each call.
+
+On a CPU the operator is F.linear itself (the swap is what runs); under Triton's interpreter the kernel; on a
+GPU (`pytest -m cuda`) the kernel captured. The kernel's float64 checks with a bias are in check_all
+(tests/test_fast_kernels.py: gpt-oss-20b's q, k/v and o shapes on CUDA)."""
+import pytest
+import torch
+
+import gdtool
+from gdtool.kernels import linear
+from gdtool.kernels import step as fast
+
+import moe
+from interpreter import run_interpreted
+
+pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
+
+
+def _gpt_oss(dtype=torch.float32, device="cpu"):
+    """tests/moe.py's tiny gpt-oss, its attention projections' biases drawn non-zero (HF's init leaves them 0)."""
+    model = moe.build("gpt_oss", dtype=dtype, device=device)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj):
+                proj.bias.copy_((torch.randn(proj.bias.shape, generator=gen) * 0.1).to(proj.bias))
+    return model
+
+
+def _decode(model, prompt, **kw):
+    kw = dict(dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, mode="step-graph", do_sample=False), **kw)
+    return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+
+
+def test_plan_takes_the_decoders_linear_layers_at_up_to_four_rows():
+    model = _gpt_oss()
+    plan = linear.plan(model, 4)
+    names = [layer.name for layer in plan.layers]
+    assert names == [f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"], names
+    assert plan.applies and all(layer.applies for layer in plan.layers)
+    assert plan.note() == "linear layers 8/8 in gdtool's matrix-vector kernel"
+    assert not linear.plan(model, 5).applies and linear.plan(model, 5).note() == ""
+    # the output embedding stays HF's, tied or not; a MoE block's own linear layers are left to the experts plan
+    untied = gdtool.load_model("tiny-llama", seed=0)
+    assert untied.lm_head not in [layer.module for layer in linear.plan(untied, 1).layers]
+    qwen = moe.build("qwen2_moe")   # its shared expert's projections and gate are nn.Linear modules
+    blocks = tuple(layer.mlp for layer in qwen.model.layers)
+    kept = [layer.name for layer in linear.plan(qwen, 1, skip=blocks).layers]
+    assert kept and not any(".mlp." in name for name in kept), kept
+    assert any(".mlp.shared_expert_gate" in layer.name for layer in linear.plan(qwen, 1).layers)
+
+
+def test_scope_swaps_the_forward_and_restores_it():
+    model = _gpt_oss()
+    plan = linear.plan(model, 1)
+    q = model.model.layers[0].self_attn.q_proj
+    x = torch.randn(1, 1, q.in_features)
+    with linear.scope(plan):
+        assert "forward" in vars(q)
+        inside = q(x)
+    assert "forward" not in vars(q)
+    assert torch.equal(inside, torch.nn.functional.linear(x, q.weight, q.bias))
+    with pytest.raises(RuntimeError, match="boom"), linear.scope(plan):
+        raise RuntimeError("boom")
+    assert "forward" not in vars(q)
+
+
+def test_fast_step_on_cpu_calls_the_linear_operator(monkeypatch):
+    """gpt-oss (attention projections with biases): the compiled HF forward calls the operator for every attention
+    projection at each step, captured equals uncaptured, HF's tokens (on a CPU the operator is F.linear); the
+    step's note says so; a batch over four rows keeps HF's products."""
+    model = _gpt_oss()
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 11), seed=0)   # past the window of 8
+    calls = []
+    usable = linear.usable
+    monkeypatch.setattr(linear, "usable", lambda *t: calls.append(tuple(t[0].shape)) or usable(*t))
+    hf = _decode(model, prompt)
+    mine = _decode(model, prompt, kernels="fast")
+    again = _decode(model, prompt, kernels="fast", capture=False)
+    assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
+    assert calls and set(calls) == {(3, 64)}   # x [3 rows, hidden 64]: q, k, v; o reads [3, 4 heads x 16] too
+    table = fast.compiles(model)
+    row = table[table.step.str.contains("_fast")]
+    assert len(row) == 1 and "linear layers 8/8 in gdtool's matrix-vector kernel" in row.kernels.iloc[0], table
+    wide = gdtool.random_prompts(model, batch=5, lengths=(4, 6), seed=1)
+    calls.clear()
+    _decode(model, wide, kernels="fast", max_new_tokens=4)
+    assert not calls
+
+
+def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
+    """The operator's Triton kernel itself (Triton's interpreter): a float32 gpt-oss decodes HF's tokens with
+    kernels="fast", its attention projections in the kernel, captured (on a CPU: called) equal to uncaptured."""
+    code = (
+        "import torch, gdtool\n"
+        "from gdtool.kernels import gemv, linear\n"
+        "import test_linear as t\n"
+        "model = t._gpt_oss()\n"
+        "prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 10), seed=2)\n"
+        "calls = []\n"
+        "kernel = gemv.rms_gemv\n"
+        "gemv.rms_gemv = lambda *a, **k: calls.append(k.get('bias') is not None) or kernel(*a, **k)\n"
+        "hf = t._decode(model, prompt, max_new_tokens=5)\n"
+        "mine = t._decode(model, prompt, kernels='fast', max_new_tokens=5)\n"
+        "again = t._decode(model, prompt, kernels='fast', capture=False, max_new_tokens=5)\n"
+        "assert calls and all(calls), calls\n"
+        "assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)\n"
+        "print('ok')\n")
+    run_interpreted(code, timeout=900)
+
+
+@pytest.mark.cuda
+def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
+    """bf16 gpt-oss on the GPU at 1 and 4 rows: the attention projections in the kernel (GDTOOL_UNTESTED_KERNELS,
+    set by the conftest), captured bit for bit uncaptured; teacher-forced, within rounding of kernels="compiled"."""
+    model = _gpt_oss(torch.bfloat16, "cuda")
+    for batch in (1, 4):
+        prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 11), seed=batch)
+        captured = _decode(model, prompt, kernels="fast", max_new_tokens=16)
+        direct = _decode(model, prompt, kernels="fast", capture=False, max_new_tokens=16)
+        assert torch.equal(captured.tokens, direct.tokens)
+    table = fast.compiles(model)
+    assert table[table.step.str.contains("_fast")].kernels.str.contains("linear layers 8/8").all(), table
+    agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
+    assert (agreement.top1_agreement > 0.4).all(), agreement
