@@ -60,7 +60,8 @@
 # gone; profiles/README.md names the command and commit of each of their committed files.
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g. --fuse-projections, or
 # --prompt-len 1024: Gemma 3's every window full), BENCH_KERNELS (bench-qwen3-8b, bench-gemma, bench-moe; default
-# hf,compiled,fast) and BENCH_SECONDS (the part's time limit).
+# hf,compiled,fast), BENCH_PEERS (bench-moe; default none: e.g. generate-static, the peer its issue asks for in the
+# same run) and BENCH_SECONDS (the part's time limit).
 # Each part logs to OUT_DIR/log and appends its files to OUT_DIR/results.tar as soon as it ends (over
 # 15 MiB at the end: results.tar.gz.00, .01, ...),
 # so a part cut short by a time limit leaves the others' results. The script exits 1 when any part
@@ -209,7 +210,7 @@ for p in "$@"; do
            --model gpt-oss-20b --batch ${BENCH_BATCHES:-1} --repeats 2 --modes step-graph --peers generate-static \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-gpt-oss" ;;
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
-           --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers none \
+           --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers ${BENCH_PEERS:-none} \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
