@@ -144,6 +144,49 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_streamed_gate_up_with_the_layers_norm_and_residual_under_the_interpreter():
+    """Config.stream (the routing once per row, a persistent gate/up) as the fast forward calls the block: RMSNorm
+    folded into the router and gate/up, the residual added in the down kernel; equal to HF's arithmetic in
+    float32 as the per-item kernels are, on shapes whose items do and do not fill the last round of programs."""
+    code = (
+        "import dataclasses, torch\n"
+        "from gdtool.kernels import experts, gemv\n"
+        "g = torch.Generator().manual_seed(3)\n"
+        "for m, e, h, i, k in ((1, 8, 64, 32, 2), (3, 16, 96, 40, 4), (4, 8, 64, 48, 2)):\n"
+        "    x = torch.randn(m, h, generator=g)\n"
+        "    nw = 1 + 0.1 * torch.randn(h, generator=g)\n"
+        "    r = torch.randn(e, h, generator=g) / h ** 0.5\n"
+        "    gu = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5\n"
+        "    d = torch.randn(e, h, i, generator=g) / i ** 0.5\n"
+        "    ref = x + experts.block_reference(gemv.rms_norm_reference(x, nw, 1e-6), r, gu, d, k, True, False)\n"
+        "    for stream in (0, 1, 5):\n"
+        "        cfg = dataclasses.replace(experts.experts_config(h, i, m), stream=stream)\n"
+        "        out = experts.block_triton(x, r, gu, d, k, True, False, config=cfg, residual=x, norm=(nw, 1e-6))\n"
+        "        assert (out - ref).abs().max() < 1e-5, (m, stream, (out - ref).abs().max())\n"
+        "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+def test_streamed_gate_up_is_a_kernel_path_of_its_own(monkeypatch):
+    """GDTOOL_EXPERTS_STREAM turns the streamed gate/up on in the default configs; the path it runs is named apart,
+    so that on CUDA it is refused until its own cuda tests pass (families with a shared expert never stream)."""
+    names = []
+    monkeypatch.setattr(experts, "untested_on_cuda", lambda path, device: names.append(path) or "")
+    qwen3, qwen2 = moe.build("qwen3_moe").model.layers[0].mlp, moe.build("qwen2_moe").model.layers[0].mlp
+    experts.refusal(qwen3, 1)
+    assert experts.experts_config(2048, 768).stream == 0 and names == ["qwen3_moe experts"]
+    monkeypatch.setenv("GDTOOL_EXPERTS_STREAM", "2")
+    names.clear()
+    for block, tokens in ((qwen3, 1), (qwen3, 8), (qwen2, 1)):
+        experts.refusal(block, tokens)
+    assert experts.experts_config(2048, 768).stream == 2
+    assert names == ["qwen3_moe experts, streamed", "qwen3_moe experts, grouped", "qwen2_moe experts"], names
+    monkeypatch.setenv("GDTOOL_EXPERTS_STREAM", "two")
+    with pytest.raises(ValueError, match="GDTOOL_EXPERTS_STREAM='two': programs per multiprocessor"):
+        experts.experts_config(2048, 768)
+
+
 def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
     for chunk in (0, 1000, -512):
         with pytest.raises(ValueError, match=r"Config\(chunk=.*power of two.*None for MAX_CHUNK"):

@@ -262,6 +262,7 @@ def test_moe_sweep_grid_and_fastest_config():
     for space, kind in ((moe_sweep.GROUPED_GRID, experts.GroupedConfig), (moe_sweep.OSS_GRID, experts.OssConfig)):
         kind(**moe_sweep.grid(space)[0])   # the grids name the configs' own fields
     experts.Config(router_rows=1, **moe_sweep.grid(moe_sweep.SMALL_GRID)[0])
+    assert all(experts.Config(router_rows=1, **cell).stream for cell in moe_sweep.grid(moe_sweep.STREAM_GRID))
 
 
 def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():

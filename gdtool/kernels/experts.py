@@ -60,6 +60,14 @@ itself, outside any compiled HF forward, with the layer's RMSNorm folded into th
 kernels (`norm`) and its residual added in the down kernel (`residual`). The small kernels take the PDL
 setting (`triton.launch_options`) as the forward's kernels do.
 
+A candidate for the small kernels' gate/up, off by default (`Config.stream`, GDTOOL_EXPERTS_STREAM=N): the routing
+once per row (the grouped path's `_route_kernel`), then a persistent grid of N programs per multiprocessor that
+walks the (pair, tile) items with the next item's weights loaded before the current one is summed, as the
+matrix-vector kernels stream theirs. At one token Qwen3-30B-A3B's gate/up read 50 MB a layer at 1.5 TB/s with
+one short program per (tile, pair), each routing its row before its one load (profiles/h200/nsys-fast/
+qwen3-30b-a3b-b1-0f91d78/). Its path is named apart (", streamed") until the H200 sweep (STREAM_GRID) and its
+cuda tests say whether it becomes the default.
+
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
 
@@ -68,6 +76,7 @@ batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run 
 """
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -76,6 +85,8 @@ import torch.nn.functional as F
 
 from . import swap
 from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+
+from .gemv import _programs   # a persistent grid's size: programs per multiprocessor, at most one per item
 
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
@@ -338,6 +349,49 @@ if HAVE_TRITON:
         return expert
 
     @triton.jit
+    def _stream_tile(gu_ptr, ids_ptr, w, total, tiles, H, I, k, kmask, BLOCK_N: tl.constexpr):
+        """Item w's (pair, tile, rows n, row mask) and its gate and up weight tiles [BLOCK_N, BLOCK_K] (masked
+        off past the last item)."""
+        p = w // tiles
+        n = (w % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = w < total
+        expert = tl.load(ids_ptr + tl.where(live, p, 0))   # past the last item: pair 0's (its loads masked off)
+        nmask = n < tl.where(live, I, 0)   # a scalar condition folded into the bound (the interpreter refuses & of both)
+        gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
+        wmask = nmask[:, None] & kmask[None, :]
+        return p, n, nmask, tl.load(gate, mask=wmask, other=0.0), tl.load(gate + I * H, mask=wmask, other=0.0)
+
+    @triton.jit(do_not_specialize=["M", "I"])
+    def _gate_up_stream_kernel(x_ptr, g_ptr, gu_ptr, act_ptr, ids_ptr, M, H, I, stride_x, eps, nprog,
+                               TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                               ITERS: tl.constexpr, X_NORM: tl.constexpr, PDL: tl.constexpr):
+        """Persistent grid (nprog programs): items w = pid, pid + nprog, ... of M * TOPK pairs x tiles of the
+        intermediate dim (pair-major), silu(gate) * up of the pair's tile with HF's roundings, as
+        `_gate_up_kernel`; the next item's weights are loaded before the current item is summed. The expert
+        ids come from `_route_kernel` (the grouped path's), launched before it."""
+        pid = tl.program_id(0)
+        if PDL:   # the expert ids come from the route kernel: nothing to load before the wait
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
+        out_ty = x_ptr.dtype.element_ty
+        tiles = tl.cdiv(I, BLOCK_N)
+        total = M * TOPK * tiles
+        k = tl.arange(0, BLOCK_K)
+        kmask = k < H
+        p, n, nmask, wg, wu = _stream_tile(gu_ptr, ids_ptr, pid, total, tiles, H, I, k, kmask, BLOCK_N)
+        for it in range(ITERS):
+            p2, n2, nmask2, wg2, wu2 = _stream_tile(gu_ptr, ids_ptr, pid + (it + 1) * nprog, total, tiles, H, I, k,
+                                                     kmask, BLOCK_N)
+            m = p // TOPK
+            rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, 1, X_NORM)
+            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, X_NORM).to(tl.float32)[None, :]
+            g = tl.sum(x * wg.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
+            u = tl.sum(x * wu.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
+            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
+            tl.store(act_ptr + p.to(tl.int64) * I + n, (a * u).to(out_ty), mask=nmask)
+            p, n, nmask, wg, wu = p2, n2, nmask2, wg2, wu2
+
+    @triton.jit
     def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
         """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
         acc = tl.zeros(n.shape, dtype=tl.float32)
@@ -477,6 +531,11 @@ class Config:
     down_rows: int
     warps: int = 4
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
+    # gate/up as a stream (> 0, programs per multiprocessor): the routing once per row (`_route_kernel`), then a
+    # persistent grid whose programs walk the (pair, tile) items with the next item's weights loaded before the
+    # current one is summed, as the matrix-vector kernels stream theirs; 0: one program per (tile, pair), each
+    # routing its row. Whole rows of up to MAX_CHUNK elements, no shared expert (else the programs per item)
+    stream: int = 0
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
@@ -492,6 +551,23 @@ def _chunks(k: int, limit: int | None = None) -> tuple[int, int]:
     return block, -(-k // block)
 
 
+def stream_programs() -> int:
+    """GDTOOL_EXPERTS_STREAM: programs per multiprocessor of the streamed gate/up (`Config.stream`) in the default
+    configs (`experts_config`); unset or 0, off: one program per (tile, pair). A candidate the H200 sweeps measure
+    (profiles/moe_sweep.py STREAM_GRID); its kernel path is named apart (", streamed"), refused on CUDA until its
+    cuda tests pass there."""
+    value = os.environ.get("GDTOOL_EXPERTS_STREAM", "0").strip()
+    if not value.isdigit():
+        raise ValueError(f"GDTOOL_EXPERTS_STREAM={value!r}: programs per multiprocessor (e.g. 2), or 0 for off")
+    return int(value)
+
+
+def streams(family: str, hidden: int) -> bool:
+    """Whether the default config streams gate/up for a block of `family` (no shared expert, not gpt-oss's own
+    kernels) of `hidden` (whole rows of up to MAX_CHUNK elements)."""
+    return bool(stream_programs()) and family not in ("qwen2_moe", "gpt_oss") and 0 < hidden <= MAX_CHUNK
+
+
 def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     """Gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
     4 warps); down: 4K (4 rows of 1024); both read their rows 1024 elements a load (at one token 34.7 us a
@@ -501,7 +577,8 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
     return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
-                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
+                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024,
+                  stream=stream_programs())
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
@@ -532,13 +609,17 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     block_h, chunks_h = _chunks(h, cfg.chunk)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     norm_weight, eps = norm or (x, 0.0)
-    _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
-        x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
-        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
-        TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
-        num_warps=cfg.warps,
-        **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
+    if cfg.stream and not shared and h <= MAX_CHUNK:
+        _gate_up_streamed(x, norm_weight, eps, logits, gate_up, act, ids, weights, top_k, norm_topk, weights_f32,
+                          norm is not None, cfg)
+    else:
+        _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
+            x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
+            shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
+            TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
+            SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
+            num_warps=cfg.warps,
+            **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i, cfg.chunk)
     block_s, chunks_s = _chunks(i_shared, cfg.chunk)
     res = residual if residual is not None else out
@@ -552,6 +633,21 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
     return out
+
+
+def _gate_up_streamed(x, norm_weight, eps, logits, gate_up, act, ids, weights, top_k, norm_topk, weights_f32,
+                      x_norm: bool, cfg: Config) -> None:
+    """Config.stream: the routing once per row, then the persistent gate/up over (pair, tile) items."""
+    m, h = x.shape
+    e, i = gate_up.shape[0], gate_up.shape[1] // 2
+    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
+                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=False)   # the grouped path's
+    items = m * top_k * triton.cdiv(i, cfg.gate_up_rows)
+    programs = _programs(items, x.device, cfg.stream)
+    _gate_up_stream_kernel[(programs,)](
+        x, norm_weight, gate_up, act, ids, m, h, i, x.stride(0), float(eps), programs,
+        TOPK=top_k, BLOCK_N=cfg.gate_up_rows, BLOCK_K=next_pow2(h), ITERS=triton.cdiv(items, programs),
+        X_NORM=x_norm, num_warps=cfg.warps, **launch_options(x.device, _routed_bytes(m, top_k, gate_up)))
 
 
 def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None) -> torch.Tensor:
@@ -1079,7 +1175,9 @@ def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
     grouped = runs_grouped(family, tokens) and not small
-    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ""), gate_up.device)
+    streamed = not grouped and streams(family, gate_up.shape[-1] if family != "gpt_oss" else 0)
+    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ", streamed" if streamed else ""),
+                            gate_up.device)
 
 
 def _router(block):
@@ -1155,7 +1253,9 @@ def plan(model, batch: int) -> Plan:
         why = _why_not(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
                       why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             + ("grouped, " if runs_grouped(family, batch) else "") + result.backend)
+                             + ("grouped, " if runs_grouped(family, batch) else
+                                "gate/up streamed, " if streams(family, block.experts.gate_up_proj.shape[-1]) else "")
+                             + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)

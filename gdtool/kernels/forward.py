@@ -211,6 +211,8 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             if refused:
                 return Plan(False, f"layer {index}'s MoE block: {refused}")
             features.add("experts")
+            if experts.streams(experts._family(mlp), config.hidden_size):   # GDTOOL_EXPERTS_STREAM: a path apart
+                features.add("experts streamed")
         else:
             act = _activation(mlp)
             if act is None:
