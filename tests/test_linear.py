@@ -49,6 +49,11 @@ def test_plan_takes_the_decoders_linear_layers_at_up_to_four_rows():
     kept = [layer.name for layer in linear.plan(qwen, 1, skip=blocks).layers]
     assert kept and not any(".mlp." in name for name in kept), kept
     assert any(".mlp.shared_expert_gate" in layer.name for layer in linear.plan(qwen, 1).layers)
+    # a module whose forward is already replaced on the instance (a hook) keeps it, with the reason
+    model.model.layers[0].self_attn.q_proj.forward = lambda x: x
+    hooked = linear.plan(model, 1)
+    assert hooked.note() == ("linear layers 7/8 in gdtool's matrix-vector kernel (the others HF's: a forward set on "
+                             "the module itself (a hook, e.g. accelerate's offload))"), hooked.note()
 
 
 def test_scope_swaps_the_forward_and_restores_it():

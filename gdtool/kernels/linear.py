@@ -102,6 +102,8 @@ def _why_not(module, batch: int) -> str:
     weight = module.weight
     if batch > MAX_ROWS:
         return f"batch {batch} > {MAX_ROWS} rows"
+    if "forward" in vars(module):
+        return "a forward set on the module itself (a hook, e.g. accelerate's offload)"
     if not weight.is_floating_point() or not weight.is_contiguous():
         return "weights not a contiguous floating-point matrix"
     if module.bias is not None and module.bias.dtype != weight.dtype:
