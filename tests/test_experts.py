@@ -164,6 +164,19 @@ def test_streamed_gate_up_with_the_layers_norm_and_residual_under_the_interprete
         "        cfg = dataclasses.replace(experts.experts_config(h, i, m), stream=stream)\n"
         "        out = experts.block_triton(x, r, gu, d, k, True, False, config=cfg, residual=x, norm=(nw, 1e-6))\n"
         "        assert (out - ref).abs().max() < 1e-5, (m, stream, (out - ref).abs().max())\n"
+        "# a seeded sweep of shapes, top-k, rows per item and programs (float64 checks, float32 and float16)\n"
+        "import random\n"
+        "from gdtool.kernels import check\n"
+        "rng = random.Random(22)\n"
+        "for case in range(8):\n"
+        "    e = rng.choice((4, 8, 16)); h = rng.randint(8, 130); i = rng.randint(3, 70); k = rng.randint(1, min(4, e))\n"
+        "    m = rng.randint(1, 6); dt = rng.choice((torch.float32, torch.float16))\n"
+        "    cfg = experts.Config(router_rows=4, gate_up_rows=rng.choice((1, 2, 4, 8, 16)), down_rows=4,\n"
+        "                         stream=rng.randint(1, 5))\n"
+        "    res = check.check_experts('sweep', m, e, h, i, k, rng.random() < 0.5, rng.random() < 0.3, 0, dt, 'cpu',\n"
+        "                              torch.Generator().manual_seed(case), config=cfg)\n"
+        "    bad = [r for r in res if not r.ok]\n"
+        "    assert not bad, (cfg, check.table(bad))\n"
         "print('ok')\n")
     run_interpreted(code, timeout=600)
 
@@ -192,6 +205,8 @@ def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
         with pytest.raises(ValueError, match=r"Config\(chunk=.*power of two.*None for MAX_CHUNK"):
             experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=chunk)
     assert experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=512).chunk == 512
+    with pytest.raises(ValueError, match=r"Config\(stream=-1\): programs per multiprocessor.*or 0 for off"):
+        experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, stream=-1)
 
 
 def test_plan_names_the_blocks_and_why_not():

@@ -94,6 +94,19 @@ def test_fast_step_on_cpu_calls_the_linear_operator(monkeypatch):
     assert not calls
 
 
+def test_plan_leaves_linear_subclasses_with_their_own_forward():
+    """A subclass of nn.Linear that computes something else keeps its forward (the swap would be F.linear's)."""
+    class Scaled(torch.nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+    model = _gpt_oss()
+    attn = model.model.layers[1].self_attn
+    scaled = Scaled(attn.o_proj.in_features, attn.o_proj.out_features)
+    attn.o_proj = scaled
+    layer = next(x for x in linear.plan(model, 1).layers if x.module is scaled)
+    assert not layer.applies and layer.reason == "Scaled, a subclass with a forward of its own"
+
+
 def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
     """The operator's Triton kernel itself (Triton's interpreter): a float32 gpt-oss decodes HF's tokens with
     kernels="fast", its attention projections in the kernel, captured (on a CPU: called) equal to uncaptured."""
@@ -111,6 +124,15 @@ def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
         "again = t._decode(model, prompt, kernels='fast', capture=False, max_new_tokens=5)\n"
         "assert calls and all(calls), calls\n"
         "assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)\n"
+        "# the operator on a seeded sweep of shapes (rows 1-4, K and N not powers of two, with and without a bias)\n"
+        "import random\n"
+        "from gdtool.kernels import check\n"
+        "rng = random.Random(24)\n"
+        "for case in range(10):\n"
+        "    m, n, k = rng.randint(1, 4), rng.randint(1, 300), rng.randint(1, 300)\n"
+        "    dt, bias = rng.choice((torch.float32, torch.float16)), rng.random() < 0.7\n"
+        "    r = check.check_gemv(m, n, k, dt, 'cpu', torch.Generator().manual_seed(case), False, False, False, bias=bias)\n"
+        "    assert r.ok, check.table([r])\n"
         "print('ok')\n")
     run_interpreted(code, timeout=900)
 

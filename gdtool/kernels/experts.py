@@ -84,9 +84,8 @@ import torch
 import torch.nn.functional as F
 
 from . import swap
-from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
-
 from .gemv import _programs   # a persistent grid's size: programs per multiprocessor, at most one per item
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
@@ -538,6 +537,9 @@ class Config:
     stream: int = 0
 
     def __post_init__(self):
+        if self.stream < 0:
+            raise ValueError(f"Config(stream={self.stream}): programs per multiprocessor of the streamed gate/up, "
+                             "or 0 for off")
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")

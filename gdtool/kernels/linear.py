@@ -104,8 +104,12 @@ def _why_not(module, batch: int) -> str:
         return f"batch {batch} > {MAX_ROWS} rows"
     if "forward" in vars(module):
         return "a forward set on the module itself (a hook, e.g. accelerate's offload)"
+    if type(module).forward is not torch.nn.Linear.forward:
+        return f"{type(module).__name__}, a subclass with a forward of its own"
     if not weight.is_floating_point() or not weight.is_contiguous():
         return "weights not a contiguous floating-point matrix"
+    if weight.device.type == "cuda" and weight.dtype not in (torch.bfloat16, torch.float16):
+        return f"{str(weight.dtype).replace('torch.', '')} weights on CUDA (the kernel's cuda tests run bf16 and fp16)"
     if module.bias is not None and module.bias.dtype != weight.dtype:
         return "a bias in another dtype than the weight"
     return untested_on_cuda(PATH_BIAS if module.bias is not None else PATH, weight.device)
