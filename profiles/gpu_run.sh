@@ -21,7 +21,8 @@
 #                  (`ids[image_mask] = 0`) in the capture tests and the zoo's image-text cases that 829123a refused
 #   windows-gpt-oss  gpt-oss's captured window sweep with kernels=fast: its attention in the split-KV kernels with
 #                  sinks (attention.sinks_attention), its experts in gdtool's kernels
-#   nsys-fast      NSYS_MODEL (gemma-3-1b) at NSYS_BATCH (1), step-graph, node trace with each of NSYS_KERNELS
+#   nsys-fast      NSYS_MODEL (gemma-3-1b) at NSYS_BATCH (1) and NSYS_PROMPT (128; set, the folder ends -p<it>),
+#                  step-graph, node trace with each of NSYS_KERNELS
 #                  ("fast compiled"), and each one's kernel breakdown (profiles/kernel_breakdown.py): the per-kernel
 #                  account an issue asks for where a target is missed (GDTOOL_UNTESTED_KERNELS=1, as the bench parts:
 #                  the paths the bench runs, CUDA_TESTED or not; at c6bba88 without it qwen3-30b-a3b's batch-64 trace
@@ -145,8 +146,9 @@ for p in "$@"; do
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
     nsys-fast) part nsys-fast ${NSYS_FAST_SECONDS:-300} bash -c "m=${NSYS_MODEL:-gemma-3-1b}; b=${NSYS_BATCH:-1}; \
-           for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b/\$k; \
-           GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool profile --nsys --model \$m --batch \$b --trace node --modes step-graph --set kernels=\$k \
+           p=${NSYS_PROMPT:-128}; for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b${NSYS_PROMPT:+-p\$p}/\$k; \
+           GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool profile --nsys --model \$m --batch \$b --prompt-len \$p --trace node \
+           --modes step-graph --set kernels=\$k \
            --max-new-tokens 48 --no-eos --no-progress --out \$d && $py profiles/kernel_breakdown.py \
            \$d/*.sqlite.gz --model \$m --out \$d/breakdown.md || exit 1; done" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;

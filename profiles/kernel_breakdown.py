@@ -8,7 +8,8 @@ time and count per kernel class (matmul: cuBLAS/CUTLASS GEMM and GEMV; attention
 fused kernels); gdtool's MoE experts kernels; other) and the kernels that take the most time. With `--model`
 (a preset), the matmul class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul
 time per step; and the bytes a step must read at the export's batch (`bench.step_bytes`: of a mixture of
-experts, the stacked expert tensors its tokens hit on average) over the whole busy time.
+experts, the stacked expert tensors its tokens hit on average) over the whole busy time; of a model whose
+layers differ in their attention (sliding window or full), the attention's time per kind of layer.
 """
 from __future__ import annotations
 
@@ -105,6 +106,31 @@ def step_weight_bytes(model: str, batch: int) -> int:
     return step_bytes(m, batch, 0, 0)["weight_bytes"]
 
 
+def layer_types(model: str) -> list[str] | None:
+    """Preset `model`'s attention kind per decoder layer (its config's `layer_types`), or None without one."""
+    from gdtool.core.models import preset_config
+    return getattr(preset_config(model).get_text_config(), "layer_types", None)
+
+
+def attention_by_layer_type(kernels: pd.DataFrame, launches: int, types: list[str]) -> pd.DataFrame | None:
+    """Own time of the attention class per launch, split by the kind of layer each kernel served.
+
+    Within a launch the attention kernels run layer by layer, the same number per layer: kernel i serves
+    layer i // (count / layers). None where a launch's count is not a multiple of the layers (the kernels
+    cannot be assigned) or the launches differ in their counts."""
+    attn = kernels[kernels["class"] == "attention"].sort_values(["corr", "start"])
+    counts = attn.groupby("corr").size()
+    if attn.empty or counts.nunique() != 1 or counts.iloc[0] % len(types):
+        return None
+    per_layer = counts.iloc[0] // len(types)
+    index = attn.groupby("corr").cumcount() // per_layer
+    kinds = pd.Series(types).reindex(index.to_numpy()).to_numpy()
+    table = attn.assign(kind=kinds).groupby("kind")["own_us"].sum().div(launches).to_frame("own")
+    table["layers"] = pd.Series(types).value_counts()
+    table["per_layer"] = table["own"] / table["layers"]
+    return table
+
+
 def export_batch(path) -> int | None:
     """The batch in a `gdtool profile --nsys` export's name (`<model>_b<batch>_<mode>_...`), or None."""
     import re
@@ -142,6 +168,13 @@ def breakdown(path, model: str | None = None, top: int = 12) -> str:
             lines.append(f"Weights a step reads at batch {batch} (the bench's count: of the experts, those its tokens "
                          f"hit on average): {step / 1e9:.3f} GB, over the time some kernel runs: "
                          f"{step / (own * 1e-6) / 1e12:.2f} TB/s.")
+        types = layer_types(model)
+        table = attention_by_layer_type(kernels, launches, types) if types else None
+        if table is not None and len(table) > 1:
+            lines += ["", "Attention by the kind of layer it served (own µs per launch):", "",
+                      "| layers | count | own µs per launch | per layer |", "|---|---:|---:|---:|"]
+            for kind, row in table.iterrows():
+                lines.append(f"| {kind} | {row['layers']:.0f} | {row['own']:.1f} | {row['per_layer']:.2f} |")
     by_name = kernels.groupby(["class", "name"]).agg(sum=("own_us", "sum"), count=("us", "count"),
                                                      mean=("us", "mean")).reset_index()
     by_name["sum"] /= launches

@@ -94,6 +94,31 @@ def test_fast_step_on_cpu_calls_the_linear_operator(monkeypatch):
     assert not calls
 
 
+def test_fused_projections_run_as_one_product_per_group(monkeypatch):
+    """After fuse_projections the q/k/v group of each layer is one call of the operator over the group's buffer
+    while the step compiles (k and v take their slices); HF's tokens, captured equal to uncaptured; outside the
+    step each module is HF's again, its weight a view of the buffer."""
+    model = _gpt_oss()
+    attn = model.model.layers[0].self_attn
+    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(4, 11), seed=3)
+    hf = _decode(model, prompt)
+    assert gdtool.kernels.fuse.fuse_projections(model) == 2
+    plan = linear.plan(model, 2)
+    assert all(layer.applies for layer in plan.layers)
+    assert plan.note() == "linear layers 8/8 in gdtool's matrix-vector kernel, 2 fused groups as one product each"
+    weights = []
+    usable = linear.usable
+    monkeypatch.setattr(linear, "usable", lambda *t: weights.append(t[1].shape[0]) or usable(*t))
+    mine = _decode(model, prompt, kernels="fast")
+    again = _decode(model, prompt, kernels="fast", capture=False)
+    assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)
+    assert sum(sizes) in weights and sizes[1] not in weights and sizes[2] not in weights, (weights, sizes)
+    assert attn.k_proj._gdtool_pending is None and "forward" in vars(attn.q_proj)   # fuse's forward is back
+    x = torch.randn(1, 1, attn.k_proj.in_features)
+    assert torch.equal(attn.k_proj(x), torch.nn.functional.linear(x, attn.k_proj.weight, attn.k_proj.bias))
+
+
 def test_plan_leaves_linear_subclasses_with_their_own_forward():
     """A subclass of nn.Linear that computes something else keeps its forward (the swap would be F.linear's)."""
     class Scaled(torch.nn.Linear):
@@ -140,7 +165,8 @@ def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
 @pytest.mark.cuda
 def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
     """bf16 gpt-oss on the GPU at 1 and 4 rows: the attention projections in the kernel (GDTOOL_UNTESTED_KERNELS,
-    set by the conftest), captured bit for bit uncaptured; teacher-forced, within rounding of kernels="compiled"."""
+    set by the conftest), captured bit for bit uncaptured; teacher-forced, within rounding of kernels="compiled";
+    then with q/k/v fused (one product per layer), captured bit for bit uncaptured again."""
     model = _gpt_oss(torch.bfloat16, "cuda")
     for batch in (1, 4):
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 11), seed=batch)
@@ -151,3 +177,11 @@ def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
     assert table[table.step.str.contains("_fast")].kernels.str.contains("linear layers 8/8").all(), table
     agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all(), agreement
+    gdtool.kernels.fuse.fuse_projections(model)   # q/k/v as one product per layer
+    for batch in (1, 4):
+        prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 11), seed=batch)
+        captured = _decode(model, prompt, kernels="fast", max_new_tokens=16)
+        direct = _decode(model, prompt, kernels="fast", capture=False, max_new_tokens=16)
+        assert torch.equal(captured.tokens, direct.tokens)
+    table = fast.compiles(model)
+    assert table[table.step.str.contains("_fast")].kernels.str.contains("2 fused groups").any(), table

@@ -64,6 +64,34 @@ def test_breakdown_own_times_sum_to_the_union_of_overlapping_kernels():
     assert "Kernels overlap" not in kernel_breakdown.breakdown(NODE_EXPORT)
 
 
+def test_attention_is_split_by_the_kind_of_layer_it_served():
+    """Kernel i of a launch's attention kernels serves layer i // (count / layers); a count that is not a multiple
+    of the layers, or that differs between launches, is not assigned."""
+    import pandas as pd
+
+    types = ["sliding_attention", "full_attention", "sliding_attention"]
+    rows = []
+    for corr in (1, 2):
+        for i in range(6):   # two kernels a layer: split, combine
+            rows.append(dict(corr=corr, start=10 * i, own_us=float(1 + (i // 2 == 1) * 9), **{"class": "attention"}))
+        rows.append(dict(corr=corr, start=100, own_us=50.0, **{"class": "matmul"}))
+    kernels = pd.DataFrame(rows).sample(frac=1, random_state=0)   # the order comes from the start times
+    table = kernel_breakdown.attention_by_layer_type(kernels, 2, types)
+    assert table.loc["full_attention", "own"] == 20 and table.loc["sliding_attention", "own"] == 4
+    assert table.loc["sliding_attention", "layers"] == 2 and table.loc["sliding_attention", "per_layer"] == 2
+    assert kernel_breakdown.attention_by_layer_type(kernels[kernels["start"] != 0], 2, types) is None
+    assert kernel_breakdown.attention_by_layer_type(kernels[(kernels["start"] != 0) | (kernels["corr"] == 1)], 2,
+                                                    types) is None
+
+
+def test_the_gemma_breakdown_says_what_its_sliding_and_full_layers_cost():
+    """Gemma 3's fast step at cb883e2 (prompt 128): 22 sliding and 4 full layers, two attention kernels each."""
+    export = ROOT / "profiles" / "h200" / "nsys-gemma-fast-cb883e2" / "fast" / \
+        "gemma-3-1b_b1_step-graph_node_noeos_kernelsfast.sqlite.gz"
+    text = kernel_breakdown.breakdown(export, "gemma-3-1b")
+    assert "| full_attention | 4 |" in text and "| sliding_attention | 22 |" in text
+
+
 def test_breakdown_refuses_a_graph_level_trace():
     graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
     with pytest.raises(ValueError, match="--cuda-graph-trace=node"):

@@ -95,9 +95,10 @@ def usable(*tensors) -> bool:
 # sweeps (9 passed, kernel-paths-experts-c6bba88.txt). The tiles read off the c6bba88 sweep since (the grouped
 # kernels' row for 33-64 tokens, the small kernels' 1024-element loads) are kernel code the tests ran with other
 # constants; each of those configs was checked against the torch reference on the H200 by that sweep (its column
-# `ok`, profiles/moe_sweep.py), so the paths stay. Since c6bba88 the matrix-vector kernel (`gemv.rms_gemv`) has a
-# BIAS flag (`linear.py`'s paths, not listed yet): off, the code of the listed paths is what their tests ran; the
-# streamed experts gate/up (`experts.Config.stream`) is a path of its own (", streamed"), not listed yet.
+# `ok`, profiles/moe_sweep.py), so the paths stay. At 9e35b5d all 48 tests of tests-kernels passed
+# (kernel-paths-9e35b5d.txt), the matrix-vector kernel's BIAS flag among them: every path above again, and
+# `linear.py`'s two. The streamed experts gate/up (`experts.Config.stream`) is a path of its own (", streamed"),
+# not listed: it has not run in a cuda test (its sweep at 9e35b5d found it no faster than the small kernels).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -115,6 +116,8 @@ CUDA_TESTED = frozenset({
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
     "gpt_oss experts, grouped",
+    "linear, <= 4 rows",
+    "linear, bias, <= 4 rows",
     "mixtral experts",
     "mixtral experts, grouped",
     "olmoe experts",
