@@ -35,6 +35,10 @@
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
+#   ncu-experts    Nsight Compute (`ncu --set full`) on gdtool's experts kernels in profiles/moe_block.py's captured
+#                  Qwen3-30B-A3B block: the small kernels at 1 token, the grouped ones at NCU_GROUPED_BATCH (64);
+#                  each report's details page as CSV (throughput, occupancy, stall reasons): why gate/up reads at
+#                  2.2 TB/s at one token where the matrix-vector kernels reach 3-4
 #   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b; one model a call): the grouped
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
 #                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
@@ -218,6 +222,14 @@ for p in "$@"; do
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;
     moe-block) part moe-block 200 env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/moe_block.py --batch 1,4,16 ;;
+    ncu-experts) part ncu-experts ${NCU_SECONDS:-300} bash -c "ncu=\${NCU:-\$(dirname \$(dirname \$(dirname \$(command -v nsys))))/ncu}; \
+           d=$work/ncu-experts; mkdir -p \$d; \$ncu --version; export GDTOOL_UNTESTED_KERNELS=1; \
+           \$ncu --target-processes all --graph-profiling node --set full -f --launch-skip 3 --launch-count 3 \
+           -k regex:'^_(router|gate_up|down)_kernel' -o \$d/small-b1 $py profiles/moe_block.py --batch 1 && \
+           \$ncu --target-processes all --graph-profiling node --set full -f --launch-skip 6 --launch-count 6 \
+           -k regex:'^_(router|route|align|grouped_gate_up|grouped_down|combine)_kernel' -o \$d/grouped-b${NCU_GROUPED_BATCH:-64} \
+           $py profiles/moe_block.py --batch ${NCU_GROUPED_BATCH:-64}; \
+           for r in \$d/*.ncu-rep; do \$ncu --import \$r --page details --csv > \${r%.ncu-rep}-details.csv; done" ;;
     moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
            $py profiles/moe_sweep.py --model \$m --out $work/moe-sweep || exit 1; done" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
