@@ -595,6 +595,11 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
             config = dataclasses.replace(experts.experts_config(h, i, m), stream=5)   # items past the last: masked
             results += [dataclasses.replace(r, name=r.name + " (streamed)")
                         for r in check_experts(*shape, dtype, device, gen, config=config)]
+        h, i, m = shape[3], shape[4], shape[1]
+        config = dataclasses.replace(experts.experts_config(h, i, m), early_down=True)   # Config.early_down
+        if experts._early_fits(config, i, shape[5]):
+            results += [dataclasses.replace(r, name=r.name + " (early down)")
+                        for r in check_experts(*shape, dtype, device, gen, config=config)]
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):

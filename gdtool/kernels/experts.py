@@ -65,8 +65,14 @@ once per row (the grouped path's `_route_kernel`), then a persistent grid of N p
 walks the (pair, tile) items with the next item's weights loaded before the current one is summed, as the
 matrix-vector kernels stream theirs. At one token Qwen3-30B-A3B's gate/up read 50 MB a layer at 1.5 TB/s with
 one short program per (tile, pair), each routing its row before its one load (profiles/h200/nsys-fast/
-qwen3-30b-a3b-b1-0f91d78/). Its path is named apart (", streamed") until the H200 sweep (STREAM_GRID) and its
-cuda tests say whether it becomes the default.
+qwen3-30b-a3b-b1-0f91d78/). Its path is named apart (", streamed"). The H200 sweep at 9e35b5d found it no faster
+(34.6 against 34.8 µs a block at one token, slower at 2 and 4: profiles/h200/moe-sweep-9e35b5d/).
+
+A second candidate, off by default (`Config.early_down`, GDTOOL_EXPERTS_EARLY_DOWN=1): the down kernel computes
+its row's routing from the router's logits and loads every routed expert's weight tile before its PDL wait, as
+the matrix-vector kernels load theirs, so that launched while gate/up runs its loads overlap gate/up's tail (the
+weights it needs depend only on the router, which has finished by then). Its path is named apart (", early
+down") until its cuda tests pass; profiles/moe_sweep.py sweeps it (EARLY_GRID).
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
@@ -85,7 +91,7 @@ import torch.nn.functional as F
 
 from . import swap
 from .gemv import _programs   # a persistent grid's size: programs per multiprocessor, at most one per item
-from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
@@ -233,13 +239,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, L2: tl.constexpr = False):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
         id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
-        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
+        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32). L2: the logits read from L2,
+        past the multiprocessor's L1 (a kernel reading them before its PDL wait: `_down_kernel`'s EARLY)."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
-        logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        if L2:
+            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf"), cache_modifier=".cg")
+        else:
+            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf"))
+        logits = logits.to(tl.float32)
         if OSS:
             ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
         else:
@@ -408,29 +419,55 @@ if HAVE_TRITON:
                      H, I, IS, E, stride_l, stride_res, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
-                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr):
+                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
+                     BLOCK_TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, NORM: tl.constexpr = False):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
         routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
-        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`."""
+        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`.
+
+        EARLY (`Config.early_down`; CHUNKS == 1): the row's routing computed here from the router's logits, and
+        every routed expert's weight tile loaded, before the PDL wait: launched while gate/up runs, the loads
+        overlap its tail. The logits are the kernel's before the one before (the router's): complete once any
+        program of this kernel starts, since gate/up releases it only after its own wait on the router."""
         t = tl.program_id(0)
         m = tl.program_id(1)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = n < H
+        if EARLY:
+            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, False, True)
+            slots = tl.arange(0, BLOCK_TOPK)
+            i = tl.arange(0, BLOCK_I)
+            live = slots < TOPK
+            w3 = tl.load(d_ptr + ids[:, None, None].to(tl.int64) * H * I + n[None, :, None].to(tl.int64) * I
+                         + i[None, None, :], mask=live[:, None, None] & nmask[None, :, None] & (i[None, None, :] < I),
+                         other=0.0)   # [BLOCK_TOPK, BLOCK_N, BLOCK_I]
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         out_ty = out_ptr.dtype.element_ty
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = n < H
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            expert = tl.load(ids_ptr + m * TOPK + j)
-            weight = tl.load(wts_ptr + m * TOPK + j)
-            y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
-                          BLOCK_I, CHUNKS)
-            y = y.to(out_ty).to(tl.float32)
-            if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
-                acc += y * weight
-            else:
-                acc += (y * weight).to(out_ty).to(tl.float32)
+        if EARLY:
+            a = tl.load(act_ptr + (m * TOPK + slots[:, None]).to(tl.int64) * I + i[None, :],
+                        mask=live[:, None] & (i[None, :] < I), other=0.0).to(tl.float32)
+            y3 = tl.sum(w3.to(tl.float32) * a[:, None, :], axis=2)   # [BLOCK_TOPK, BLOCK_N]
+            for j in tl.static_range(TOPK):   # in routing order, as below (the sums of zeros are exact)
+                y = tl.sum(tl.where(slots[:, None] == j, y3, 0.0), axis=0).to(out_ty).to(tl.float32)
+                weight = tl.sum(tl.where(slots == j, values, 0.0), axis=0)
+                if W_F32:
+                    acc += y * weight
+                else:   # the weight as gate/up stored it: rounded to the model dtype
+                    acc += (y * weight.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
+        else:
+            for j in tl.static_range(TOPK):
+                expert = tl.load(ids_ptr + m * TOPK + j)
+                weight = tl.load(wts_ptr + m * TOPK + j)
+                y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n,
+                              nmask, I, BLOCK_I, CHUNKS)
+                y = y.to(out_ty).to(tl.float32)
+                if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
+                    acc += y * weight
+                else:
+                    acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
             ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
@@ -535,6 +572,9 @@ class Config:
     # current one is summed, as the matrix-vector kernels stream theirs; 0: one program per (tile, pair), each
     # routing its row. Whole rows of up to MAX_CHUNK elements, no shared expert (else the programs per item)
     stream: int = 0
+    # the down kernel's routing and weight loads before its PDL wait (`_down_kernel`'s EARLY), where the
+    # intermediate dim is one load and the tiles fit the registers (`_early_fits`); else the loads after it
+    early_down: bool = False
 
     def __post_init__(self):
         if self.stream < 0:
@@ -555,13 +595,34 @@ def _chunks(k: int, limit: int | None = None) -> tuple[int, int]:
 
 def stream_programs() -> int:
     """GDTOOL_EXPERTS_STREAM: programs per multiprocessor of the streamed gate/up (`Config.stream`) in the default
-    configs (`experts_config`); unset or 0, off: one program per (tile, pair). A candidate the H200 sweeps measure
-    (profiles/moe_sweep.py STREAM_GRID); its kernel path is named apart (", streamed"), refused on CUDA until its
-    cuda tests pass there."""
+    configs (`experts_config`); unset or 0, off: one program per (tile, pair). A candidate, no faster in the H200
+    sweep at 9e35b5d (profiles/h200/moe-sweep-9e35b5d/); its kernel path is named apart (", streamed"), refused on
+    CUDA until its cuda tests pass there."""
     value = os.environ.get("GDTOOL_EXPERTS_STREAM", "0").strip()
     if not value.isdigit():
         raise ValueError(f"GDTOOL_EXPERTS_STREAM={value!r}: programs per multiprocessor (e.g. 2), or 0 for off")
     return int(value)
+
+
+def early_down_on() -> bool:
+    """GDTOOL_EXPERTS_EARLY_DOWN=1: the default configs load the down kernel's weights before its PDL wait
+    (`Config.early_down`). A candidate, off by default; its kernel path is named apart (", early down"), refused
+    on CUDA until its cuda tests pass there."""
+    return env_flag("GDTOOL_EXPERTS_EARLY_DOWN")
+
+
+EARLY_ELEMENTS_PER_THREAD = 128   # weight elements a thread of the down kernel holds across its wait, at most
+
+
+def _early_fits(cfg: Config, intermediate: int, top_k: int) -> bool:
+    block_i, chunks = _chunks(intermediate, cfg.chunk)
+    return chunks == 1 and next_pow2(top_k) * cfg.down_rows * block_i <= EARLY_ELEMENTS_PER_THREAD * 32 * cfg.warps
+
+
+def early_down(family: str, hidden: int, intermediate: int, top_k: int, tokens: int) -> bool:
+    """Whether the small kernels' default config for a block of `family` loads down's weights early."""
+    cfg = experts_config(hidden, intermediate, tokens)
+    return cfg.early_down and family != "gpt_oss" and _early_fits(cfg, intermediate, top_k)
 
 
 def streams(family: str, hidden: int) -> bool:
@@ -580,7 +641,7 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     one = tokens == 1
     return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
                   down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024,
-                  stream=stream_programs())
+                  stream=stream_programs(), early_down=early_down_on())
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
@@ -630,6 +691,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
         BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps,
+        EARLY=cfg.early_down and _early_fits(cfg, i, top_k), BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e),
+        NORM=norm_topk,
         **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
@@ -1177,9 +1240,19 @@ def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
     grouped = runs_grouped(family, tokens) and not small
-    streamed = not grouped and streams(family, gate_up.shape[-1] if family != "gpt_oss" else 0)
-    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ", streamed" if streamed else ""),
+    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else _candidates(block, family, tokens)),
                             gate_up.device)
+
+
+def _candidates(block, family: str, tokens: int) -> str:
+    """The opt-in candidates (GDTOOL_EXPERTS_STREAM, GDTOOL_EXPERTS_EARLY_DOWN) the small kernels run for this
+    block, as a kernel path's suffix (each path is named apart until its cuda tests pass)."""
+    if family == "gpt_oss":
+        return ""
+    e, two_i, h = block.experts.gate_up_proj.shape
+    streamed = ", streamed" if streams(family, h) else ""
+    early = ", early down" if early_down(family, h, two_i // 2, _router(block).top_k, tokens) else ""
+    return streamed + early
 
 
 def _router(block):
@@ -1253,11 +1326,10 @@ def plan(model, batch: int) -> Plan:
     for index, (name, block) in enumerate(blocks):
         family = _family(block)
         why = _why_not(block, family, batch)
+        path = ", grouped" if runs_grouped(family, batch) else _candidates(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
-                      why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             + ("grouped, " if runs_grouped(family, batch) else
-                                "gate/up streamed, " if streams(family, block.experts.gate_up_proj.shape[-1]) else "")
-                             + result.backend)
+                      why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}"
+                             f"{path}, {result.backend}")
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)

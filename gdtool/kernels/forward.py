@@ -211,8 +211,8 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             if refused:
                 return Plan(False, f"layer {index}'s MoE block: {refused}")
             features.add("experts")
-            if experts.streams(experts._family(mlp), config.hidden_size):   # GDTOOL_EXPERTS_STREAM: a path apart
-                features.add("experts streamed")
+            for candidate in experts._candidates(mlp, experts._family(mlp), batch).split(", ")[1:]:
+                features.add(f"experts {candidate}")   # GDTOOL_EXPERTS_STREAM, _EARLY_DOWN: paths apart
         else:
             act = _activation(mlp)
             if act is None:
