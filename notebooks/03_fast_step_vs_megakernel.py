@@ -33,8 +33,9 @@ results = "h200/decode-kernels"   # under profiles/: the committed H200 results
 model = "llama-1b"
 # folders of profiles/h200/bench/ for the last sections (gemma-3-1b's others: its batch-1 run at 69c20df with the
 # fused attention combine on, and its batch-64 run at c6bba88 with fused projections, each the fastest of that
-# batch with peers in the same run)
-bench_presets = ["llama-1b", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers",
+# batch with peers in the same run; llama-1b/pdl-auto: its fast step at batch 1 with PDL per kernel at 69c20df,
+# the fastest measured, a run without peers)
+bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers",
                  "gemma-3-1b/fused-projections", "qwen3-30b-a3b", "gpt-oss-20b"]
 # mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
 # section reads
