@@ -393,12 +393,18 @@ def test_teacher_forced_warms_up_and_captures_as_the_decode_loops_do(monkeypatch
     assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), df
 
 
-def test_accuracy_measures_against_float32_and_leaves_the_model_as_it_was():
+def test_accuracy_measures_against_float32_and_leaves_the_model_as_it_was(monkeypatch):
     """accuracy(): bf16 tiny-llama with HF's kernels lands near float32 but not on it; the model comes back
     in bf16 with the same weights, bit for bit; a float32 or fused model is refused with the reason."""
     model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.bfloat16)
     before = {name: p.clone() for name, p in model.state_dict().items()}
+    calls = []
+    forced = fast.teacher_forced
+    monkeypatch.setattr(fast, "teacher_forced", lambda m, *a: calls.append((next(m.parameters()).dtype, a[-1]))
+                        or forced(m, *a))
     df = fast.accuracy(model, batch=2, prompt_len=6, steps=5, kernels="hf")
+    # the float32 reference runs uncaptured (HF's float32 experts copy from the host: no graph holds them)
+    assert calls == [(torch.bfloat16, None), (torch.float32, False)], calls
     assert list(df.position) == [1, 2, 3, 4] and (df.hf_top1 == 1.0).all(), df
     assert (df.hf_mean_error > 0).all() and (df.hf_max_error < 0.02 * df.max_abs_logit).all(), df
     after = model.state_dict()
