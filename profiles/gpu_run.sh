@@ -39,7 +39,8 @@
 #                  Qwen3-30B-A3B block: the small kernels at 1 token, the grouped ones at NCU_GROUPED_BATCH (64);
 #                  each report's details page as CSV (throughput, occupancy, stall reasons): why gate/up reads at
 #                  2.2 TB/s at one token where the matrix-vector kernels reach 3-4
-#   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b; one model a call): the grouped
+#   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b; one model a call) at
+#                  MOE_SWEEP_BATCHES (default: the model's list, 1-64): the grouped
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
 #                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
@@ -231,7 +232,8 @@ for p in "$@"; do
            $py profiles/moe_block.py --batch ${NCU_GROUPED_BATCH:-64}; \
            for r in \$d/*.ncu-rep; do \$ncu --import \$r --page details --csv > \${r%.ncu-rep}-details.csv; done" ;;
     moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
-           $py profiles/moe_sweep.py --model \$m --out $work/moe-sweep || exit 1; done" ;;
+           $py profiles/moe_sweep.py --model \$m ${MOE_SWEEP_BATCHES:+--batch $MOE_SWEEP_BATCHES} --out $work/moe-sweep \
+           || exit 1; done" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \
