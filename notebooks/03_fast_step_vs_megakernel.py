@@ -239,3 +239,47 @@ else:
                       "(commit in the label): each kernel from where the ones before it ended, so the bars sum to the "
                       "time some kernel runs. Black tick: the bytes-over-bandwidth floor of that preset's bench run.")
     plt.show()
+
+# %% [markdown]
+# ## Sliding windows: attention per kind of layer, by prompt length
+# Gemma 3's fast step traced node by node (`gpu_run.sh OUT nsys-fast`; `NSYS_PROMPT=1024` for a prompt whose
+# sliding windows are all full), its attention kernels split by the kind of layer each served
+# (`kernel_breakdown.attention_by_layer_type`: 22 sliding-window layers, 4 full ones). A sliding layer attends over
+# its window only, so its time should stay flat as the prompt grows; a full layer's grows with the live length.
+
+# %%
+import re  # noqa: E402
+
+h200 = root / "profiles" / "h200"
+exports = sorted(h200.glob("nsys-gemma-fast-*/fast/*.sqlite.gz")) + sorted(
+    h200.glob("nsys-fast/gemma-3-1b-b*-*/fast/*.sqlite.gz"))
+types = kernel_breakdown.layer_types("gemma-3-1b")
+per_kind = []
+for export in exports:
+    kernels, launches = kernel_breakdown.launch_kernels(export)
+    table = kernel_breakdown.attention_by_layer_type(kernels, launches, types)
+    if table is None:
+        continue
+    folder = export.parent.parent.name
+    prompt = re.search(r"-p(\d+)-", folder)
+    per_kind.append(dict(batch=kernel_breakdown.export_batch(export), prompt=int(prompt.group(1)) if prompt else 128,
+                         commit=folder.rsplit("-", 1)[-1], step_us=kernels["own_us"].sum() / launches,
+                         **{f"{kind} µs/layer": row["per_layer"] for kind, row in table.iterrows()}))
+windows = pd.DataFrame(per_kind)
+if windows.empty:
+    print("no Gemma 3 node traces committed under profiles/h200/")
+else:
+    windows = windows.set_index(["batch", "prompt", "commit"]).sort_index()
+    display(windows.round(2))
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(windows) + 1.5), layout="constrained")
+    kinds = [c for c in windows.columns if c.endswith("µs/layer")]
+    y = range(len(windows))
+    for j, kind in enumerate(kinds):
+        ax.barh([i + 0.4 * j - 0.2 for i in y], windows[kind], height=0.4, label=kind.removesuffix(" µs/layer"))
+    ax.set_yticks(list(y), [f"batch {b}, prompt {p} ({c})" for b, p, c in windows.index])
+    ax.invert_yaxis()
+    ax.set_xlabel("attention µs per layer (own time)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
+    plot.caption(fig, "Gemma 3's fast step from node-level nsys traces (commit in the label): the attention kernels' "
+                      "time per layer, sliding-window layers apart from full ones, at each committed prompt length.")
+    plt.show()
