@@ -590,12 +590,11 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
-        if not shape[-1] and shape[3] <= experts.MAX_CHUNK:   # no shared expert: gate/up streamed too (Config.stream)
-            h, i, m = shape[3], shape[4], shape[1]
+        h, i, m = shape[3], shape[4], shape[1]
+        if not shape[-1] and h <= experts.MAX_CHUNK:   # no shared expert: gate/up streamed too (Config.stream)
             config = dataclasses.replace(experts.experts_config(h, i, m), stream=5)   # items past the last: masked
             results += [dataclasses.replace(r, name=r.name + " (streamed)")
                         for r in check_experts(*shape, dtype, device, gen, config=config)]
-        h, i, m = shape[3], shape[4], shape[1]
         config = dataclasses.replace(experts.experts_config(h, i, m), early_down=True)   # Config.early_down
         if experts._early_fits(config, i, shape[5]):
             results += [dataclasses.replace(r, name=r.name + " (early down)")

@@ -681,8 +681,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
             TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
             SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
-            num_warps=cfg.warps,
-            **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
+            num_warps=cfg.warps, **launch_options(
+                dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i, cfg.chunk)
     block_s, chunks_s = _chunks(i_shared, cfg.chunk)
     res = residual if residual is not None else out
@@ -1240,19 +1240,18 @@ def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
     grouped = runs_grouped(family, tokens) and not small
-    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else _candidates(block, family, tokens)),
-                            gate_up.device)
+    variants = ("grouped",) if grouped else candidates(block, family, tokens)
+    return untested_on_cuda(", ".join((f"{family} experts",) + variants), gate_up.device)
 
 
-def _candidates(block, family: str, tokens: int) -> str:
+def candidates(block, family: str, tokens: int) -> tuple[str, ...]:
     """The opt-in candidates (GDTOOL_EXPERTS_STREAM, GDTOOL_EXPERTS_EARLY_DOWN) the small kernels run for this
-    block, as a kernel path's suffix (each path is named apart until its cuda tests pass)."""
+    block: "streamed", "early down"; each names its kernel path apart until its cuda tests pass."""
     if family == "gpt_oss":
-        return ""
+        return ()
     e, two_i, h = block.experts.gate_up_proj.shape
-    streamed = ", streamed" if streams(family, h) else ""
-    early = ", early down" if early_down(family, h, two_i // 2, _router(block).top_k, tokens) else ""
-    return streamed + early
+    return (("streamed",) if streams(family, h) else ()) + (
+        ("early down",) if early_down(family, h, two_i // 2, _router(block).top_k, tokens) else ())
 
 
 def _router(block):
@@ -1326,10 +1325,10 @@ def plan(model, batch: int) -> Plan:
     for index, (name, block) in enumerate(blocks):
         family = _family(block)
         why = _why_not(block, family, batch)
-        path = ", grouped" if runs_grouped(family, batch) else _candidates(block, family, batch)
+        variants = ("grouped",) if runs_grouped(family, batch) else candidates(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
-                      why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}"
-                             f"{path}, {result.backend}")
+                      why or ", ".join((f"{family}", f"top-{_router(block).top_k} of "
+                                        f"{block.experts.gate_up_proj.shape[0]}") + variants + (result.backend,)))
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)
