@@ -97,8 +97,8 @@ def usable(*tensors) -> bool:
 # constants; each of those configs was checked against the torch reference on the H200 by that sweep (its column
 # `ok`, profiles/moe_sweep.py), so the paths stay. At 9e35b5d all 48 tests of tests-kernels passed
 # (kernel-paths-9e35b5d.txt), the matrix-vector kernel's BIAS flag among them: every path above again, and
-# `linear.py`'s two. The streamed experts gate/up (`experts.Config.stream`) is a path of its own (", streamed"),
-# not listed: it has not run in a cuda test (its sweep at 9e35b5d found it no faster than the small kernels).
+# `linear.py`'s two. The Gemma 3 paths again at 0a0f404, after the window's roll moved its work before its PDL
+# wait (`KERNEL_TESTS_K="gemma or roll"`: the 9 tests that run `fast` passed, kernel-paths-gemma-0a0f404.txt).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
