@@ -241,11 +241,40 @@ else:
     plt.show()
 
 # %% [markdown]
+# Per kernel, one qwen3-30b-a3b MoE block alone under Nsight Compute (`gpu_run.sh OUT ncu-experts`: the small
+# kernels at 1 token, the grouped ones at 64; each kernel serialized, its caches flushed, so durations are
+# longer than inside the step): the DRAM throughput each reaches against the H200's peak, and the occupancy
+# that bounds how many loads an SM keeps in flight.
+
+# %%
+ncu_rows = []
+for details in sorted((root / "profiles" / "h200").glob("ncu-experts-*/*-details.csv")):
+    raw = pd.read_csv(details)
+    wanted = {"Duration": "µs", "DRAM Throughput": "DRAM % of peak", "Memory Throughput": "memory",
+              "Achieved Occupancy": "occupancy %", "Registers Per Thread": "registers", "Grid Size": "programs"}
+    raw = raw[raw["Metric Name"].isin(wanted)]
+    for (kid, name), metrics in raw.groupby(["ID", "Kernel Name"], sort=False):
+        row = {"run": details.name.removesuffix("-details.csv"), "commit": details.parent.name.rsplit("-", 1)[-1],
+               "kernel": name}
+        for _, m in metrics.iterrows():
+            value = str(m["Metric Value"]).replace(",", "")
+            row[wanted[m["Metric Name"]]] = (f"{value} {m['Metric Unit']}" if m["Metric Name"] == "Memory Throughput"
+                                             else float(value))
+        ncu_rows.append(row)
+if ncu_rows:
+    ncu = pd.DataFrame(ncu_rows).drop_duplicates(["run", "commit", "kernel"]).set_index(["run", "commit", "kernel"])
+    display(ncu)
+else:
+    print("no Nsight Compute details committed under profiles/h200/ncu-experts-*/")
+
+# %% [markdown]
 # ## Sliding windows: attention per kind of layer, by prompt length
 # Gemma 3's fast step traced node by node (`gpu_run.sh OUT nsys-fast`; `NSYS_PROMPT=1024` for a prompt whose
 # sliding windows are all full), its attention kernels split by the kind of layer each served
 # (`kernel_breakdown.attention_by_layer_type`: 22 sliding-window layers, 4 full ones). A sliding layer attends over
 # its window only, so its time should stay flat as the prompt grows; a full layer's grows with the live length.
+# Once a window is full, HF's cache layout rolls it left by one each step (`gdtool/kernels/window.py`): the roll
+# column is that kernel's own time per sliding layer (none at prompt 128, where no window fills).
 
 # %%
 import re  # noqa: E402
@@ -262,9 +291,12 @@ for export in exports:
         continue
     folder = export.parent.parent.name
     prompt = re.search(r"-p(\d+)-", folder)
+    sliding = int((pd.Series(types) == "sliding_attention").sum())
+    roll = kernels.loc[kernels["name"].fillna("").str.contains("roll_left"), "own_us"].sum() / launches
     per_kind.append(dict(batch=kernel_breakdown.export_batch(export), prompt=int(prompt.group(1)) if prompt else 128,
                          commit=folder.rsplit("-", 1)[-1], step_us=kernels["own_us"].sum() / launches,
-                         **{f"{kind} µs/layer": row["per_layer"] for kind, row in table.iterrows()}))
+                         **{f"{kind} µs/layer": row["per_layer"] for kind, row in table.iterrows()},
+                         **{"roll µs/sliding layer": roll / sliding}))
 windows = pd.DataFrame(per_kind)
 if windows.empty:
     print("no Gemma 3 node traces committed under profiles/h200/")
@@ -272,14 +304,18 @@ else:
     windows = windows.set_index(["batch", "prompt", "commit"]).sort_index()
     display(windows.round(2))
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(windows) + 1.5), layout="constrained")
-    kinds = [c for c in windows.columns if c.endswith("µs/layer")]
+    kinds = [c for c in windows.columns if c.endswith("attention µs/layer")]
     y = range(len(windows))
     for j, kind in enumerate(kinds):
         ax.barh([i + 0.4 * j - 0.2 for i in y], windows[kind], height=0.4, label=kind.removesuffix(" µs/layer"))
+        if kind.startswith("sliding"):  # the roll stacked on the sliding layers' attention
+            ax.barh([i + 0.4 * j - 0.2 for i in y], windows["roll µs/sliding layer"], left=windows[kind], height=0.4,
+                    color="tab:red", label="roll of a full window")
     ax.set_yticks(list(y), [f"batch {b}, prompt {p} ({c})" for b, p, c in windows.index])
     ax.invert_yaxis()
     ax.set_xlabel("attention µs per layer (own time)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     plot.caption(fig, "Gemma 3's fast step from node-level nsys traces (commit in the label): the attention kernels' "
-                      "time per layer, sliding-window layers apart from full ones, at each committed prompt length.")
+                      "time per layer, sliding-window layers apart from full ones, at each committed prompt length; "
+                      "red, the roll of a full window per sliding layer.")
     plt.show()
