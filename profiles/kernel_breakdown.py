@@ -31,8 +31,8 @@ CLASSES = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
 
 # gdtool's MoE kernels (gdtool/kernels/experts.py), by their exact names: "_combine_kernel" is also the tail of
 # the attention's combine, and none of them says gemm or gemv
-EXPERTS = ("_router_kernel", "_gate_up_kernel", "_gate_up_stream_kernel", "_down_kernel", "_route_kernel",
-           "_align_kernel", "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel", "_oss_gate_up_kernel",
+EXPERTS = ("_router_kernel", "_gate_up_kernel", "_down_kernel", "_route_kernel", "_align_kernel",
+           "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel", "_oss_gate_up_kernel",
            "_oss_down_kernel")
 
 

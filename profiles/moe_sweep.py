@@ -6,7 +6,7 @@ replays (`moe_block.time_graph`), per batch:
 
     qwen3-30b-a3b   the grouped kernels (`block_grouped`) over GROUPED_GRID at 1, 2, 4, ..., 64 tokens, beside
                     the small kernels (`block_triton`, up to 16 tokens: their default config, config {}, and
-                    SMALL_GRID; EARLY_GRID, down's loads before its wait) and HF's batched_mm / grouped_mm
+                    SMALL_GRID) and HF's batched_mm / grouped_mm
     gpt-oss-20b     gpt-oss's small kernels (`block_oss`) over OSS_GRID at 1, 4 and 16 tokens, and its grouped
                     kernels (`block_grouped(..., oss=...)`) over GROUPED_GRID at 1-64, beside HF's batched_mm
 
@@ -37,12 +37,8 @@ GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), 
 # gate/up rows 1-8 (8 won at one token) and no chunk: the gate/up kernel read 50 MB in 33.5 µs (1.5 TB/s) inside
 # qwen3-30b-a3b's step, gpt-oss's small kernels (128-row K steps) 3.2 TB/s
 SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8), chunk=(512, 1024, 4096))
-# the small kernels with the down kernel's routing and weight loads before its PDL wait (`experts.Config.
-# early_down`), the configs whose tiles fit (`experts._early_fits`). Variant "early", a candidate the rules of
-# experts' tables do not read yet. (The streamed gate/up, `Config.stream`, was swept at 9e35b5d, variant "stream"
-# in profiles/h200/moe-sweep-9e35b5d/: 34.6 µs a block at one token against 34.8 for the small kernels, slower
-# at 2 and 4 tokens; it is no longer swept.)
-EARLY_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(1, 2, 4), warps=(4, 8), chunk=(1024,), early_down=(True,))
+# (variants "stream" in profiles/h200/moe-sweep-9e35b5d/ and "early" in profiles/h200/moe-sweep-41fab16/: two
+# candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py)
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
@@ -157,9 +153,6 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
                     router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID)]
-                variants += [("early", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
-                    router_rows=default.router_rows, **cfg))) for cfg in grid(EARLY_GRID)
-                    if experts._early_fits(experts.Config(router_rows=1, **cfg), 768, 8)]
         else:
             config, block = build_oss_block()
             e = block.experts

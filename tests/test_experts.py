@@ -144,85 +144,11 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
 
 
-@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
-def test_streamed_gate_up_and_early_down_with_the_layers_norm_and_residual_under_the_interpreter():
-    """Config.stream (the routing once per row, a persistent gate/up) and Config.early_down (the down kernel's
-    routing and weights before its wait) as the fast forward calls the block: RMSNorm folded into the router and
-    gate/up, the residual added in the down kernel; equal to HF's arithmetic in float32 as the per-item kernels
-    are, on shapes whose items do and do not fill the last round of programs."""
-    code = (
-        "import dataclasses, torch\n"
-        "from gdtool.kernels import experts, gemv\n"
-        "g = torch.Generator().manual_seed(3)\n"
-        "for m, e, h, i, k in ((1, 8, 64, 32, 2), (3, 16, 96, 40, 4), (4, 8, 64, 48, 2)):\n"
-        "    x = torch.randn(m, h, generator=g)\n"
-        "    nw = 1 + 0.1 * torch.randn(h, generator=g)\n"
-        "    r = torch.randn(e, h, generator=g) / h ** 0.5\n"
-        "    gu = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5\n"
-        "    d = torch.randn(e, h, i, generator=g) / i ** 0.5\n"
-        "    ref = x + experts.block_reference(gemv.rms_norm_reference(x, nw, 1e-6), r, gu, d, k, True, False)\n"
-        "    for stream, early in ((0, False), (1, False), (5, False), (0, True), (5, True)):\n"
-        "        cfg = dataclasses.replace(experts.experts_config(h, i, m), stream=stream, early_down=early)\n"
-        "        assert experts._early_fits(cfg, i, k)\n"
-        "        out = experts.block_triton(x, r, gu, d, k, True, False, config=cfg, residual=x, norm=(nw, 1e-6))\n"
-        "        assert (out - ref).abs().max() < 1e-5, (m, stream, early, (out - ref).abs().max())\n"
-        "# a seeded sweep of shapes, top-k, rows per item and programs (float64 checks, float32 and float16)\n"
-        "import random\n"
-        "from gdtool.kernels import check\n"
-        "rng = random.Random(22)\n"
-        "for case in range(8):\n"
-        "    e = rng.choice((4, 8, 16)); h = rng.randint(8, 130); i = rng.randint(3, 70); k = rng.randint(1, min(4, e))\n"
-        "    m = rng.randint(1, 6); dt = rng.choice((torch.float32, torch.float16))\n"
-        "    cfg = experts.Config(router_rows=4, gate_up_rows=rng.choice((1, 2, 4, 8, 16)), down_rows=4,\n"
-        "                         stream=rng.randint(0, 5), early_down=rng.random() < 0.6)\n"
-        "    res = check.check_experts('sweep', m, e, h, i, k, rng.random() < 0.5, rng.random() < 0.3, 0, dt, 'cpu',\n"
-        "                              torch.Generator().manual_seed(case), config=cfg)\n"
-        "    bad = [r for r in res if not r.ok]\n"
-        "    assert not bad, (cfg, check.table(bad))\n"
-        "print('ok')\n")
-    run_interpreted(code, timeout=600)
-
-
-def test_streamed_gate_up_is_a_kernel_path_of_its_own(monkeypatch):
-    """GDTOOL_EXPERTS_STREAM turns the streamed gate/up on in the default configs; the path it runs is named apart,
-    so that on CUDA it is refused until its own cuda tests pass (families with a shared expert never stream)."""
-    names = []
-    monkeypatch.setattr(experts, "untested_on_cuda", lambda path, device: names.append(path) or "")
-    qwen3, qwen2 = moe.build("qwen3_moe").model.layers[0].mlp, moe.build("qwen2_moe").model.layers[0].mlp
-    experts.refusal(qwen3, 1)
-    assert experts.experts_config(2048, 768).stream == 0 and names == ["qwen3_moe experts"]
-    monkeypatch.setenv("GDTOOL_EXPERTS_STREAM", "2")
-    names.clear()
-    for block, tokens in ((qwen3, 1), (qwen3, 8), (qwen2, 1)):
-        experts.refusal(block, tokens)
-    assert experts.experts_config(2048, 768).stream == 2
-    assert names == ["qwen3_moe experts, streamed", "qwen3_moe experts, grouped", "qwen2_moe experts"], names
-    monkeypatch.setenv("GDTOOL_EXPERTS_STREAM", "two")
-    with pytest.raises(ValueError, match="GDTOOL_EXPERTS_STREAM='two': programs per multiprocessor"):
-        experts.experts_config(2048, 768)
-    # the early down kernel likewise (GDTOOL_EXPERTS_EARLY_DOWN); never for gpt-oss, which has kernels of its own
-    monkeypatch.delenv("GDTOOL_EXPERTS_STREAM")
-    monkeypatch.setenv("GDTOOL_EXPERTS_EARLY_DOWN", "1")
-    names.clear()
-    oss = moe.build("gpt_oss").model.layers[0].mlp
-    for block, tokens in ((qwen3, 1), (qwen3, 8), (qwen2, 1), (oss, 1)):
-        experts.refusal(block, tokens)
-    assert names == ["qwen3_moe experts, early down", "qwen3_moe experts, grouped", "qwen2_moe experts, early down",
-                     "gpt_oss experts"], names
-    assert "top-2 of 8, early down, " in experts.plan(moe.build("qwen3_moe"), 1).layers[0].reason
-    assert not experts.early_down("qwen3_moe", 2048, 16384, 8, 1)   # an intermediate dim of several loads
-    monkeypatch.setenv("GDTOOL_EXPERTS_EARLY_DOWN", "yes")
-    with pytest.raises(ValueError, match="GDTOOL_EXPERTS_EARLY_DOWN='yes': give 1"):
-        experts.experts_config(2048, 768)
-
-
 def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
     for chunk in (0, 1000, -512):
         with pytest.raises(ValueError, match=r"Config\(chunk=.*power of two.*None for MAX_CHUNK"):
             experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=chunk)
     assert experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=512).chunk == 512
-    with pytest.raises(ValueError, match=r"Config\(stream=-1\): programs per multiprocessor.*or 0 for off"):
-        experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, stream=-1)
 
 
 def test_plan_names_the_blocks_and_why_not():

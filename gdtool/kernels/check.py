@@ -13,7 +13,6 @@ cache slots that must stay untouched).
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -585,20 +584,10 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
     float64 alone."""
-    from . import experts
     device, large, gen = _begin(device, large, seed, impl)
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen)
-        h, i, m = shape[3], shape[4], shape[1]
-        if not shape[-1] and h <= experts.MAX_CHUNK:   # no shared expert: gate/up streamed too (Config.stream)
-            config = dataclasses.replace(experts.experts_config(h, i, m), stream=5)   # items past the last: masked
-            results += [dataclasses.replace(r, name=r.name + " (streamed)")
-                        for r in check_experts(*shape, dtype, device, gen, config=config)]
-        config = dataclasses.replace(experts.experts_config(h, i, m), early_down=True)   # Config.early_down
-        if experts._early_fits(config, i, shape[5]):
-            results += [dataclasses.replace(r, name=r.name + " (early down)")
-                        for r in check_experts(*shape, dtype, device, gen, config=config)]
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):

@@ -60,19 +60,9 @@ itself, outside any compiled HF forward, with the layer's RMSNorm folded into th
 kernels (`norm`) and its residual added in the down kernel (`residual`). The small kernels take the PDL
 setting (`triton.launch_options`) as the forward's kernels do.
 
-A candidate for the small kernels' gate/up, off by default (`Config.stream`, GDTOOL_EXPERTS_STREAM=N): the routing
-once per row (the grouped path's `_route_kernel`), then a persistent grid of N programs per multiprocessor that
-walks the (pair, tile) items with the next item's weights loaded before the current one is summed, as the
-matrix-vector kernels stream theirs. At one token Qwen3-30B-A3B's gate/up read 50 MB a layer at 1.5 TB/s with
-one short program per (tile, pair), each routing its row before its one load (profiles/h200/nsys-fast/
-qwen3-30b-a3b-b1-0f91d78/). Its path is named apart (", streamed"). The H200 sweep at 9e35b5d found it no faster
-(34.6 against 34.8 µs a block at one token, slower at 2 and 4: profiles/h200/moe-sweep-9e35b5d/).
-
-A second candidate, off by default (`Config.early_down`, GDTOOL_EXPERTS_EARLY_DOWN=1): the down kernel computes
-its row's routing from the router's logits and loads every routed expert's weight tile before its PDL wait, as
-the matrix-vector kernels load theirs, so that launched while gate/up runs its loads overlap gate/up's tail (the
-weights it needs depend only on the router, which has finished by then). Its path is named apart (", early
-down") until its cuda tests pass; profiles/moe_sweep.py sweeps it (EARLY_GRID).
+Two candidates for the small kernels were measured on the H200 and removed: gate/up streamed by a persistent
+grid after a routing kernel (no faster, profiles/h200/moe-sweep-9e35b5d/) and the down kernel's routing and
+weight loads before its PDL wait (slower, profiles/h200/moe-sweep-41fab16/).
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
@@ -82,7 +72,6 @@ batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run 
 """
 from __future__ import annotations
 
-import os
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -90,8 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from . import swap
-from .gemv import _programs   # a persistent grid's size: programs per multiprocessor, at most one per item
-from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
 
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
@@ -239,18 +227,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, L2: tl.constexpr = False):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
         id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
-        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32). L2: the logits read from L2,
-        past the multiprocessor's L1 (a kernel reading them before its PDL wait: `_down_kernel`'s EARLY)."""
+        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
-        if L2:
-            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf"), cache_modifier=".cg")
-        else:
-            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf"))
-        logits = logits.to(tl.float32)
+        logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
         if OSS:
             ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
         else:
@@ -359,49 +342,6 @@ if HAVE_TRITON:
         return expert
 
     @triton.jit
-    def _stream_tile(gu_ptr, ids_ptr, w, total, tiles, H, I, k, kmask, BLOCK_N: tl.constexpr):
-        """Item w's (pair, tile, rows n, row mask) and its gate and up weight tiles [BLOCK_N, BLOCK_K] (masked
-        off past the last item)."""
-        p = w // tiles
-        n = (w % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = w < total
-        expert = tl.load(ids_ptr + tl.where(live, p, 0))   # past the last item: pair 0's (its loads masked off)
-        nmask = n < tl.where(live, I, 0)   # a scalar condition folded into the bound (the interpreter refuses & of both)
-        gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]
-        wmask = nmask[:, None] & kmask[None, :]
-        return p, n, nmask, tl.load(gate, mask=wmask, other=0.0), tl.load(gate + I * H, mask=wmask, other=0.0)
-
-    @triton.jit(do_not_specialize=["M", "I"])
-    def _gate_up_stream_kernel(x_ptr, g_ptr, gu_ptr, act_ptr, ids_ptr, M, H, I, stride_x, eps, nprog,
-                               TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               ITERS: tl.constexpr, X_NORM: tl.constexpr, PDL: tl.constexpr):
-        """Persistent grid (nprog programs): items w = pid, pid + nprog, ... of M * TOPK pairs x tiles of the
-        intermediate dim (pair-major), silu(gate) * up of the pair's tile with HF's roundings, as
-        `_gate_up_kernel`; the next item's weights are loaded before the current item is summed. The expert
-        ids come from `_route_kernel` (the grouped path's), launched before it."""
-        pid = tl.program_id(0)
-        if PDL:   # the expert ids come from the route kernel: nothing to load before the wait
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        out_ty = x_ptr.dtype.element_ty
-        tiles = tl.cdiv(I, BLOCK_N)
-        total = M * TOPK * tiles
-        k = tl.arange(0, BLOCK_K)
-        kmask = k < H
-        p, n, nmask, wg, wu = _stream_tile(gu_ptr, ids_ptr, pid, total, tiles, H, I, k, kmask, BLOCK_N)
-        for it in range(ITERS):
-            p2, n2, nmask2, wg2, wu2 = _stream_tile(gu_ptr, ids_ptr, pid + (it + 1) * nprog, total, tiles, H, I, k,
-                                                     kmask, BLOCK_N)
-            m = p // TOPK
-            rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, 1, X_NORM)
-            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, X_NORM).to(tl.float32)[None, :]
-            g = tl.sum(x * wg.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
-            u = tl.sum(x * wu.to(tl.float32), axis=1).to(out_ty).to(tl.float32)
-            a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)   # F.silu, rounded
-            tl.store(act_ptr + p.to(tl.int64) * I + n, (a * u).to(out_ty), mask=nmask)
-            p, n, nmask, wg, wu = p2, n2, nmask2, wg2, wu2
-
-    @triton.jit
     def _rows_dot(w_ptr, a_ptr, n, nmask, K, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr):
         """float32 [BLOCK_N]: rows n of a [*, K] weight at w_ptr against the vector at a_ptr, in chunks."""
         acc = tl.zeros(n.shape, dtype=tl.float32)
@@ -419,55 +359,29 @@ if HAVE_TRITON:
                      H, I, IS, E, stride_l, stride_res, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
-                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr = False,
-                     BLOCK_TOPK: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, NORM: tl.constexpr = False):
+                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
         routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
-        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`.
-
-        EARLY (`Config.early_down`; CHUNKS == 1): the row's routing computed here from the router's logits, and
-        every routed expert's weight tile loaded, before the PDL wait: launched while gate/up runs, the loads
-        overlap its tail. The logits are the kernel's before the one before (the router's): complete once any
-        program of this kernel starts, since gate/up releases it only after its own wait on the router."""
+        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < H
-        if EARLY:
-            ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, False, True)
-            slots = tl.arange(0, BLOCK_TOPK)
-            i = tl.arange(0, BLOCK_I)
-            live = slots < TOPK
-            w3 = tl.load(d_ptr + ids[:, None, None].to(tl.int64) * H * I + n[None, :, None].to(tl.int64) * I
-                         + i[None, None, :], mask=live[:, None, None] & nmask[None, :, None] & (i[None, None, :] < I),
-                         other=0.0)   # [BLOCK_TOPK, BLOCK_N, BLOCK_I]
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         out_ty = out_ptr.dtype.element_ty
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if EARLY:
-            a = tl.load(act_ptr + (m * TOPK + slots[:, None]).to(tl.int64) * I + i[None, :],
-                        mask=live[:, None] & (i[None, :] < I), other=0.0).to(tl.float32)
-            y3 = tl.sum(w3.to(tl.float32) * a[:, None, :], axis=2)   # [BLOCK_TOPK, BLOCK_N]
-            for j in tl.static_range(TOPK):   # in routing order, as below (the sums of zeros are exact)
-                y = tl.sum(tl.where(slots[:, None] == j, y3, 0.0), axis=0).to(out_ty).to(tl.float32)
-                weight = tl.sum(tl.where(slots == j, values, 0.0), axis=0)
-                if W_F32:
-                    acc += y * weight
-                else:   # the weight as gate/up stored it: rounded to the model dtype
-                    acc += (y * weight.to(out_ty).to(tl.float32)).to(out_ty).to(tl.float32)
-        else:
-            for j in tl.static_range(TOPK):
-                expert = tl.load(ids_ptr + m * TOPK + j)
-                weight = tl.load(wts_ptr + m * TOPK + j)
-                y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n,
-                              nmask, I, BLOCK_I, CHUNKS)
-                y = y.to(out_ty).to(tl.float32)
-                if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
-                    acc += y * weight
-                else:
-                    acc += (y * weight).to(out_ty).to(tl.float32)
+        for j in tl.static_range(TOPK):
+            expert = tl.load(ids_ptr + m * TOPK + j)
+            weight = tl.load(wts_ptr + m * TOPK + j)
+            y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
+                          BLOCK_I, CHUNKS)
+            y = y.to(out_ty).to(tl.float32)
+            if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
+                acc += y * weight
+            else:
+                acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
             ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
@@ -567,19 +481,8 @@ class Config:
     down_rows: int
     warps: int = 4
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
-    # gate/up as a stream (> 0, programs per multiprocessor): the routing once per row (`_route_kernel`), then a
-    # persistent grid whose programs walk the (pair, tile) items with the next item's weights loaded before the
-    # current one is summed, as the matrix-vector kernels stream theirs; 0: one program per (tile, pair), each
-    # routing its row. Whole rows of up to MAX_CHUNK elements, no shared expert (else the programs per item)
-    stream: int = 0
-    # the down kernel's routing and weight loads before its PDL wait (`_down_kernel`'s EARLY), where the
-    # intermediate dim is one load and the tiles fit the registers (`_early_fits`); else the loads after it
-    early_down: bool = False
 
     def __post_init__(self):
-        if self.stream < 0:
-            raise ValueError(f"Config(stream={self.stream}): programs per multiprocessor of the streamed gate/up, "
-                             "or 0 for off")
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
@@ -593,44 +496,6 @@ def _chunks(k: int, limit: int | None = None) -> tuple[int, int]:
     return block, -(-k // block)
 
 
-def stream_programs() -> int:
-    """GDTOOL_EXPERTS_STREAM: programs per multiprocessor of the streamed gate/up (`Config.stream`) in the default
-    configs (`experts_config`); unset or 0, off: one program per (tile, pair). A candidate, no faster in the H200
-    sweep at 9e35b5d (profiles/h200/moe-sweep-9e35b5d/); its kernel path is named apart (", streamed"), refused on
-    CUDA until its cuda tests pass there."""
-    value = os.environ.get("GDTOOL_EXPERTS_STREAM", "0").strip()
-    if not value.isdigit():
-        raise ValueError(f"GDTOOL_EXPERTS_STREAM={value!r}: programs per multiprocessor (e.g. 2), or 0 for off")
-    return int(value)
-
-
-def early_down_on() -> bool:
-    """GDTOOL_EXPERTS_EARLY_DOWN=1: the default configs load the down kernel's weights before its PDL wait
-    (`Config.early_down`). A candidate, off by default; its kernel path is named apart (", early down"), refused
-    on CUDA until its cuda tests pass there."""
-    return env_flag("GDTOOL_EXPERTS_EARLY_DOWN")
-
-
-EARLY_ELEMENTS_PER_THREAD = 128   # weight elements a thread of the down kernel holds across its wait, at most
-
-
-def _early_fits(cfg: Config, intermediate: int, top_k: int) -> bool:
-    block_i, chunks = _chunks(intermediate, cfg.chunk)
-    return chunks == 1 and next_pow2(top_k) * cfg.down_rows * block_i <= EARLY_ELEMENTS_PER_THREAD * 32 * cfg.warps
-
-
-def early_down(family: str, hidden: int, intermediate: int, top_k: int, tokens: int) -> bool:
-    """Whether the small kernels' default config for a block of `family` loads down's weights early."""
-    cfg = experts_config(hidden, intermediate, tokens)
-    return cfg.early_down and family != "gpt_oss" and _early_fits(cfg, intermediate, top_k)
-
-
-def streams(family: str, hidden: int) -> bool:
-    """Whether the default config streams gate/up for a block of `family` (no shared expert, not gpt-oss's own
-    kernels) of `hidden` (whole rows of up to MAX_CHUNK elements)."""
-    return bool(stream_programs()) and family not in ("qwen2_moe", "gpt_oss") and 0 < hidden <= MAX_CHUNK
-
-
 def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     """Gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
     4 warps); down: 4K (4 rows of 1024); both read their rows 1024 elements a load (at one token 34.7 us a
@@ -640,8 +505,7 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
     return Config(router_rows=max(1, min(16, 4096 // kh)), gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
-                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024,
-                  stream=stream_programs(), early_down=early_down_on())
+                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
 
 
 def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
@@ -672,17 +536,13 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     block_h, chunks_h = _chunks(h, cfg.chunk)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     norm_weight, eps = norm or (x, 0.0)
-    if cfg.stream and not shared and h <= MAX_CHUNK:
-        _gate_up_streamed(x, norm_weight, eps, logits, gate_up, act, ids, weights, top_k, norm_topk, weights_f32,
-                          norm is not None, cfg)
-    else:
-        _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
-            x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
-            shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
-            TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
-            SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
-            num_warps=cfg.warps, **launch_options(
-                dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
+    _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
+        x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
+        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
+        TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
+        SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
+        num_warps=cfg.warps,
+        **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i, cfg.chunk)
     block_s, chunks_s = _chunks(i_shared, cfg.chunk)
     res = residual if residual is not None else out
@@ -691,28 +551,11 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
         BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps,
-        EARLY=cfg.early_down and _early_fits(cfg, i, top_k), BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e),
-        NORM=norm_topk,
         **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
                              shared_act=shared_act if shared else None)
     return out
-
-
-def _gate_up_streamed(x, norm_weight, eps, logits, gate_up, act, ids, weights, top_k, norm_topk, weights_f32,
-                      x_norm: bool, cfg: Config) -> None:
-    """Config.stream: the routing once per row, then the persistent gate/up over (pair, tile) items."""
-    m, h = x.shape
-    e, i = gate_up.shape[0], gate_up.shape[1] // 2
-    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
-                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=False)   # the grouped path's
-    items = m * top_k * triton.cdiv(i, cfg.gate_up_rows)
-    programs = _programs(items, x.device, cfg.stream)
-    _gate_up_stream_kernel[(programs,)](
-        x, norm_weight, gate_up, act, ids, m, h, i, x.stride(0), float(eps), programs,
-        TOPK=top_k, BLOCK_N=cfg.gate_up_rows, BLOCK_K=next_pow2(h), ITERS=triton.cdiv(items, programs),
-        X_NORM=x_norm, num_warps=cfg.warps, **launch_options(x.device, _routed_bytes(m, top_k, gate_up)))
 
 
 def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None) -> torch.Tensor:
@@ -1240,18 +1083,7 @@ def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
     grouped = runs_grouped(family, tokens) and not small
-    variants = ("grouped",) if grouped else candidates(block, family, tokens)
-    return untested_on_cuda(", ".join((f"{family} experts",) + variants), gate_up.device)
-
-
-def candidates(block, family: str, tokens: int) -> tuple[str, ...]:
-    """The opt-in candidates (GDTOOL_EXPERTS_STREAM, GDTOOL_EXPERTS_EARLY_DOWN) the small kernels run for this
-    block: "streamed", "early down"; each names its kernel path apart until its cuda tests pass."""
-    if family == "gpt_oss":
-        return ()
-    e, two_i, h = block.experts.gate_up_proj.shape
-    return (("streamed",) if streams(family, h) else ()) + (
-        ("early down",) if early_down(family, h, two_i // 2, _router(block).top_k, tokens) else ())
+    return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ""), gate_up.device)
 
 
 def _router(block):
@@ -1325,10 +1157,9 @@ def plan(model, batch: int) -> Plan:
     for index, (name, block) in enumerate(blocks):
         family = _family(block)
         why = _why_not(block, family, batch)
-        variants = ("grouped",) if runs_grouped(family, batch) else candidates(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
-                      why or ", ".join((f"{family}", f"top-{_router(block).top_k} of "
-                                        f"{block.experts.gate_up_proj.shape[0]}") + variants + (result.backend,)))
+                      why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
+                             + ("grouped, " if runs_grouped(family, batch) else "") + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)

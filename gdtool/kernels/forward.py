@@ -211,8 +211,6 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
             if refused:
                 return Plan(False, f"layer {index}'s MoE block: {refused}")
             features.add("experts")
-            for candidate in experts.candidates(mlp, experts._family(mlp), batch):
-                features.add(f"experts {candidate}")   # GDTOOL_EXPERTS_STREAM, _EARLY_DOWN: paths apart
         else:
             act = _activation(mlp)
             if act is None:
