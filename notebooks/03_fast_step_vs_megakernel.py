@@ -207,11 +207,15 @@ plt.show()
 # %%
 import kernel_breakdown  # noqa: E402
 
-traced = []
+traced, per_kernel = [], []
 for preset in moe_presets:
     for export in sorted((root / "profiles" / "h200" / "nsys-fast").glob(f"{preset}-b*-*/fast/*.sqlite.gz")):
         kernels, launches = kernel_breakdown.launch_kernels(export)
         batch = kernel_breakdown.export_batch(export)
+        experts_table = kernel_breakdown.experts_by_kernel(kernels, launches, preset, batch)
+        if experts_table is not None:
+            per_kernel.append(experts_table.assign(preset=preset, batch=batch).set_index(["preset", "batch"],
+                                                                                       append=True))
         own = kernels.groupby("class")["own_us"].sum() / launches
         floor = summary["floor ms/step"].get((preset, batch), float("nan")) * 1e3
         traced.append(dict(preset=preset, batch=batch, commit=export.parent.parent.name.rsplit("-", 1)[-1],
@@ -239,6 +243,16 @@ else:
                       "(commit in the label): each kernel from where the ones before it ended, so the bars sum to the "
                       "time some kernel runs. Black tick: the bytes-over-bandwidth floor of that preset's bench run.")
     plt.show()
+
+# %% [markdown]
+# The experts kernels of the same traces one by one: own time per call, and for the two that stream expert
+# weights (gate/up, down) the bytes a call reads (of the stacked tensor, the experts a step of that batch hits on
+# average, as the floor counts them) over that time, beside the H200's ~4.3 TB/s copy bandwidth.
+
+# %%
+if per_kernel:
+    display(pd.concat(per_kernel).reorder_levels(["preset", "batch", "name"])
+            [["calls", "own", "us_per_call", "mb_per_call", "tb_s"]].round(2))
 
 # %% [markdown]
 # Per kernel, one qwen3-30b-a3b MoE block alone under Nsight Compute (`gpu_run.sh OUT ncu-experts`: the small

@@ -8,12 +8,14 @@ time and count per kernel class (matmul: cuBLAS/CUTLASS GEMM and GEMV; attention
 fused kernels); gdtool's MoE experts kernels; other) and the kernels that take the most time. With `--model`
 (a preset), the matmul class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul
 time per step; and the bytes a step must read at the export's batch (`bench.step_bytes`: of a mixture of
-experts, the stacked expert tensors its tokens hit on average) over the whole busy time; of a model whose
-layers differ in their attention (sliding window or full), the attention's time per kind of layer.
+experts, the stacked expert tensors its tokens hit on average) over the whole busy time, and each experts kernel's
+time per call and bandwidth over the expert bytes it reads; of a model whose layers differ in their attention
+(sliding window or full), the attention's time per kind of layer.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -77,13 +79,20 @@ def launch_kernels(path) -> tuple[pd.DataFrame, int]:
     return kernels, len(launches)
 
 
-def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
+@functools.lru_cache(maxsize=None)
+def _meta_model(model: str):
+    """Preset `model` built on the meta device in bfloat16: shapes, no memory."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from gdtool.core.models import preset_config
     with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(preset_config(model))
+        return AutoModelForCausalLM.from_config(preset_config(model)).to(torch.bfloat16)
+
+
+def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
+    import torch
+    m = _meta_model(model)
     seen = set()
     total = 0
     for module in m.modules():
@@ -96,14 +105,35 @@ def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
 def step_weight_bytes(model: str, batch: int) -> int:
     """The weight bytes one decode step of preset `model` at `batch` rows reads (bf16), as the bench counts
     them (`gdtool.frontends.bench.step_bytes`): built on the meta device."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from gdtool.core.models import preset_config
     from gdtool.frontends.bench import step_bytes
-    with torch.device("meta"):
-        m = AutoModelForCausalLM.from_config(preset_config(model)).to(torch.bfloat16)
-    return step_bytes(m, batch, 0, 0)["weight_bytes"]
+    return step_bytes(_meta_model(model), batch, 0, 0)["weight_bytes"]
+
+
+# the stacked expert tensor each of gdtool's experts kernels streams (the others read no expert weights)
+EXPERT_TENSORS = {"_gate_up_kernel": "gate_up_proj", "_grouped_gate_up_kernel": "gate_up_proj",
+                  "_oss_gate_up_kernel": "gate_up_proj", "_down_kernel": "down_proj",
+                  "_grouped_down_kernel": "down_proj", "_oss_down_kernel": "down_proj"}
+
+
+def experts_by_kernel(kernels: pd.DataFrame, launches: int, model: str, batch: int) -> pd.DataFrame | None:
+    """gdtool's experts kernels, one row each: calls and own µs per launch, µs per call, and for the gate/up and
+    down kernels the bytes a call reads (bf16; of the stacked tensor, the share of experts a step of `batch`
+    tokens hits on average, `bench.expert_hit_share`, as the bench's floor counts them) and the bandwidth that
+    makes over the call's own time. None without experts kernels or an experts module in the preset."""
+    from gdtool.core.feed import experts_modules
+    from gdtool.frontends.bench import expert_hit_share
+    experts = kernels[kernels["class"] == "experts"]
+    modules = experts_modules(_meta_model(model))
+    if experts.empty or not modules:
+        return None
+    hit = expert_hit_share(modules[0], batch)
+    table = experts.groupby("name").agg(own=("own_us", "sum"), calls=("us", "count")).div(launches)
+    table["us_per_call"] = table["own"] / table["calls"]
+    tensors = dict(modules[0].named_parameters())
+    table["mb_per_call"] = [tensors[EXPERT_TENSORS[n]].numel() * 2 * hit / 1e6 if n in EXPERT_TENSORS and hit
+                            else float("nan") for n in table.index]
+    table["tb_s"] = table["mb_per_call"] / table["us_per_call"]   # MB / µs = TB/s
+    return table.sort_values("own", ascending=False)
 
 
 def layer_types(model: str) -> list[str] | None:
@@ -168,6 +198,17 @@ def breakdown(path, model: str | None = None, top: int = 12) -> str:
             lines.append(f"Weights a step reads at batch {batch} (the bench's count: of the experts, those its tokens "
                          f"hit on average): {step / 1e9:.3f} GB, over the time some kernel runs: "
                          f"{step / (own * 1e-6) / 1e12:.2f} TB/s.")
+            table = experts_by_kernel(kernels, launches, model, batch)
+            if table is not None:
+                lines += ["", f"Experts kernels (bytes: of each stacked tensor, the experts a step of batch {batch} hits on "
+                              "average):", "",
+                          "| kernel | calls per launch | own µs per launch | µs per call | MB per call | TB/s |",
+                          "|---|---:|---:|---:|---:|---:|"]
+                for name, row in table.iterrows():
+                    mb, tbs = (("-", "-") if pd.isna(row["mb_per_call"])
+                               else (f"{row['mb_per_call']:.1f}", f"{row['tb_s']:.2f}"))
+                    lines.append(f"| `{name}` | {row['calls']:.0f} | {row['own']:.1f} | {row['us_per_call']:.2f} | "
+                                 f"{mb} | {tbs} |")
         types = layer_types(model)
         table = attention_by_layer_type(kernels, launches, types) if types else None
         if table is not None and len(table) > 1:

@@ -84,6 +84,32 @@ def test_attention_is_split_by_the_kind_of_layer_it_served():
                                                     types) is None
 
 
+def test_experts_kernels_bandwidth_counts_the_experts_a_batch_hits():
+    """Each experts kernel's bytes per call are its stacked tensor's share that a step of B tokens hits on average,
+    E * (1 - (1 - k/E)^B) of E experts (qwen3-30b-a3b: k = 8 of 128), over its own time per call; kernels that read
+    no expert tensor have no bytes; a dense preset has no table."""
+    import pandas as pd
+
+    rows = []
+    for corr in (1, 2):   # two launches of two layers: router, gate/up, down
+        for layer in range(2):
+            for name, own in (("_router_kernel", 2.0), ("_gate_up_kernel", 30.0), ("_down_kernel", 10.0)):
+                rows.append(dict(corr=corr, name=name, us=own + 1, own_us=own, **{"class": "experts"}))
+        rows.append(dict(corr=corr, name="nvjet_x", us=5.0, own_us=5.0, **{"class": "matmul"}))
+    kernels = pd.DataFrame(rows)
+    gate_up, down = 128 * 1536 * 2048 * 2, 128 * 2048 * 768 * 2   # bf16 bytes of the stacked tensors
+    for batch in (1, 4, 64):
+        hit = 1 - (1 - 8 / 128) ** batch
+        table = kernel_breakdown.experts_by_kernel(kernels, 2, "qwen3-30b-a3b", batch)
+        assert list(table.index) == ["_gate_up_kernel", "_down_kernel", "_router_kernel"]
+        assert (table["calls"] == 2).all() and table.loc["_gate_up_kernel", "us_per_call"] == 30.0
+        assert table.loc["_gate_up_kernel", "mb_per_call"] == pytest.approx(gate_up * hit / 1e6)
+        assert table.loc["_down_kernel", "tb_s"] == pytest.approx(down * hit / 10e-6 / 1e12)
+        assert pd.isna(table.loc["_router_kernel", "mb_per_call"])
+    assert kernel_breakdown.experts_by_kernel(kernels, 2, "llama-1b", 1) is None
+    assert kernel_breakdown.experts_by_kernel(kernels[kernels["class"] != "experts"], 2, "qwen3-30b-a3b", 1) is None
+
+
 def test_the_gemma_breakdown_says_what_its_sliding_and_full_layers_cost():
     """Gemma 3's fast step at cb883e2 (prompt 128): 22 sliding and 4 full layers, two attention kernels each."""
     export = ROOT / "profiles" / "h200" / "nsys-gemma-fast-cb883e2" / "fast" / \

@@ -187,20 +187,27 @@ def step_bytes(model, batch: int, prompt_len: int, max_new_tokens: int) -> dict:
     return {"weight_bytes": int(weights), "kv_bytes": int(kv), "bytes_per_step": int(weights + kv)}
 
 
+def expert_hit_share(module, batch: int) -> float | None:
+    """The share of an experts module's experts a step of `batch` tokens reads on average: with k of E experts
+    per token chosen uniformly, B tokens hit E * (1 - (1 - k/E)^B) of them (random weights route close to
+    uniformly). None where the module does not say E and k."""
+    config = getattr(module, "config", None)
+    experts = getattr(module, "num_experts", None) or getattr(config, "num_experts", None) \
+        or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
+    top_k = getattr(module, "top_k", None) or getattr(config, "num_experts_per_tok", None)
+    if not experts or not top_k:
+        return None
+    return 1 - (1 - top_k / experts) ** batch
+
+
 def _idle_expert_bytes(model, batch: int) -> float:
-    """Expert weights a step does not read: with k of E experts per token chosen uniformly, a batch of B
-    tokens hits E * (1 - (1 - k/E)^B) experts on average (random weights route close to uniformly)."""
+    """Expert weights a step does not read (`expert_hit_share`)."""
     from ..core.feed import experts_modules
     idle = 0.0
     for module in experts_modules(model):
-        config = getattr(module, "config", None)
-        experts = getattr(module, "num_experts", None) or getattr(config, "num_experts", None) \
-            or getattr(config, "num_local_experts", None) or getattr(config, "n_routed_experts", None)
-        top_k = getattr(module, "top_k", None) or getattr(config, "num_experts_per_tok", None)
-        if not experts or not top_k:
-            continue
-        hit = 1 - (1 - top_k / experts) ** batch
-        idle += (1 - hit) * sum(p.numel() * p.element_size() for p in module.parameters())
+        hit = expert_hit_share(module, batch)
+        if hit is not None:
+            idle += (1 - hit) * sum(p.numel() * p.element_size() for p in module.parameters())
     return idle
 
 
