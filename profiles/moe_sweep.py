@@ -37,6 +37,13 @@ GROUPED_GRID = dict(block_m=(16, 32, 64), block_n=(64, 128), block_k=(64, 128), 
 # gate/up rows 1-8 (8 won at one token) and no chunk: the gate/up kernel read 50 MB in 33.5 µs (1.5 TB/s) inside
 # qwen3-30b-a3b's step, gpt-oss's small kernels (128-row K steps) 3.2 TB/s
 SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8), chunk=(512, 1024, 4096))
+# the small kernels with the routing done once per row in the router kernel (`Config.routed`: gate/up loads its
+# expert id and the row's rstd) and down's k experts as one stacked load (`Config.stacked`), down to 256-element
+# loads (a warp's 32 x 8 bf16: the sum over a chunk stays in the warp). Nsight Compute at 41fab16 counted 7.8 M
+# warp instructions in gate/up for 50 MB (~1.3 M would be the products alone): each of its 768 programs routes its
+# row before its first load
+ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(1, 2, 4, 8), warps=(4, 8), chunk=(256, 512, 1024),
+                   routed=(True,), stacked=(False, True))
 # (variants "stream" in profiles/h200/moe-sweep-9e35b5d/ and "early" in profiles/h200/moe-sweep-41fab16/: two
 # candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py)
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
@@ -152,7 +159,7 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
                 default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
-                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID)]
+                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID)]
         else:
             config, block = build_oss_block()
             e = block.experts

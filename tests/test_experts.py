@@ -99,6 +99,51 @@ def test_experts_triton_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_routed_and_stacked_small_kernels_under_the_interpreter():
+    """`Config.routed` (the router kernel's last program per row routes it and stores its rstd; gate/up reads
+    them) and `Config.stacked` (down's k experts as one load), over a seeded sweep of tokens, experts, top-k,
+    shared expert, float32 routing weights, rows per program, load chunks and the folded norm and residual:
+    against float64 (`check_experts`); the routed ids and weights equal the unrouted kernels' exactly; with the
+    norm folded, close to the unrouted block; a second call bitwise equal to the first, the router's counts
+    back at zero."""
+    code = ("import random, torch\nfrom gdtool.kernels import check, experts, triton as fast_triton\n"
+            "rng = random.Random(3)\n"
+            "for trial in range(10):\n"
+            "    e = rng.choice([4, 8, 16, 32]); k = rng.choice([1, 2, 4]); m = rng.randint(1, 6)\n"
+            "    h = rng.choice([32, 64, 96]); i = rng.choice([24, 32, 40]); wf = rng.random() < 0.3\n"
+            "    shared = rng.choice([0, 0, 48]); norm_topk = rng.random() < 0.5\n"
+            "    cfg = experts.Config(router_rows=rng.choice([2, 4, 8]), gate_up_rows=rng.choice([2, 4, 8]),\n"
+            "                         down_rows=rng.choice([1, 2, 4]), chunk=rng.choice([16, 32, None]),\n"
+            "                         routed=trial % 3 != 1, stacked=trial % 3 != 0)\n"
+            "    plain = experts.Config(cfg.router_rows, cfg.gate_up_rows, cfg.down_rows, chunk=cfg.chunk)\n"
+            "    dt = torch.float32 if trial % 2 else torch.float16\n"
+            "    shape = ('sweep', m, e, h, i, k, norm_topk, wf, shared)\n"
+            "    bad = [r for r in check.check_experts(*shape, dt, 'cpu', torch.Generator().manual_seed(trial),\n"
+            "                                          config=cfg) if not r.ok]\n"
+            "    assert not bad, (cfg, check.table(bad))\n"
+            "    g = torch.Generator().manual_seed(100 + trial)\n"
+            "    x = torch.randn(m, h, generator=g).to(dt); res = torch.randn(m, h, generator=g).to(dt)\n"
+            "    args = (x, torch.randn(e, h, generator=g).to(dt) / 8, torch.randn(e, 2 * i, h, generator=g).to(dt) / 8,\n"
+            "            torch.randn(e, h, i, generator=g).to(dt) / 6, k, norm_topk, wf)\n"
+            "    extra = dict(shared_gate=torch.randn(shared, h, generator=g).to(dt) / 8,\n"
+            "                 shared_up=torch.randn(shared, h, generator=g).to(dt) / 8,\n"
+            "                 shared_down=torch.randn(h, shared, generator=g).to(dt) / 7,\n"
+            "                 shared_router=torch.randn(1, h, generator=g).to(dt) / 8) if shared else {}\n"
+            "    norm = (torch.rand(h, generator=g).to(dt) + 0.5, 1e-6)\n"
+            "    seen, base = {}, {}\n"
+            "    one = experts.block_triton(*args, config=cfg, intermediates=seen, residual=res, norm=norm, **extra)\n"
+            "    two = experts.block_triton(*args, config=cfg, residual=res, norm=norm, **extra)\n"
+            "    ref = experts.block_triton(*args, config=plain, intermediates=base, residual=res, norm=norm, **extra)\n"
+            "    assert torch.equal(one, two), cfg\n"
+            "    assert torch.equal(seen['ids'], base['ids']) and torch.equal(seen['weights'], base['weights']), cfg\n"
+            "    tol = 1e-5 if dt == torch.float32 else 4e-3\n"
+            "    assert float((one.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max()), cfg\n"
+            "    assert not fast_triton._COUNTS.get(('router', 'cpu'), torch.zeros(1)).any()\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_grouped_align_kernel_over_a_seeded_sweep():
     """The align kernel's sorted buffer and tile owners, exactly, over drawn expert counts (up to 128, the
     chunk of pairs counted at a time shrinking with them), top-k, 1-64 tokens and tile heights 16-64, with

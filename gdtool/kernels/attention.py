@@ -51,7 +51,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import (HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable,
+                     zero_counts)
 
 BLOCK_S = 16          # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
@@ -349,7 +350,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
     block_splits = max(2, next_pow2(splits))
     _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
-        _counts(b * hkv, q.device) if fused else m, out, sink,
+        zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
         FUSED=fused, BLOCK_SPLITS=block_splits, SINKS=sinks is not None, num_warps=4, **opts)
     if not fused:
@@ -364,7 +365,6 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
 # Off unless asked for (GDTOOL_FUSED_COMBINE=1) and, on CUDA, until its cuda tests pass (CUDA_TESTED).
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
 _FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE")
-_COUNTS: dict = {}
 
 
 def fused_combine(device) -> bool:
@@ -375,12 +375,3 @@ def fused_combine(device) -> bool:
     if why:
         raise RuntimeError(f"GDTOOL_FUSED_COMBINE=1: {why}")
     return True
-
-
-def _counts(n: int, device) -> torch.Tensor:
-    """Per (row, key/value head), how many of its split programs have finished: zero between calls (the last
-    program resets its count). One buffer per device, made before any capture (the warm-up's first call)."""
-    key = str(device)
-    if key not in _COUNTS or _COUNTS[key].numel() < n:
-        _COUNTS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return _COUNTS[key]

@@ -79,7 +79,7 @@ import torch
 import torch.nn.functional as F
 
 from . import swap
-from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable, zero_counts
 
 if HAVE_TRITON:
     from .gemv import _scale_norm   # RMSNorm's roundings, one definition for every kernel that folds it in
@@ -175,14 +175,19 @@ def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f
 
 if HAVE_TRITON:
     @triton.jit
-    def _router_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, H, E, stride_x, stride_l, eps,
+    def _router_kernel(x_ptr, g_ptr, w_ptr, ws_ptr, b_ptr, logits_ptr, ids_ptr, wts_ptr, rstd_ptr, count_ptr,
+                       H, E, stride_x, stride_l, eps,
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                       CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
+                       TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
+                       W_F32: tl.constexpr, OSS: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
         (`_x_chunk`). PDL (as the small gate/up and down kernels): launched early, it waits for the kernel
-        before it first (`triton.py`)."""
+        before it first (`triton.py`). ROUTE (`Config.routed`): the last of a row's programs to finish routes
+        the row from the stored logits (`_store_route`: ids and weights, as `_route_kernel`) and stores the
+        row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         if PDL:
@@ -203,6 +208,17 @@ if HAVE_TRITON:
         if BIAS:
             acc += tl.load(b_ptr + n, mask=n < E, other=0.0).to(tl.float32)
         tl.store(logits_ptr + m * stride_l + n, acc.to(x_ptr.dtype.element_ty), mask=n < E + SHARED)
+        if ROUTE:
+            # as the fused attention combine: every thread's stores done (the barrier), then one acq_rel count;
+            # the last program sees the others' logits (read from L2) and sets the count back to 0
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr + m, 1, sem="acq_rel")
+            if done == tl.num_programs(0) - 1:
+                tl.store(count_ptr + m, 0)
+                _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, RENORM, W_F32,
+                             OSS, True)
+                if NORM:
+                    tl.store(rstd_ptr + m, rstd)
 
     @triton.jit
     def _row_rstd(x_ptr, H, eps, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, NORM: tl.constexpr):
@@ -227,13 +243,18 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, FROM_L2: tl.constexpr = False):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
         id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
-        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32)."""
+        those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32). FROM_L2: the logits read past
+        L1 (.cg), where other programs of the same kernel stored them."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
-        logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
+        if FROM_L2:
+            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf"),
+                             cache_modifier=".cg").to(tl.float32)
+        else:
+            logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
         if OSS:
             ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
         else:
@@ -277,13 +298,16 @@ if HAVE_TRITON:
     # a 1, e.g. M at batch 1, a constant, and the branches' types would differ)
     @triton.jit(do_not_specialize=["M", "I", "IS"])
     def _gate_up_kernel(x_ptr, g_ptr, logits_ptr, gu_ptr, sg_ptr, su_ptr, act_ptr, sact_ptr, ids_ptr, wts_ptr,
-                        M, H, E, I, IS, stride_x, stride_l, eps,
+                        rstd_ptr, M, H, E, I, IS, stride_x, stride_l, eps,
                         TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
                         W_F32: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, X_NORM: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, X_NORM: tl.constexpr, PDL: tl.constexpr,
+                        ROUTED: tl.constexpr):
         """Grid (tiles of the intermediate dim, M * TOPK routed pairs [+ M shared]): silu(gate) * up for
         one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert). NORM: the router's
-        renormalization; X_NORM: x RMSNorm'd first, as the router kernel reads it."""
+        renormalization; X_NORM: x RMSNorm'd first, as the router kernel reads it. ROUTED: the router kernel
+        routed the rows and stored their rstd (`Config.routed`): a program loads its expert id and the row's
+        rstd instead of computing them."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         if PDL:   # which weights to read depends on the router's logits: nothing to load before the wait
@@ -294,8 +318,11 @@ if HAVE_TRITON:
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if p < M * TOPK:
             m = p // TOPK
-            expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
-                                 BLOCK_E, NORM, W_F32, False)
+            if ROUTED:
+                expert = tl.load(ids_ptr + p)
+            else:
+                expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
+                                     BLOCK_E, NORM, W_F32, False)
             rows = I
             gate = gu_ptr + expert.to(tl.int64) * (2 * I * H) + n[:, None].to(tl.int64) * H + k[None, :]  # [gate; up]
             up = gate + I * H
@@ -309,7 +336,10 @@ if HAVE_TRITON:
         nmask = n < rows
         g = tl.zeros([BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_N], dtype=tl.float32)
-        rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, CHUNKS, X_NORM)
+        if ROUTED and X_NORM:
+            rstd = tl.load(rstd_ptr + m)
+        else:
+            rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, CHUNKS, X_NORM)
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
             kmask = nmask[:, None] & (k[None, :] < H)
@@ -359,10 +389,12 @@ if HAVE_TRITON:
                      H, I, IS, E, stride_l, stride_res, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
-                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr):
+                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr, BLOCK_TOPK: tl.constexpr):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
         routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
-        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`."""
+        decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`. STACKED
+        (`Config.stacked`): the k experts' tiles as one [k, rows, chunk] load and one sum per chunk, instead
+        of one expert after the other (`_stacked_down`)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -371,17 +403,21 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         out_ty = out_ptr.dtype.element_ty
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in tl.static_range(TOPK):
-            expert = tl.load(ids_ptr + m * TOPK + j)
-            weight = tl.load(wts_ptr + m * TOPK + j)
-            y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask, I,
-                          BLOCK_I, CHUNKS)
-            y = y.to(out_ty).to(tl.float32)
-            if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
-                acc += y * weight
-            else:
-                acc += (y * weight).to(out_ty).to(tl.float32)
+        if STACKED:
+            acc = _stacked_down(act_ptr, ids_ptr, wts_ptr, d_ptr, m, n, nmask, H, I, out_ty, TOPK, BLOCK_TOPK, W_F32,
+                                BLOCK_N, BLOCK_I, CHUNKS)
+        else:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                expert = tl.load(ids_ptr + m * TOPK + j)
+                weight = tl.load(wts_ptr + m * TOPK + j)
+                y = _rows_dot(d_ptr + expert.to(tl.int64) * H * I, act_ptr + (m * TOPK + j).to(tl.int64) * I, n, nmask,
+                              I, BLOCK_I, CHUNKS)
+                y = y.to(out_ty).to(tl.float32)
+                if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
+                    acc += y * weight
+                else:
+                    acc += (y * weight).to(out_ty).to(tl.float32)
         out = acc.to(out_ty)
         if SHARED:
             ys = _rows_dot(sd_ptr, sact_ptr + m.to(tl.int64) * IS, n, nmask, IS, BLOCK_IS, CHUNKS_S)
@@ -394,6 +430,37 @@ if HAVE_TRITON:
             out = (tl.load(res_ptr + m * stride_res + n, mask=nmask, other=0.0).to(tl.float32)
                    + out.to(tl.float32)).to(out_ty)
         tl.store(out_ptr + m * stride_out + n, out, mask=nmask)
+
+    @triton.jit
+    def _stacked_down(act_ptr, ids_ptr, wts_ptr, d_ptr, m, n, nmask, H, I, out_ty: tl.constexpr, TOPK: tl.constexpr,
+                      BLOCK_TOPK: tl.constexpr, W_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+                      CHUNKS: tl.constexpr):
+        """float32 [BLOCK_N]: row m's k down products over rows n, each rounded and weighted as the loop of
+        `_down_kernel` rounds it, summed in routing order. The k experts' weight tiles are one [k, rows, chunk]
+        load and one sum per chunk, so every expert's loads are in flight at once; the sum over the k is then
+        taken one expert at a time (each column of `part` picked whole: adding zeros is exact)."""
+        j = tl.arange(0, BLOCK_TOPK)
+        jmask = j < TOPK
+        experts = tl.load(ids_ptr + m * TOPK + j, mask=jmask, other=0)
+        weights = tl.load(wts_ptr + m * TOPK + j, mask=jmask, other=0.0)
+        w_rows = (experts.to(tl.int64) * H * I)[:, None, None] + n[None, :, None].to(tl.int64) * I   # [k, rows, 1]
+        a_rows = ((m * TOPK + j).to(tl.int64) * I)[:, None, None]                                  # [k, 1, 1]
+        live = jmask[:, None, None] & nmask[None, :, None]
+        y = tl.zeros([BLOCK_TOPK, BLOCK_N], dtype=tl.float32)
+        for c in tl.static_range(CHUNKS):
+            i = (c * BLOCK_I + tl.arange(0, BLOCK_I))[None, None, :]
+            w = tl.load(d_ptr + w_rows + i, mask=live & (i < I), other=0.0)
+            a = tl.load(act_ptr + a_rows + i, mask=jmask[:, None, None] & (i < I), other=0.0)
+            y += tl.sum(a.to(tl.float32) * w.to(tl.float32), axis=2)
+        y = y.to(out_ty).to(tl.float32)
+        if W_F32:   # bf16 product times float32 weights: float32, unrounded (Mixtral)
+            part = y * weights[:, None]
+        else:
+            part = (y * weights[:, None]).to(out_ty).to(tl.float32)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for jj in tl.static_range(TOPK):
+            acc += tl.sum(tl.where(j[:, None] == jj, part, 0.0), axis=0)
+        return acc
 
     # gpt-oss's experts are stored the other way round: [E, K, N], each weight row a row of the reduction, its
     # N outputs contiguous. A program of the kernels above reads rows of the N dimension, which here would be
@@ -481,6 +548,8 @@ class Config:
     down_rows: int
     warps: int = 4
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
+    routed: bool = False       # the router kernel routes (its last program per row); gate/up reads the ids
+    stacked: bool = False      # down: the k experts' tiles of a program as one load, one sum per chunk
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
@@ -532,16 +601,18 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg, norm)
+    rstd = torch.empty(m, device=dev, dtype=torch.float32) if cfg.routed else weights
+    route = Routing(ids, weights, rstd, top_k, norm_topk, weights_f32) if cfg.routed else None
+    logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg, norm, route)
     block_h, chunks_h = _chunks(h, cfg.chunk)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
     norm_weight, eps = norm or (x, 0.0)
     _gate_up_kernel[(tiles, m * top_k + (m if shared else 0))](
         x, norm_weight, logits, gate_up, shared_gate if shared else gate_up, shared_up if shared else gate_up, act,
-        shared_act, ids, weights, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
+        shared_act, ids, weights, rstd, m, h, e, i, i_shared, x.stride(0), logits.stride(0), float(eps),
         TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32,
         SHARED=shared, BLOCK_N=cfg.gate_up_rows, BLOCK_K=block_h, CHUNKS=chunks_h, X_NORM=norm is not None,
-        num_warps=cfg.warps,
+        ROUTED=cfg.routed, num_warps=cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, gate_up) + (_nbytes(shared_gate, shared_up) if shared else 0)))
     block_i, chunks_i = _chunks(i, cfg.chunk)
     block_s, chunks_s = _chunks(i_shared, cfg.chunk)
@@ -550,7 +621,8 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         act, shared_act, ids, weights, logits, down, shared_down if shared else down, res, out,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
-        BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, num_warps=cfg.warps,
+        BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, STACKED=cfg.stacked,
+        BLOCK_TOPK=next_pow2(top_k), num_warps=cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
@@ -558,20 +630,37 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     return out
 
 
-def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None) -> torch.Tensor:
+@dataclass(frozen=True)
+class Routing:
+    """Where the router kernel stores the rows' routing (`Config.routed`): ids [M, k] int32, weights [M, k] float32
+    (rounded to the model dtype unless weights_f32), rstd [M] float32 (the norm's, where the router folds it)."""
+    ids: torch.Tensor
+    weights: torch.Tensor
+    rstd: torch.Tensor
+    top_k: int
+    norm_topk: bool
+    weights_f32: bool
+    oss: bool = False
+
+
+def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None,
+            route: Routing | None = None) -> torch.Tensor:
     """The router kernel: logits [M, E (+ 1: the shared expert's gate)], rounded as F.linear rounds them (of
-    RMSNorm(x) where norm=(weight, eps))."""
+    RMSNorm(x) where norm=(weight, eps)); route given, the rows' routing too, stored where it says."""
     m, h = x.shape
     shared = shared_router is not None
     logits = torch.empty(m, e + shared, device=x.device, dtype=x.dtype)
     block_h, chunks_h = _chunks(h)
     norm_weight, eps = norm or (x, 0.0)
+    r = route or Routing(logits, logits, logits, 1, False, False)
     _router_kernel[(triton.cdiv(e + shared, cfg.router_rows), m)](
         x, norm_weight, router_weight, shared_router if shared else router_weight,
-        router_bias if router_bias is not None else router_weight, logits, h, e, x.stride(0), logits.stride(0),
+        router_bias if router_bias is not None else router_weight, logits, r.ids, r.weights, r.rstd,
+        zero_counts("router", m, x.device) if route else logits, h, e, x.stride(0), logits.stride(0),
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
-        CHUNKS=chunks_h, NORM=norm is not None, num_warps=cfg.warps,
-        **launch_options(x.device, _nbytes(router_weight)))
+        CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
+        BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32, OSS=r.oss,
+        num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
 
@@ -706,10 +795,17 @@ if HAVE_TRITON:
     def _route_kernel(logits_ptr, ids_ptr, wts_ptr, E, stride_l,
                       TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, NORM: tl.constexpr,
                       W_F32: tl.constexpr, OSS: tl.constexpr):
-        """Grid (M,): row m's expert ids and routing weights (rounded to the model dtype unless W_F32; OSS:
-        gpt-oss's routing)."""
-        m = tl.program_id(0)
-        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS)
+        """Grid (M,): row m's expert ids and routing weights (`_store_route`)."""
+        _store_route(logits_ptr, ids_ptr, wts_ptr, tl.program_id(0), stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM,
+                     W_F32, OSS, False)
+
+    @triton.jit
+    def _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                     BLOCK_E: tl.constexpr, NORM: tl.constexpr, W_F32: tl.constexpr, OSS: tl.constexpr,
+                     FROM_L2: tl.constexpr):
+        """Row m's expert ids and routing weights (rounded to the model dtype unless W_F32; OSS: gpt-oss's
+        routing), stored at ids[m, :TOPK], wts[m, :TOPK]."""
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS, FROM_L2)
         if not W_F32:   # rounded to the model dtype, the logits'
             values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
         slots = tl.arange(0, BLOCK_TOPK)

@@ -188,6 +188,21 @@ def launch_options(device, weight_bytes: int = 0) -> dict:
     return {"launch_pdl": True, "PDL": True} if use else {"PDL": False}
 
 
+_COUNTS: dict = {}
+
+
+def zero_counts(name: str, n: int, device):
+    """A kernel's completion counters (int32, at least n): how many of a group's programs have finished, for
+    the last one to finish to do the group's final step (the fused attention combine, the experts router's
+    routing). Zero between calls: the last program resets its group's count. One buffer per (name, device),
+    made before any capture (the warm-up's first call)."""
+    import torch
+    key = (name, str(device))
+    if key not in _COUNTS or _COUNTS[key].numel() < n:
+        _COUNTS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
+    return _COUNTS[key]
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
