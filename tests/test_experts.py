@@ -139,6 +139,10 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    tol = 1e-5 if dt == torch.float32 else 4e-3\n"
             "    assert float((one.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max()), cfg\n"
             "    assert not fast_triton._COUNTS.get(('router', 'cpu'), torch.zeros(1)).any()\n"
+            "# every path routed in the router: the small kernels (and stacked down), gpt-oss's, the grouped ones\n"
+            "bad = [r for r in check.check_experts_all('cpu', torch.float32, routed=True) if not r.ok]\n"
+            "assert not bad, check.table(bad)\n"
+            "assert not fast_triton._COUNTS[('router', 'cpu')].any()\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
 
@@ -368,6 +372,25 @@ def test_experts_kernels_on_cuda(dtype):
     bad = [r for r in results if not r.ok]
     assert not bad, fast_check.table(bad)
     assert not _against_hf_blocks_cuda(dtype)
+
+
+@pytest.mark.cuda
+def test_experts_kernels_routed_in_the_router_on_cuda():
+    """The candidates (`Config.routed` and `stacked`, `OssConfig.routed`, the grouped path routed=True) at real
+    shapes in bf16 against float64, and each twice: bitwise the same (the router's counts back at zero)."""
+    results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
+    bad = [r for r in results if not r.ok]
+    assert not bad, fast_check.table(bad)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 2048, device="cuda", generator=gen).bfloat16()
+    args = (x, torch.randn(128, 2048, device="cuda", generator=gen).bfloat16() / 45,
+            torch.randn(128, 1536, 2048, device="cuda", generator=gen).bfloat16() / 45,
+            torch.randn(128, 2048, 768, device="cuda", generator=gen).bfloat16() / 28, 8, True, False)
+    from dataclasses import replace
+    config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True)
+    runs = [experts.block_triton(*args, config=config) for _ in range(3)]
+    assert all(torch.equal(runs[0], r) for r in runs[1:])
+    assert not fast_triton._COUNTS[("router", "cuda:0")].any()
 
 
 def _against_hf_blocks_cuda(dtype):

@@ -470,17 +470,22 @@ if HAVE_TRITON:
     @triton.jit
     def _oss_gate_up_kernel(x_ptr, logits_ptr, gu_ptr, gub_ptr, act_ptr, ids_ptr, wts_ptr, H, E, I, stride_x,
                             stride_l, ALPHA, LIMIT, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            ROUTED: tl.constexpr):
         """Grid (tiles of BLOCK_N intermediate columns, M * TOPK pairs): gpt-oss's clamped SwiGLU of one pair's
         tile, from gate_up [E, H, 2I] (column 2n gate n, 2n + 1 up n: the tile's 2 * BLOCK_N columns are
         contiguous in every weight row). HF's rounding points: product, += bias, clamps, gate * alpha,
-        sigmoid, glu, up + 1, times, each rounded."""
+        sigmoid, glu, up + 1, times, each rounded. ROUTED (`OssConfig.routed`): the router kernel routed the
+        rows; a program loads its expert id."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         out_ty = x_ptr.dtype.element_ty
         m = p // TOPK
-        expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK, BLOCK_E,
-                             False, False, True)
+        if ROUTED:
+            expert = tl.load(ids_ptr + p)
+        else:
+            expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
+                                 BLOCK_E, False, False, True)
         c = t * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)    # gate 0, up 0, gate 1, up 1, ... of the tile
         cmask = c < 2 * I
         base = gu_ptr + expert.to(tl.int64) * H * (2 * I)
@@ -685,6 +690,7 @@ class OssConfig:
     down_cols: int = 32
     block_k: int = 128
     warps: int = 4
+    routed: bool = False   # the router kernel routes (its last program per row); gate/up reads the ids
 
 
 def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias, down_bias, alpha, limit,
@@ -701,11 +707,12 @@ def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     y = torch.empty(m * top_k, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
+    route = Routing(ids, weights, weights, top_k, False, False, oss=True) if cfg.routed else None
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i), route=route)
     _oss_gate_up_kernel[(triton.cdiv(i, cfg.gate_up_cols), m * top_k)](
         x, logits, gate_up, gate_up_bias, act, ids, weights, h, e, i, x.stride(0), logits.stride(0), float(alpha),
         float(limit), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), BLOCK_N=cfg.gate_up_cols,
-        BLOCK_K=cfg.block_k, num_warps=cfg.warps)
+        BLOCK_K=cfg.block_k, ROUTED=cfg.routed, num_warps=cfg.warps)
     _oss_down_kernel[(triton.cdiv(h, cfg.down_cols), m * top_k)](
         act, ids, weights, down, down_bias, y, h, i, BLOCK_N=cfg.down_cols, BLOCK_K=cfg.block_k, num_warps=cfg.warps)
     _combine_kernel[(triton.cdiv(h, COMBINE_COLS), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=COMBINE_COLS)
@@ -769,6 +776,9 @@ TUNED_FROM = ("profiles/h200/moe-sweep-c6bba88/qwen3-30b-a3b.csv", "profiles/h20
 # won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast forward's
 # MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
 GROUPED_FROM = 2
+# the grouped path's routing in the router kernel (its last program per row) instead of a route kernel of its own:
+# one launch fewer a block, the same routing code (`_store_route`); a candidate until the H200 sweep measures it
+GROUPED_ROUTED = False
 
 
 def runs_grouped(family: str, tokens: int) -> bool:
@@ -972,9 +982,10 @@ def align(ids, order, tile_expert, experts: int, block_m: int) -> None:
 
 
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
-                  intermediates: dict | None = None, oss=None):
+                  intermediates: dict | None = None, oss=None, routed: bool | None = None):
     """The grouped kernels (GROUPED_FROM-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
-    gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout."""
+    gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout. routed (default
+    GROUPED_ROUTED): the router kernel routes the rows (its last program per row), no route kernel."""
     m, h = x.shape
     e = gate_up.shape[0]
     i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
@@ -990,9 +1001,12 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
     y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
-    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
-                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
+    routing = Routing(ids, weights, weights, top_k, norm_topk, weights_f32, oss=oss is not None)
+    routed = GROUPED_ROUTED if routed is None else routed
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i), route=routing if routed else None)
+    if not routed:
+        _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
+                            BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
     align(ids, order, tile_expert, e, cfg.block_m)
     tiles = slots // cfg.block_m
     _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
