@@ -42,7 +42,7 @@ SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8),
 # loads (a warp's 32 x 8 bf16: the sum over a chunk stays in the warp). Nsight Compute at 41fab16 counted 7.8 M
 # warp instructions in gate/up for 50 MB (~1.3 M would be the products alone): each of its 768 programs routes its
 # row before its first load
-ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(1, 2, 4, 8), warps=(4, 8), chunk=(256, 512, 1024),
+ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256, 512, 1024),
                    routed=(True,), stacked=(False, True))
 # (variants "stream" in profiles/h200/moe-sweep-9e35b5d/ and "early" in profiles/h200/moe-sweep-41fab16/: two
 # candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py)
