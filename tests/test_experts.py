@@ -185,7 +185,10 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     assert set(picks) == {1, 2, 4, 8, 16, 32, 64}
     for batch, pick in picks.items():
         assert experts.grouped_config(batch) == experts.GroupedConfig(**pick), batch
+    newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, experts.SMALL_TUNED_FROM)))
+    assert newer[1] == dict(gate_up_rows=8, down_rows=4, warps=8, chunk=256, routed=True, stacked=True)
     for batch, pick in moe_sweep.small_picks([r for r in rows if r["model"] == "qwen3-30b-a3b"]).items():
+        pick = newer[1] if batch == 1 else pick   # one token: the newer sweep, with the routed candidates
         config = vars(experts.experts_config(2048, 768, batch))
         config["chunk"] = config["chunk"] or experts.MAX_CHUNK   # None: MAX_CHUNK
         assert {key: config[key] for key in pick} == pick, batch
@@ -413,8 +416,9 @@ def _against_hf_blocks_cuda(dtype):
 
 
 # batch 3: the fast decode forward for the families it takes (Qwen3-MoE, Mixtral, Qwen2-MoE), the operator
-# inside the compiled HF forward for the others; batch 12: that operator path for Qwen3-MoE too
-CUDA_CASES = [(family, 3) for family in FAMILIES] + [("qwen3_moe", 12)]
+# inside the compiled HF forward for the others; batch 12: that operator path for Qwen3-MoE too; batch 1: the one-token
+# kernels (routed in the router kernel, stacked down) in the fast forward
+CUDA_CASES = [(family, 3) for family in FAMILIES] + [("qwen3_moe", 12), ("qwen3_moe", 1)]
 
 
 @pytest.mark.cuda
