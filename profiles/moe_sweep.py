@@ -45,7 +45,8 @@ SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8),
 ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256, 512, 1024),
                    routed=(True,), stacked=(False, True))
 # (variants "stream" in profiles/h200/moe-sweep-9e35b5d/ and "early" in profiles/h200/moe-sweep-41fab16/: two
-# candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py)
+# candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py;
+# "grouped-routed" in profiles/h200/moe-sweep-39ace1a/: the grouped path routed in the router kernel, no faster)
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8),
                 routed=(False, True))
@@ -156,7 +157,6 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
             floor = must_read(batch)
             variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(x, *args, config=experts.GroupedConfig(
                 **cfg))) for cfg in grid(GROUPED_GRID)]
-            variants.append(("grouped-routed", {}, lambda x: experts.block_grouped(x, *args, routed=True)))
             if batch <= experts.MAX_TOKENS:
                 default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
@@ -171,7 +171,6 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
             plain, oss = args[:4] + (False, False), args[4:]
             variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(
                 x, *plain, config=experts.GroupedConfig(**cfg), oss=oss)) for cfg in grid(GROUPED_GRID)]
-            variants.append(("grouped-routed", {}, lambda x: experts.block_grouped(x, *plain, oss=oss, routed=True)))
             if batch <= experts.MAX_TOKENS:
                 variants += [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
                              for cfg in grid(OSS_GRID)]

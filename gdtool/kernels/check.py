@@ -432,15 +432,14 @@ EXPERTS_LARGE = [("qwen3-30b-a3b", m, 128, 2048, 768, 8, True, False, 0) for m i
 
 
 def check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
-                  config=None, grouped: bool = False, routed: bool | None = None) -> list[Result]:
-    """See below; grouped=True runs the grouped kernels (else the small ones; routed: the grouped path's routing in
-    the router kernel, default experts.GROUPED_ROUTED)."""
+                  config=None, grouped: bool = False) -> list[Result]:
+    """See below; grouped=True runs the grouped kernels (else the small ones)."""
     return _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen, config,
-                          grouped, routed)
+                          grouped)
 
 
 def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtype, device, gen,
-                   config=None, grouped: bool = False, routed: bool | None = None) -> list[Result]:
+                   config=None, grouped: bool = False) -> list[Result]:
     """One MoE block: the routing (exact equality of the expert ids with torch's, routing weights against
     float64) and the output against float64 on the kernel's own routing (no intermediate rounding)."""
     from . import experts
@@ -457,7 +456,7 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
     seen = {}
     if _impl.triton and grouped:
         assert not shared, "the grouped kernels take no shared expert"
-        out = experts.block_grouped(*args, config=config, intermediates=seen, routed=routed)
+        out = experts.block_grouped(*args, config=config, intermediates=seen)
     elif _impl.triton:
         out = experts.block_triton(*args, config=config, intermediates=seen)
     else:
@@ -515,8 +514,7 @@ EXPERTS_OSS_GROUPED_LARGE = [("gpt-oss-20b", m, 32, 2880, 2880, 4) for m in (2, 
 OSS_ALPHA, OSS_LIMIT = 1.702, 7.0
 
 
-def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, grouped: bool = False,
-                      routed: bool | None = None) -> list[Result]:
+def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, grouped: bool = False) -> list[Result]:
     """One gpt-oss block (transposed, interleaved, biased experts; clamped SwiGLU; top-k then softmax),
     as `check_experts` (grouped=True: the grouped kernels; config: an OssConfig for the small ones). The
     gate/up products are drawn wide (std ~4) so that the clamps at +-7 act."""
@@ -532,8 +530,7 @@ def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, 
     args = (x, router, gate_up, down, top_k, False, False, None, None, None, None, oss)
     seen = {}
     if _impl.triton and grouped:
-        out = experts.block_grouped(x, router, gate_up, down, top_k, False, False, intermediates=seen, oss=oss,
-                                    routed=routed)
+        out = experts.block_grouped(x, router, gate_up, down, top_k, False, False, intermediates=seen, oss=oss)
     elif _impl.triton:
         out = experts.block_triton(*args, config=config, intermediates=seen)
     else:
@@ -586,8 +583,9 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
                       impl: str = "triton", oss_config=None, routed: bool = False) -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
-    float64 alone. routed: every path with its routing in the router kernel (the small kernels with
-    `Config.routed` and `Config.stacked`, gpt-oss's with `OssConfig.routed`, the grouped ones routed=True)."""
+    float64 alone. routed: the small kernels with their routing in the router kernel at every token count
+    (`Config.routed`, and `Config.stacked`; experts_config does so at one token), gpt-oss's too (`OssConfig.routed`);
+    the grouped ones as they are."""
     from dataclasses import replace
 
     from . import experts
@@ -598,10 +596,10 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
         config = replace(experts.experts_config(h, i, m), routed=True, stacked=True) if routed else None
         results += check_experts(*shape, dtype, device, gen, config=config)
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
-        results += check_experts(*shape, dtype, device, gen, grouped=True, routed=routed or None)
+        results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
         config = replace(oss_config or experts.OssConfig(), routed=True) if routed else oss_config
         results += check_experts_oss(*shape, dtype, device, gen, config=config)
     for shape in EXPERTS_OSS_GROUPED_SMALL + (EXPERTS_OSS_GROUPED_LARGE if large else []):
-        results += check_experts_oss(*shape, dtype, device, gen, grouped=True, routed=routed or None)
+        results += check_experts_oss(*shape, dtype, device, gen, grouped=True)
     return results

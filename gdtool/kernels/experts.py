@@ -787,9 +787,8 @@ SMALL_TUNED_FROM = "profiles/h200/moe-sweep-39ace1a/qwen3-30b-a3b.csv"
 # won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast forward's
 # MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
 GROUPED_FROM = 2
-# the grouped path's routing in the router kernel (its last program per row) instead of a route kernel of its own:
-# one launch fewer a block, the same routing code (`_store_route`); a candidate until the H200 sweep measures it
-GROUPED_ROUTED = False
+# (the grouped path's routing in the router kernel, no route kernel, was no faster: 36.6 against 35.9 us a block
+# at 1 token, 51.4 against 51.1 at 2, profiles/h200/moe-sweep-39ace1a/ variant "grouped-routed"; removed)
 
 
 def runs_grouped(family: str, tokens: int) -> bool:
@@ -993,10 +992,9 @@ def align(ids, order, tile_expert, experts: int, block_m: int) -> None:
 
 
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
-                  intermediates: dict | None = None, oss=None, routed: bool | None = None):
+                  intermediates: dict | None = None, oss=None):
     """The grouped kernels (GROUPED_FROM-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
-    gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout. routed (default
-    GROUPED_ROUTED): the router kernel routes the rows (its last program per row), no route kernel."""
+    gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout."""
     m, h = x.shape
     e = gate_up.shape[0]
     i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
@@ -1012,12 +1010,9 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
     y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    routing = Routing(ids, weights, weights, top_k, norm_topk, weights_f32, oss=oss is not None)
-    routed = GROUPED_ROUTED if routed is None else routed
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i), route=routing if routed else None)
-    if not routed:
-        _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
-                            BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
+    _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
+                        BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
     align(ids, order, tile_expert, e, cfg.block_m)
     tiles = slots // cfg.block_m
     _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
