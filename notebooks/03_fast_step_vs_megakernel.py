@@ -288,7 +288,8 @@ else:
 # (`kernel_breakdown.attention_by_layer_type`: 22 sliding-window layers, 4 full ones). A sliding layer attends over
 # its window only, so its time should stay flat as the prompt grows; a full layer's grows with the live length.
 # Once a window is full, HF's cache layout rolls it left by one each step (`gdtool/kernels/window.py`): the roll
-# column is that kernel's own time per sliding layer (none at prompt 128, where no window fills).
+# column is that kernel's own time per sliding layer (none at prompt 128, where no window fills). The row marked
+# "fused combine" ran with GDTOOL_FUSED_COMBINE=1 (the combine in the split kernel's last program): slower.
 
 # %%
 import re  # noqa: E402
@@ -308,7 +309,8 @@ for export in exports:
     sliding = int((pd.Series(types) == "sliding_attention").sum())
     roll = kernels.loc[kernels["name"].fillna("").str.contains("roll_left"), "own_us"].sum() / launches
     per_kind.append(dict(batch=kernel_breakdown.export_batch(export), prompt=int(prompt.group(1)) if prompt else 128,
-                         commit=folder.rsplit("-", 1)[-1], step_us=kernels["own_us"].sum() / launches,
+                         commit=folder.rsplit("-", 1)[-1] + (", fused combine" if "fused-combine" in folder else ""),
+                         step_us=kernels["own_us"].sum() / launches,
                          **{f"{kind} µs/layer": row["per_layer"] for kind, row in table.iterrows()},
                          **{"roll µs/sliding layer": roll / sliding}))
 windows = pd.DataFrame(per_kind)
