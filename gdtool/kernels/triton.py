@@ -98,7 +98,10 @@ def usable(*tensors) -> bool:
 # `ok`, profiles/moe_sweep.py), so the paths stay. At 9e35b5d all 48 tests of tests-kernels passed
 # (kernel-paths-9e35b5d.txt), the matrix-vector kernel's BIAS flag among them: every path above again, and
 # `linear.py`'s two. The Gemma 3 paths again at 0a0f404, after the window's roll moved its work before its PDL
-# wait (`KERNEL_TESTS_K="gemma or roll"`: the 9 tests that run `fast` passed, kernel-paths-gemma-0a0f404.txt).
+# wait (`KERNEL_TESTS_K="gemma or roll"`: the 9 tests that run `fast` passed, kernel-paths-gemma-0a0f404.txt). Every
+# experts path and the fast forward's MoE layers again at 39ace1a (10 passed, the routed candidates' test among them)
+# and at eb913f2, after the one-token kernels became routed in the router kernel with down stacked (11 passed, the
+# captured Qwen3-MoE fast step at batch 1 among them: kernel-paths-experts-eb913f2.txt).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
