@@ -401,11 +401,13 @@ def test_experts_kernels_on_cuda(dtype):
 
 
 @pytest.mark.cuda
-def test_experts_kernels_routed_in_the_router_on_cuda():
+@pytest.mark.parametrize("ranked", [False, True], ids=["rounds", "ranked"])
+def test_experts_kernels_routed_in_the_router_on_cuda(ranked):
     """The small kernels routed in the router kernel with down stacked (`Config.routed`, `stacked`: experts_config's
     at one token) at every token count, and gpt-oss's candidate (`OssConfig.routed`), at real shapes in bf16
-    against float64; Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero)."""
-    results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
+    against float64; Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero).
+    ranked: the routing's top-k by ranks (`Config.ranked`, `OssConfig.ranked`), a candidate."""
+    results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True, ranked=ranked)
     bad = [r for r in results if not r.ok]
     assert not bad, fast_check.table(bad)
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -414,7 +416,7 @@ def test_experts_kernels_routed_in_the_router_on_cuda():
             torch.randn(128, 1536, 2048, device="cuda", generator=gen).bfloat16() / 45,
             torch.randn(128, 2048, 768, device="cuda", generator=gen).bfloat16() / 28, 8, True, False)
     from dataclasses import replace
-    config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True)
+    config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True, ranked=ranked)
     runs = [experts.block_triton(*args, config=config) for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
     assert not fast_triton._COUNTS[("router", "cuda:0")].any()
