@@ -36,7 +36,7 @@ model = "llama-1b"
 # batch with peers in the same run; llama-1b/pdl-auto: its fast step at batch 1 with PDL per kernel at 69c20df,
 # the fastest measured, a run without peers)
 bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers",
-                 "gemma-3-1b/fused-projections", "qwen3-30b-a3b", "gpt-oss-20b"]
+                 "gemma-3-1b/fused-projections", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-20b/fused-projections"]
 # mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
@@ -213,12 +213,13 @@ for preset in moe_presets:
         kernels, launches = kernel_breakdown.launch_kernels(export)
         batch = kernel_breakdown.export_batch(export)
         experts_table = kernel_breakdown.experts_by_kernel(kernels, launches, preset, batch)
+        commit = export.parent.parent.name.rsplit("-", 1)[-1]
         if experts_table is not None:
-            per_kernel.append(experts_table.assign(preset=preset, batch=batch).set_index(["preset", "batch"],
-                                                                                       append=True))
+            per_kernel.append(experts_table.assign(preset=preset, batch=batch, commit=commit).set_index(
+                ["preset", "batch", "commit"], append=True))
         own = kernels.groupby("class")["own_us"].sum() / launches
         floor = summary["floor ms/step"].get((preset, batch), float("nan")) * 1e3
-        traced.append(dict(preset=preset, batch=batch, commit=export.parent.parent.name.rsplit("-", 1)[-1],
+        traced.append(dict(preset=preset, batch=batch, commit=commit,
                            floor_us=floor, **{f"{cls} µs": us for cls, us in own.items()}))
 moe = pd.DataFrame(traced)
 if moe.empty:
@@ -251,7 +252,7 @@ else:
 
 # %%
 if per_kernel:
-    display(pd.concat(per_kernel).reorder_levels(["preset", "batch", "name"])
+    display(pd.concat(per_kernel).reorder_levels(["preset", "batch", "commit", "name"])
             [["calls", "own", "us_per_call", "mb_per_call", "tb_s"]].round(2))
 
 # %% [markdown]
