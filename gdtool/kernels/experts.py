@@ -11,12 +11,13 @@ the work is a handful of matrix-vector products whose rows are chosen on the dev
 the kernels here run, reading only the routed experts' rows, straight from HF's parameters:
 
     router   logits [M, E] = x @ W_router.T (+ Qwen2-MoE's shared-expert gate as row E), rounded
-             to the model dtype as F.linear rounds them                                (1 kernel)
-    gate_up  each program recomputes its row's routing from the logits (softmax in float32, top-k,
-             renormalized where the router does), then for its (row, k-th expert, tile of the
-             intermediate dim): silu(x @ Wg[e].T) * (x @ Wu[e].T), each product and the activation
-             rounded as HF's experts round them; (row, k) pairs of tile 0 write the expert id and
-             routing weight for the next kernel                                        (1 kernel)
+             to the model dtype as F.linear rounds them; at one token (`Config.routed`) the last of a
+             row's programs to finish also routes the row (softmax in float32, top-k, renormalized
+             where the router does) and stores its expert ids and routing weights    (1 kernel)
+    gate_up  for its (row, k-th expert, tile of the intermediate dim): silu(x @ Wg[e].T) * (x @ Wu[e].T),
+             each product and the activation rounded as HF's experts round them; the expert id loaded
+             (routed), or (above one token) each program recomputes its row's routing from the logits
+             and the (row, k) pairs of tile 0 write the expert id and routing weight   (1 kernel)
     down     per (row, tile of the hidden dim): sum over the k routed experts, in routing order,
              of round(round(a_k @ Wd[e_k].T) * w_k), accumulated in float32 and rounded once, as
              HF's `.sum(dim=1)` over the top-k does; Qwen2-MoE's shared expert (its down product
