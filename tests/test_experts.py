@@ -114,7 +114,8 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    shared = rng.choice([0, 0, 48]); norm_topk = rng.random() < 0.5\n"
             "    cfg = experts.Config(router_rows=rng.choice([2, 4, 8]), gate_up_rows=rng.choice([2, 4, 8]),\n"
             "                         down_rows=rng.choice([1, 2, 4]), chunk=rng.choice([16, 32, None]),\n"
-            "                         routed=trial % 3 != 1, stacked=trial % 3 != 0, ranked=trial % 2 == 0)\n"
+            "                         routed=trial % 3 != 1, stacked=trial % 3 != 0,\n"
+            "                         ranked=trial % 3 != 1 and trial % 2 == 0)\n"
             "    plain = experts.Config(cfg.router_rows, cfg.gate_up_rows, cfg.down_rows, chunk=cfg.chunk)\n"
             "    dt = torch.float32 if trial % 2 else torch.float16\n"
             "    shape = ('sweep', m, e, h, i, k, norm_topk, wf, shared)\n"
@@ -217,6 +218,15 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
         assert {key: config[key] for key in pick} == pick, batch
     assert experts.OssConfig() == experts.OssConfig(**moe_sweep.small_picks(rows, "oss")[1])
     assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
+
+
+def test_experts_configs_refuse_a_ranked_top_k_without_the_routing_in_the_router():
+    for make in (lambda: experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, ranked=True),
+                 lambda: experts.OssConfig(ranked=True)):
+        with pytest.raises(ValueError, match=r"Config\(ranked=True\) ranks the top-k where the router kernel routes: "
+                                             r"set routed=True too"):
+            make()
+    assert experts.Config(1, 4, 4, routed=True, ranked=True).ranked and experts.OssConfig(routed=True, ranked=True).ranked
 
 
 def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():

@@ -585,6 +585,14 @@ class Config:
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
+        _ranked_needs_routed(self)
+
+
+def _ranked_needs_routed(config) -> None:
+    """The ranked top-k is the router kernel's (`routed`); elsewhere it would be ignored: refused instead."""
+    if config.ranked and not config.routed:
+        raise ValueError(f"{type(config).__name__}(ranked=True) ranks the top-k where the router kernel routes: "
+                         "set routed=True too")
 
 
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
@@ -727,6 +735,9 @@ class OssConfig:
     warps: int = 4
     routed: bool = False   # the router kernel routes (its last program per row); gate/up reads the ids
     ranked: bool = False   # routed: the top-k by ranks (`Config.ranked`)
+
+    def __post_init__(self):
+        _ranked_needs_routed(self)
 
 
 def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias, down_bias, alpha, limit,
