@@ -148,7 +148,8 @@ def part_gemv(args, rows):
             variants = [("cublas qkv (one matmul, no RoPE)", None, False,
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
             qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
-                         "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4)]}
+                         "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4), (1, 8, 4),
+                                  (4, 8, 4), (8, 8, 2), (4, 16, 1), (8, 16, 1), (2, 16, 2), (4, 4, 4)]}
             configs = [None] + (qkv_sweep[args.sweep] if model in args.sweep_models else [])  # (HB, warps, per SM)
             if qk_norm is not None:  # the per-head norm in one kernel: a tile per head (the default before d506703)
                 configs.append(fast_gemv.whole_head_config(hidden, d, m))
