@@ -238,6 +238,49 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
     run_interpreted(code, timeout=600)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
+    """The combine reads a head's partials a block of chunks at a time, and each of its programs takes a slice
+    of the head's outputs (`combine_plan`). With the tiles shrunk so that every case takes several blocks and
+    slices (2 or 4 chunks, a half or a quarter of a head's outputs), over a seeded sweep of rows, grouped heads, cache and live lengths,
+    padding and sinks: the float64 check passes, the fused combine equals the two-kernel form bit for bit, and
+    the result differs from the one-block plan by rounding only."""
+    code = ("import random, torch\nfrom gdtool.kernels import attention, check\n"
+            "gen = torch.Generator().manual_seed(1)\n"
+            "rng = random.Random(1)\n"
+            "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
+            "cases = [(1, 4, 1, 32, 96, 96, 0, False), (2, 8, 2, 16, 80, 3, 1, True)]\n"
+            "for _ in range(6):\n"
+            "    hkv, c = rng.choice((1, 2)), rng.randint(40, 120)\n"
+            "    cases.append((rng.randint(1, 3), hkv * rng.choice((1, 2, 4)), hkv, rng.choice((16, 32)), c,\n"
+            "                  rng.randint(1, c), rng.randint(0, 3), rng.random() < 0.5))\n"
+            "for i, (m, hq, hkv, d, c, live, pad, sinks) in enumerate(cases):\n"
+            "    q = torch.randn(m, hq, d, generator=gen).half()\n"
+            "    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))\n"
+            "    mask = torch.ones(m, c, dtype=torch.long)\n"
+            "    for r in range(m):\n"
+            "        mask[r, : min(r * pad, live - 1)] = 0\n"
+            "    sink = torch.randn(hq, generator=gen).half() if sinks else None\n"
+            "    args = (q, kc, vc, mask, torch.tensor(live - 1), d ** -0.5, sink)\n"
+            "    attention.COMBINE_D, attention.COMBINE_ELEMENTS = 64, 4096\n"
+            "    whole = attention.split_kv(*args)\n"
+            "    splits = attention.split_plan(m, hkv, c)[1]\n"
+            "    attention.COMBINE_D = d // (2, 4)[i % 2]\n"
+            "    attention.COMBINE_ELEMENTS = attention.COMBINE_D * (4 if splits > 4 and i % 3 == 0 else 2)\n"
+            "    block_d, block_splits = attention.combine_plan(splits, d)\n"
+            "    assert block_d < d and block_splits < splits, (d, splits, block_d, block_splits)\n"
+            "    two = attention.split_kv(*args)\n"
+            "    torch.testing.assert_close(two, whole, rtol=2e-3, atol=2e-3)\n"
+            "    attention._FUSED_COMBINE = True\n"
+            "    one = attention.split_kv(*args)\n"
+            "    attention._FUSED_COMBINE = False\n"
+            "    assert torch.equal(one, two), (m, hq, hkv, live, (one - two).abs().max())\n"
+            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    assert r.ok, r\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
 def test_fused_combine_on_cuda(monkeypatch, pdl):
@@ -248,7 +291,8 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
     gen = torch.Generator(device="cuda").manual_seed(0)
     check._impl.triton = True
     shapes = [(1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False),
-              (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False)]
+              (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False),
+              (1, 4, 1, 256, 4200, 4150, 0, True)]  # ~260 chunks: the combine reads them a block at a time
     rng = random.Random(pdl)  # and a seeded sweep over rows, groups, head sizes, cache and live lengths, padding
     for _ in range(12):
         hkv, c = rng.choice((1, 2, 8)), rng.randint(16, 1024)

@@ -396,6 +396,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
             results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))
             results.append(check_attention(m, 4, 1, 256, 512, 300, dtype, device, gen, pad=7 * (m > 1)))
+            # its full layers past prompt 4096: ~260 chunks, combined a block of chunks at a time
+            results.append(check_attention(m, 4, 1, 256, 4200, 4150, dtype, device, gen, pad=7 * (m > 1)))
             # gpt-oss-20b: 64 query over 8 key/value heads of 64, sinks; a 128-slot window and a full layer
             results.append(check_attention(m, 64, 8, 64, 128, 128, dtype, device, gen, sinks=True))
             results.append(check_attention(m, 64, 8, 64, 384, 200, dtype, device, gen, pad=7 * (m > 1), sinks=True))

@@ -472,22 +472,21 @@ def _programs(tiles: int, device, per_sm: int) -> int:
 
 def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, programs per SM) for an [m, k] x [k, n] product (`tiles` weights per call:
-    2 for gate/up): tiles of ~16 KB (both weights together, K padded to a power of two), 8 warps and 2
-    programs per SM from K = 2048, else 4 warps and 4 per SM, and at least two tiles per multiprocessor.
+    2 for gate/up): tiles of ~16 KB (both weights together, K padded to a power of two), 8 warps from
+    K = 2048, else 4; 4 programs per SM up to 2048-wide tiles, 2 past them; and at least two tiles per
+    multiprocessor.
 
-    Measured on the H200 (profiles/h200/decode-kernels/: gemv.csv for Llama-1B, sweep-6e765ba/gemv.csv
-    for Gemma-3-1B at one row). Gemma's K = 1152 pads to a 2048-wide tile: with 8 warps, 2 per SM, gate/up
-    took 15.3 us and the lm_head 182; with 4 warps, 4 per SM (the warps by K itself, not its padding)
-    12.2 and 154. Its o projection (n = 1152) in 8-row tiles left 144 tiles for 132 multiprocessors: 3.7
-    us, against 3.0 in 4-row tiles."""
+    Measured on the H200 (at one row, every config timed alone: profiles/h200/decode-kernels/
+    sweep-6e765ba/gemv.csv for Gemma-3-1B, sweep-14cc799/gemv.csv for Llama-1B). Gemma's K = 1152 pads to
+    a 2048-wide tile: with 8 warps, 2 per SM, gate/up took 15.3 us and the lm_head 182; with 4 warps, 4
+    per SM (the warps by K itself, not its padding) 12.2 and 154. Its o projection (n = 1152) in 8-row
+    tiles left 144 tiles for 132 multiprocessors: 3.7 us, against 3.0 in 4-row tiles. Llama-1B's K = 2048
+    with 8 warps, 4 per SM against 2: o 4.33 against 4.45 us, gate/up 19.75 against 20.42, the lm_head
+    123.2 against 127.8 (its earlier 8-row tiles at 2 per SM; 4-row tiles at 2 took 140)."""
     block_k = next_pow2(k)
     block_n = max(1, min(16, (8192 // block_k) // tiles))
     warps = 8 if k >= 2048 else 4
-    per_sm = 2 if warps == 8 else 4
-    if warps == 8 and block_k <= 2048 and block_n < 16 and n > 64 * block_n * 132 * per_sm:
-        # a long stream of tiles per program (llama-1b's lm_head: ~120): 32 KB tiles measured faster on
-        # the H200, 128 against 140 us (gemv.csv); at 4 warps not (Gemma's lm_head: 220 against 154 us)
-        block_n *= 2
+    per_sm = 2 if warps == 8 and block_k > 2048 else 4
     while block_n > 1 and -(-n // block_n) < 2 * 132:
         block_n //= 2
     return block_n, warps, per_sm
@@ -569,10 +568,15 @@ def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[
     With a per-head norm (Qwen3, Gemma 3) the tiles are the same, and the norm and RoPE of q and k are a
     second kernel's (`qkv_rope`). One kernel can do it only with whole-head tiles (HB = D / 2, K read in
     chunks of BLOCK_K: `whole_head_config`), one tile per head: 6 programs for Gemma-3-1B's 4 + 1 + 1
-    heads, 48 for Qwen3-8B's, each streaming 0.6-1 MB of weights alone on a GPU of 132 multiprocessors."""
-    warps = 8 if next_pow2(k) >= 2048 else 4
+    heads, 48 for Qwen3-8B's, each streaming 0.6-1 MB of weights alone on a GPU of 132 multiprocessors.
+
+    2048-wide tiles (K from 1025 to 2048) run 4 warps, 4 programs an SM, measured on the H200 alone at one
+    row: Llama-1B's q/k/v (HB 2) 6.53 us against 7.03 with 8 warps, 2 an SM (HB 1: 6.27, sweep-14cc799),
+    Gemma-3-1B's 5.51 against 5.99 (HB 1: 6.17, sweep-6e765ba); wider K keeps 8 warps, 2 an SM."""
     hb = max(1, min(d // 2, 4096 // next_pow2(k)))
-    return hb, warps, 2, next_pow2(k)
+    if next_pow2(k) == 2048:  # 4 warps, 4 per SM (sweep-14cc799, sweep-6e765ba)
+        return hb, 4, 4, 2048
+    return hb, 8 if next_pow2(k) > 2048 else 4, 2, next_pow2(k)
 
 
 def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
