@@ -44,19 +44,16 @@ SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8),
 # row before its first load
 ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256, 512, 1024),
                    routed=(True,), stacked=(False, True))
-# the routing's top-k by ranks (`Config.ranked`: one sum over an [E, E] comparison instead of k rounds of block-wide max
-# and min), around ROUTED_GRID's best at 39ace1a: in qwen3-30b-a3b's step at eb913f2 the router kernel took 6.15 us a
-# layer with the routing in its last program, against 2.00 before
-RANKED_GRID = dict(gate_up_rows=(8,), down_rows=(2, 4), warps=(4, 8), chunk=(256,), routed=(True,), stacked=(True,),
-                   ranked=(False, True))
+# (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at
+# one token, one block captured, gate/up 8 rows, chunk 256, us a block with k rounds against ranked: 30.83 / 32.58
+# (down 4 rows, 8 warps), 30.97 / 34.04 (2, 4), 32.63 / 34.27 (2, 8), 33.73 / 36.94 (4, 4); removed from experts.py
+# with OSS_RANKED_GRID)
 # (variants "stream" in profiles/h200/moe-sweep-9e35b5d/ and "early" in profiles/h200/moe-sweep-41fab16/: two
 # candidates of the small kernels, slower or no faster than SMALL_GRID's best, since removed from experts.py;
 # "grouped-routed" in profiles/h200/moe-sweep-39ace1a/: the grouped path routed in the router kernel, no faster)
 # gpt-oss's kernels: gate/up and down output columns per program, reduction rows per step, warps
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8),
                 routed=(False, True))
-# gpt-oss's routed candidate with its top-k by ranks, at OssConfig's tiles
-OSS_RANKED_GRID = dict(gate_up_cols=(32,), down_cols=(32,), block_k=(128,), warps=(4,), routed=(True,), ranked=(True,))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
 
 
@@ -168,7 +165,7 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
                 default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
-                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID) + grid(RANKED_GRID)]
+                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID)]
         else:
             config, block = build_oss_block()
             e = block.experts
@@ -180,7 +177,7 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
                 x, *plain, config=experts.GroupedConfig(**cfg), oss=oss)) for cfg in grid(GROUPED_GRID)]
             if batch <= experts.MAX_TOKENS:
                 variants += [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
-                             for cfg in grid(OSS_GRID) + grid(OSS_RANKED_GRID)]
+                             for cfg in grid(OSS_GRID)]
         hidden = config.hidden_size
         x = torch.randn(batch, 1, hidden, device="cuda", dtype=torch.bfloat16)
         flat = x.view(batch, hidden)

@@ -582,12 +582,12 @@ def _check_grouped_order(name, shape, dtype, ids, order, tile_expert) -> Result:
 
 
 def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
-                      impl: str = "triton", oss_config=None, routed: bool = False, ranked: bool = False) -> list[Result]:
+                      impl: str = "triton", oss_config=None, routed: bool = False) -> list[Result]:
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
     float64 alone. routed: the small kernels with their routing in the router kernel at every token count
     (`Config.routed`, and `Config.stacked`; experts_config does so at one token), gpt-oss's too (`OssConfig.routed`);
-    the grouped ones as they are. ranked (with routed): the routing's top-k by ranks (`Config.ranked`)."""
+    the grouped ones as they are."""
     from dataclasses import replace
 
     from . import experts
@@ -595,12 +595,12 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     results = []
     for shape in EXPERTS_SMALL + (EXPERTS_LARGE if large else []):
         _, m, _, h, i = shape[:5]
-        config = replace(experts.experts_config(h, i, m), routed=True, stacked=True, ranked=ranked) if routed else None
+        config = replace(experts.experts_config(h, i, m), routed=True, stacked=True) if routed else None
         results += check_experts(*shape, dtype, device, gen, config=config)
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
-        config = replace(oss_config or experts.OssConfig(), routed=True, ranked=ranked) if routed else oss_config
+        config = replace(oss_config or experts.OssConfig(), routed=True) if routed else oss_config
         results += check_experts_oss(*shape, dtype, device, gen, config=config)
     for shape in EXPERTS_OSS_GROUPED_SMALL + (EXPERTS_OSS_GROUPED_LARGE if large else []):
         results += check_experts_oss(*shape, dtype, device, gen, grouped=True)

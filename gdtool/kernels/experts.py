@@ -87,7 +87,6 @@ if HAVE_TRITON:
 
 MAX_TOKENS = 16      # tokens per step the small-batch kernels take (the grouped ones run from GROUPED_FROM)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
-RANKED_EXPERTS = 256  # `Config.ranked` compares every pair of a row's logits: [E, E] in registers, up to this E
 # (block class, experts class, router class) per family, by module name in transformers.models
 FAMILIES = {
     "qwen3_moe": ("Qwen3MoeSparseMoeBlock", "Qwen3MoeExperts", "Qwen3MoeTopKRouter"),
@@ -182,15 +181,14 @@ if HAVE_TRITON:
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                       W_F32: tl.constexpr, OSS: tl.constexpr, RANKS: tl.constexpr):
+                       W_F32: tl.constexpr, OSS: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
         (`_x_chunk`). PDL (as the small gate/up and down kernels): launched early, it waits for the kernel
         before it first (`triton.py`). ROUTE (`Config.routed`): the last of a row's programs to finish routes
         the row from the stored logits (`_store_route`: ids and weights, as `_route_kernel`) and stores the
-        row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row. RANKS:
-        the top-k by ranks (`_top_by_rank`)."""
+        row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         if PDL:
@@ -219,7 +217,7 @@ if HAVE_TRITON:
             if done == tl.num_programs(0) - 1:
                 tl.store(count_ptr + m, 0)
                 _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, RENORM, W_F32,
-                             OSS, True, RANKS)
+                             OSS, True)
                 if NORM:
                     tl.store(rstd_ptr + m, rstd)
 
@@ -246,13 +244,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, FROM_L2: tl.constexpr = False,
-               RANKS: tl.constexpr = False):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, FROM_L2: tl.constexpr = False):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
         id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
         those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32). FROM_L2: the logits read past
-        L1 (.cg), where other programs of the same kernel stored them. RANKS (`Config.ranked`, up to
-        RANKED_EXPERTS): the k largest by their ranks (`_top_by_rank`) instead of k rounds of max and min."""
+        L1 (.cg), where other programs of the same kernel stored them."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
         if FROM_L2:
@@ -261,60 +257,41 @@ if HAVE_TRITON:
         else:
             logits = tl.load(logits_ptr + m * stride_l + e, mask=live, other=float("-inf")).to(tl.float32)
         if OSS:
-            ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, RANKS)
+            ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
         else:
-            ids, values = _route_softmax_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, NORM, RANKS)
+            ids, values = _route_softmax_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, NORM)
         return ids, values
 
     @triton.jit
-    def _top_by_rank(score, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr):
-        """(ids, scores) [BLOCK_TOPK] of the TOPK largest scores, largest first, ties to the lower id (0 past TOPK):
-        the order k rounds of max-then-lowest-id pick, from each score's rank (how many scores come before it in
-        that order: one sum over a [BLOCK_E, BLOCK_E] comparison) and one masked sum per slot (one term each)."""
-        before = (score[None, :] > score[:, None]) | ((score[None, :] == score[:, None]) & (e[None, :] < e[:, None]))
-        rank = tl.sum(before.to(tl.int32), axis=1)
-        slots = tl.arange(0, BLOCK_TOPK)
-        at = (rank[None, :] == slots[:, None]) & (slots[:, None] < TOPK)
-        return tl.sum(tl.where(at, e[None, :], 0), axis=1), tl.sum(tl.where(at, score[None, :], 0.0), axis=1)
-
-    @triton.jit
     def _route_softmax_first(logits, live, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-                             NORM: tl.constexpr, RANKS: tl.constexpr = False):
+                             NORM: tl.constexpr):
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
         p = tl.where(live, p, -1.0)
-        if RANKS:
-            ids, values = _top_by_rank(p, e, TOPK, BLOCK_TOPK)
-        else:
-            slots = tl.arange(0, BLOCK_TOPK)
-            ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
-            values = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
-            for j in tl.static_range(TOPK):
-                best = tl.max(p, axis=0)
-                pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
-                ids = tl.where(slots == j, pick, ids)
-                values = tl.where(slots == j, best, values)
-                p = tl.where(e == pick, -2.0, p)
+        slots = tl.arange(0, BLOCK_TOPK)
+        ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+        values = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(p, axis=0)
+            pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+            ids = tl.where(slots == j, pick, ids)
+            values = tl.where(slots == j, best, values)
+            p = tl.where(e == pick, -2.0, p)
         if NORM:
             values = values / tl.sum(values, axis=0)
         return ids, values
 
     @triton.jit
-    def _route_topk_first(logits, free, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-                          RANKS: tl.constexpr = False):
+    def _route_topk_first(logits, free, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
         slots = tl.arange(0, BLOCK_TOPK)
-        if RANKS:
-            ids, values = _top_by_rank(tl.where(free, logits, float("-inf")), e, TOPK, BLOCK_TOPK)
-            values = tl.where(slots < TOPK, values, float("-inf"))
-        else:
-            ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
-            values = tl.full([BLOCK_TOPK], float("-inf"), dtype=tl.float32)
-            for j in tl.static_range(TOPK):
-                best = tl.max(tl.where(free, logits, float("-inf")), axis=0)
-                pick = tl.min(tl.where(free & (logits == best), e, BLOCK_E), axis=0)
-                ids = tl.where(slots == j, pick, ids)
-                values = tl.where(slots == j, best, values)
-                free = free & (e != pick)
+        ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+        values = tl.full([BLOCK_TOPK], float("-inf"), dtype=tl.float32)
+        for j in tl.static_range(TOPK):
+            best = tl.max(tl.where(free, logits, float("-inf")), axis=0)
+            pick = tl.min(tl.where(free & (logits == best), e, BLOCK_E), axis=0)
+            ids = tl.where(slots == j, pick, ids)
+            values = tl.where(slots == j, best, values)
+            free = free & (e != pick)
         p = tl.exp(values - tl.max(values, axis=0))   # slots >= TOPK hold -inf: weight 0
         return ids, p / tl.sum(p, axis=0)
 
@@ -579,20 +556,11 @@ class Config:
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
     routed: bool = False       # the router kernel routes (its last program per row); gate/up reads the ids
     stacked: bool = False      # down: the k experts' tiles of a program as one load, one sum per chunk
-    ranked: bool = False       # routed: the top-k by ranks (one sum over a comparison) instead of k rounds of max/min
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
-        _ranked_needs_routed(self)
-
-
-def _ranked_needs_routed(config) -> None:
-    """The ranked top-k is the router kernel's (`routed`); elsewhere it would be ignored: refused instead."""
-    if config.ranked and not config.routed:
-        raise ValueError(f"{type(config).__name__}(ranked=True) ranks the top-k where the router kernel routes: "
-                         "set routed=True too")
 
 
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
@@ -648,8 +616,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     shared_act = torch.empty(m, i_shared, device=dev, dtype=x.dtype) if shared else act
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
     rstd = torch.empty(m, device=dev, dtype=torch.float32) if cfg.routed else weights
-    route = Routing(ids, weights, rstd, top_k, norm_topk, weights_f32,
-                    ranked=cfg.ranked and next_pow2(e) <= RANKED_EXPERTS) if cfg.routed else None
+    route = Routing(ids, weights, rstd, top_k, norm_topk, weights_f32) if cfg.routed else None
     logits = _logits(x, router_weight, shared_router if shared else None, None, e, cfg, norm, route)
     block_h, chunks_h = _chunks(h, cfg.chunk)
     tiles = triton.cdiv(max(i, i_shared if shared else 1), cfg.gate_up_rows)
@@ -688,7 +655,6 @@ class Routing:
     norm_topk: bool
     weights_f32: bool
     oss: bool = False
-    ranked: bool = False   # the top-k by ranks (`_top_by_rank`; at most RANKED_EXPERTS experts)
 
 
 def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None,
@@ -708,7 +674,7 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
         BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32, OSS=r.oss,
-        RANKS=r.ranked, num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
+        num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
 
@@ -734,10 +700,6 @@ class OssConfig:
     block_k: int = 128
     warps: int = 4
     routed: bool = False   # the router kernel routes (its last program per row); gate/up reads the ids
-    ranked: bool = False   # routed: the top-k by ranks (`Config.ranked`)
-
-    def __post_init__(self):
-        _ranked_needs_routed(self)
 
 
 def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias, down_bias, alpha, limit,
@@ -754,8 +716,7 @@ def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     y = torch.empty(m * top_k, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    route = Routing(ids, weights, weights, top_k, False, False, oss=True,
-                    ranked=cfg.ranked and next_pow2(e) <= RANKED_EXPERTS) if cfg.routed else None
+    route = Routing(ids, weights, weights, top_k, False, False, oss=True) if cfg.routed else None
     logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i), route=route)
     _oss_gate_up_kernel[(triton.cdiv(i, cfg.gate_up_cols), m * top_k)](
         x, logits, gate_up, gate_up_bias, act, ids, weights, h, e, i, x.stride(0), logits.stride(0), float(alpha),
@@ -862,10 +823,10 @@ if HAVE_TRITON:
     @triton.jit
     def _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                      BLOCK_E: tl.constexpr, NORM: tl.constexpr, W_F32: tl.constexpr, OSS: tl.constexpr,
-                     FROM_L2: tl.constexpr, RANKS: tl.constexpr = False):
+                     FROM_L2: tl.constexpr):
         """Row m's expert ids and routing weights (rounded to the model dtype unless W_F32; OSS: gpt-oss's
         routing), stored at ids[m, :TOPK], wts[m, :TOPK]."""
-        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS, FROM_L2, RANKS)
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS, FROM_L2)
         if not W_F32:   # rounded to the model dtype, the logits'
             values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
         slots = tl.arange(0, BLOCK_TOPK)
