@@ -284,13 +284,15 @@ else:
 
 # %% [markdown]
 # ## Sliding windows: attention per kind of layer, by prompt length
-# Gemma 3's fast step traced node by node (`gpu_run.sh OUT nsys-fast`; `NSYS_PROMPT=1024` for a prompt whose
+# Gemma 3's fast step traced node by node (`gpu_run.sh OUT nsys-fast`; `NSYS_PROMPT=1024` or 4096 for a prompt whose
 # sliding windows are all full), its attention kernels split by the kind of layer each served
 # (`kernel_breakdown.attention_by_layer_type`: 22 sliding-window layers, 4 full ones). A sliding layer attends over
 # its window only, so its time should stay flat as the prompt grows; a full layer's grows with the live length.
 # Once a window is full, HF's cache layout rolls it left by one each step (`gdtool/kernels/window.py`): the roll
 # column is that kernel's own time per sliding layer (none at prompt 128, where no window fills). The row marked
 # "fused combine" ran with GDTOOL_FUSED_COMBINE=1 (the combine in the split kernel's last program): slower.
+# At prompt 4096 the full layers' combine read 259 chunks' partials as one tile and spilled (14cc799: 92 µs a
+# full layer); since 8104acb it reads them a block of chunks at a time, 64 outputs a program (12ffb80).
 
 # %%
 import re  # noqa: E402
