@@ -204,6 +204,18 @@ def test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens():
     run_interpreted(code, timeout=900)
 
 
+def split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks):
+    """`split_kv`'s arguments in float16: m rows of hq query heads over hkv key/value heads of d, a c-slot cache
+    with `live` slots written, row r left-padded by r * pad slots, and one sink a query head if `sinks`."""
+    q = torch.randn(m, hq, d, generator=gen).half()
+    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))
+    mask = torch.ones(m, c, dtype=torch.long)
+    for r in range(m):
+        mask[r, : min(r * pad, live - 1)] = 0
+    sink = torch.randn(hq, generator=gen).half() if sinks else None
+    return q, kc, vc, mask, torch.tensor(live - 1), d ** -0.5, sink
+
+
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
     """GDTOOL_FUSED_COMBINE: the split kernel's last program per (row, key/value head) combines. Under the
@@ -211,6 +223,7 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
     output equals the two-kernel form's bit for bit, again on a second call (the counts back at zero), and
     the float64 check passes."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, check, triton as fast_triton\n"
+            "import test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(0)\n"
             "rng = random.Random(0)  # a seeded sweep, and the edges: one live slot, every slot live\n"
             "cases = [(1, 4, 1, 16, 40, 1, 0, False), (2, 8, 2, 32, 64, 64, 5, True)]\n"
@@ -219,13 +232,7 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
             "    cases.append((rng.randint(1, 4), hkv * rng.choice((1, 2, 4, 8)), hkv, rng.choice((16, 32)), c,\n"
             "                  rng.randint(1, c), rng.randint(0, 3), rng.random() < 0.5))\n"
             "for m, hq, hkv, d, c, live, pad, sinks in cases:\n"
-            "    q = torch.randn(m, hq, d, generator=gen).half()\n"
-            "    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))\n"
-            "    mask = torch.ones(m, c, dtype=torch.long)\n"
-            "    for r in range(m):\n"
-            "        mask[r, : min(r * pad, live - 1)] = 0\n"
-            "    sink = torch.randn(hq, generator=gen).half() if sinks else None\n"
-            "    args = (q, kc, vc, mask, torch.tensor(live - 1), d ** -0.5, sink)\n"
+            "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
             "    attention._FUSED_COMBINE = False\n"
             "    two = attention.split_kv(*args)\n"
             "    attention._FUSED_COMBINE = True\n"
@@ -245,7 +252,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
     slices (2 or 4 chunks, a half or a quarter of a head's outputs), over a seeded sweep of rows, grouped heads, cache and live lengths,
     padding and sinks: the float64 check passes, the fused combine equals the two-kernel form bit for bit, and
     the result differs from the one-block plan by rounding only."""
-    code = ("import random, torch\nfrom gdtool.kernels import attention, check\n"
+    code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(1)\n"
             "rng = random.Random(1)\n"
             "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
@@ -255,13 +262,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
             "    cases.append((rng.randint(1, 3), hkv * rng.choice((1, 2, 4)), hkv, rng.choice((16, 32)), c,\n"
             "                  rng.randint(1, c), rng.randint(0, 3), rng.random() < 0.5))\n"
             "for i, (m, hq, hkv, d, c, live, pad, sinks) in enumerate(cases):\n"
-            "    q = torch.randn(m, hq, d, generator=gen).half()\n"
-            "    kc, vc = (torch.randn(m, hkv, c, d, generator=gen).half() for _ in range(2))\n"
-            "    mask = torch.ones(m, c, dtype=torch.long)\n"
-            "    for r in range(m):\n"
-            "        mask[r, : min(r * pad, live - 1)] = 0\n"
-            "    sink = torch.randn(hq, generator=gen).half() if sinks else None\n"
-            "    args = (q, kc, vc, mask, torch.tensor(live - 1), d ** -0.5, sink)\n"
+            "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
             "    attention.COMBINE_D, attention.COMBINE_ELEMENTS = 64, 4096\n"
             "    whole = attention.split_kv(*args)\n"
             "    splits = attention.split_plan(m, hkv, c)[1]\n"
