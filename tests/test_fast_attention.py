@@ -251,11 +251,13 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
     of the head's outputs (`combine_plan`). With the tiles shrunk so that every case takes several blocks and
     slices (2 or 4 chunks, a half or a quarter of a head's outputs), over a seeded sweep of rows, grouped heads, cache and live lengths,
     padding and sinks: the float64 check passes, the fused combine equals the two-kernel form bit for bit, and
-    the result differs from the one-block plan by rounding only."""
+    the result differs from the one-block plan (one read of the partials) by rounding only, by nothing where
+    the live chunks fit one block."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(1)\n"
             "rng = random.Random(1)\n"
             "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
+            "one_block = 0\n"
             "cases = [(1, 4, 1, 32, 96, 96, 0, False), (2, 8, 2, 16, 80, 3, 1, True)]\n"
             "for _ in range(6):\n"
             "    hkv, c = rng.choice((1, 2)), rng.randint(40, 120)\n"
@@ -265,19 +267,23 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
             "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
             "    attention.COMBINE_D, attention.COMBINE_ELEMENTS = 64, 4096\n"
             "    whole = attention.split_kv(*args)\n"
-            "    splits = attention.split_plan(m, hkv, c)[1]\n"
+            "    chunk, splits = attention.split_plan(m, hkv, c)\n"
             "    attention.COMBINE_D = d // (2, 4)[i % 2]\n"
             "    attention.COMBINE_ELEMENTS = attention.COMBINE_D * (4 if splits > 4 and i % 3 == 0 else 2)\n"
             "    block_d, block_splits = attention.combine_plan(splits, d)\n"
             "    assert block_d < d and block_splits < splits, (d, splits, block_d, block_splits)\n"
             "    two = attention.split_kv(*args)\n"
             "    torch.testing.assert_close(two, whole, rtol=2e-3, atol=2e-3)\n"
+            "    if -(-live // chunk) <= block_splits:  # the live chunks in one block: the same sums as one pass\n"
+            "        assert torch.equal(two, whole), (m, hq, hkv, live, (two - whole).abs().max())\n"
+            "        one_block += 1\n"
             "    attention._FUSED_COMBINE = True\n"
             "    one = attention.split_kv(*args)\n"
             "    attention._FUSED_COMBINE = False\n"
             "    assert torch.equal(one, two), (m, hq, hkv, live, (one - two).abs().max())\n"
             "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
             "    assert r.ok, r\n"
+            "assert one_block, 'no case had its live chunks in one block'\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
 

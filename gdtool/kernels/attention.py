@@ -310,29 +310,41 @@ if HAVE_TRITON:
                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
                  SINKS: tl.constexpr, FROM_L2: tl.constexpr):
         """One (row, query head) bh, outputs d0 to d0 + BLOCK_D: its live chunks' partial results, rescaled to
-        the common max, stored. The partials are read BLOCK_SPLITS chunks at a time (`combine_plan`): twice,
-        the maxima for the common max, then the sums and outputs, added block by block in chunk order."""
+        the common max, stored. Where every chunk fits one block (SPLITS <= BLOCK_SPLITS, `combine_plan`) the
+        partials are read once, all loads in flight together; otherwise BLOCK_SPLITS chunks at a time, twice: the
+        maxima for the common max, then the sums and outputs, added block by block in chunk order."""
         n_live = (live + CHUNK - 1) // CHUNK
         s = tl.arange(0, BLOCK_SPLITS)
         d = d0 + tl.arange(0, BLOCK_D)
         base = bh * SPLITS
-        top = tl.full([], float("-inf"), tl.float32)
-        for s0 in range(0, n_live, BLOCK_SPLITS):
-            top = tl.maximum(top, tl.max(_partials(m_ptr + base + s0 + s, s0 + s < n_live, float("-inf"), FROM_L2),
-                                         axis=0))
         if SINKS:  # the head's sink joins the softmax: in the common max and the sum, never in the output
             sink = tl.load(sink_ptr + bh % HQ).to(tl.float32) * 1.4426950408889634   # log2 units, as m
-            top = tl.maximum(top, sink)
-        total = tl.zeros([], tl.float32)
-        out = tl.zeros([BLOCK_D], tl.float32)
-        for s0 in range(0, n_live, BLOCK_SPLITS):
-            valid = s0 + s < n_live
-            m = _partials(m_ptr + base + s0 + s, valid, float("-inf"), FROM_L2)
-            l = _partials(l_ptr + base + s0 + s, valid, 0.0, FROM_L2)
-            acc = _partials(acc_ptr + (base + s0 + s)[:, None] * D + d[None, :], valid[:, None], 0.0, FROM_L2)
+        else:
+            sink = tl.full([], float("-inf"), tl.float32)
+        if SPLITS <= BLOCK_SPLITS:
+            valid = s < n_live
+            m = _partials(m_ptr + base + s, valid, float("-inf"), FROM_L2)
+            l = _partials(l_ptr + base + s, valid, 0.0, FROM_L2)
+            acc = _partials(acc_ptr + (base + s)[:, None] * D + d[None, :], valid[:, None], 0.0, FROM_L2)
+            top = tl.maximum(tl.max(m, axis=0), sink)
             w = tl.where(valid, tl.exp2(m - top), 0.0)
-            total += tl.sum(l * w, axis=0)
-            out += tl.sum(acc * w[:, None], axis=0)
+            total = tl.sum(l * w, axis=0)
+            out = tl.sum(acc * w[:, None], axis=0)
+        else:
+            top = sink
+            for s0 in range(0, n_live, BLOCK_SPLITS):
+                top = tl.maximum(top, tl.max(_partials(m_ptr + base + s0 + s, s0 + s < n_live, float("-inf"),
+                                                       FROM_L2), axis=0))
+            total = tl.zeros([], tl.float32)
+            out = tl.zeros([BLOCK_D], tl.float32)
+            for s0 in range(0, n_live, BLOCK_SPLITS):
+                valid = s0 + s < n_live
+                m = _partials(m_ptr + base + s0 + s, valid, float("-inf"), FROM_L2)
+                l = _partials(l_ptr + base + s0 + s, valid, 0.0, FROM_L2)
+                acc = _partials(acc_ptr + (base + s0 + s)[:, None] * D + d[None, :], valid[:, None], 0.0, FROM_L2)
+                w = tl.where(valid, tl.exp2(m - top), 0.0)
+                total += tl.sum(l * w, axis=0)
+                out += tl.sum(acc * w[:, None], axis=0)
         if SINKS:
             total += tl.exp2(sink - top)
         tl.store(o_ptr + bh * D + d, (out / total).to(o_ptr.dtype.element_ty))
