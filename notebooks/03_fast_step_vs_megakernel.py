@@ -34,9 +34,11 @@ model = "llama-1b"
 # folders of profiles/h200/bench/ for the last sections (gemma-3-1b's others: its batch-1 run at 69c20df with the
 # fused attention combine on, and its batch-64 run at c6bba88 with fused projections, each the fastest of that
 # batch with peers in the same run; llama-1b/pdl-auto: its fast step at batch 1 with PDL per kernel at 69c20df,
-# the fastest measured, a run without peers)
-bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "gemma-3-1b", "gemma-3-1b/fused-combine/pdl-auto-peers",
-                 "gemma-3-1b/fused-projections", "qwen3-30b-a3b", "gpt-oss-20b", "gpt-oss-20b/fused-projections"]
+# the fastest measured, a run without peers; llama-1b, llama-8b and qwen3-8b hold their fast step at batch 1 at
+# a7748ba beside the gpt-fast-style step)
+bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "qwen3-8b", "gemma-3-1b",
+                 "gemma-3-1b/fused-combine/pdl-auto-peers", "gemma-3-1b/fused-projections", "qwen3-30b-a3b",
+                 "gpt-oss-20b", "gpt-oss-20b/fused-projections"]
 # mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]

@@ -64,6 +64,81 @@ def test_dispatch_keeps_hf_outside_the_scope_and_for_what_it_does_not_cover():
     assert not fast_attention.active()
 
 
+def _against_hf_sdpa():
+    """gdtool's split-KV operator for the compiled HF forward (`mask_attention`: the kernels under Triton's
+    interpreter, else its torch reference) against HF's sdpa attention, and the dispatcher's choice in the scope:
+    a boolean mask goes to it, a float one (which may add a bias) to the packed sdpa."""
+    fast_attention.install()
+    q, k, v, mask = _inputs()
+    hf, _ = fast_attention._original(_Attn(), q, k, v, mask, scaling=0.25)
+    mine = fast_attention.mask_attention(q, k, v, mask, 0.25)
+    assert mine.shape == hf.shape == (3, 1, 8, 16)
+    torch.testing.assert_close(mine, hf, rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(mine, fast_attention.mask_attention(q, k, v, torch.ones_like(mask), 0.25))
+    with fast_attention.scope(split_kernel=True):
+        assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, mask, scaling=0.25)[0], mine)
+        assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, _additive(mask), scaling=0.25)[0],
+                           fast_attention.decode_attention(q, k, v, _additive(mask), 0.25))
+    assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, mask, scaling=0.25)[0], hf)  # outside: HF's
+
+
+def test_mask_attention_operator_computes_what_hf_sdpa_computes():
+    _against_hf_sdpa()
+
+
+def test_split_kv_plan_says_which_attention_the_compiled_forward_runs(model):
+    assert fast_attention.split_kv_plan(model, "compiled") == (False, "")
+    assert fast_attention.split_kv_plan(gdtool.load_model("tiny-gpt-oss", seed=0), "fast") == (False, "")  # sinks
+    applies, note = fast_attention.split_kv_plan(model, "fast")
+    expected = (True, "attention: gdtool's split-KV kernels") if fast_triton.interpreting() else \
+        (False, "attention: the packed sdpa (no Triton on this device)")
+    assert (applies, note) == expected
+    eager = gdtool.load_model("tiny-llama", seed=0)
+    eager.config._attn_implementation = "eager"
+    applies, note = fast_attention.split_kv_plan(eager, "fast")
+    assert not applies and note.startswith("attention: HF's eager attention"), note
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_under_the_interpreter():
+    """`mask_attention` (every slot counted live, the mask alone says which attend) loads no key or value of a
+    masked slot: with NaN in every masked slot, over a seeded sweep of rows, grouped heads, cache and live lengths
+    and padding, it gives bit for bit what the fast step's call gives with the live length known and clean caches
+    (the chunks past the live length add zeros), several blocks of chunks and output slices included, and the float64
+    check passes. Then tiny-llama at 12 rows (past gdtool's own forward): `kernels="fast"`'s compiled HF forward
+    runs its sdpa calls in the kernels, says so, and decodes HF's tokens."""
+    code = ("import random, sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
+            "from gdtool.kernels import attention, check, step\n"
+            "t._against_hf_sdpa()\n"
+            "gen = torch.Generator().manual_seed(2)\n"
+            "rng = random.Random(2)\n"
+            "for i in range(8):\n"
+            "    hkv, c = rng.choice((1, 2)), rng.randint(8, 120)\n"
+            "    m, hq, d, live, pad = rng.randint(1, 4), hkv * rng.choice((1, 2, 4)), rng.choice((16, 32)), \\\n"
+            "        rng.randint(1, c), rng.randint(0, 4)\n"
+            "    attention.COMBINE_ELEMENTS = 4096 if i % 2 else 2 * d  # odd: one block; even: blocks of 2 chunks\n"
+            "    q, kc, vc, mask, slot, scale, _ = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, False)\n"
+            "    mask[:, live:] = 0\n"
+            "    known = attention.split_kv(q, kc, vc, mask, slot, scale)\n"
+            "    hidden = (mask == 0)[:, None, :, None].expand_as(kc)\n"
+            "    nan_k, nan_v = kc.masked_fill(hidden, float('nan')), vc.masked_fill(hidden, float('nan'))\n"
+            "    out = attention.mask_attention(q.view(m, hq, 1, d), nan_k, nan_v, mask.bool()[:, None, None, :], scale)\n"
+            "    assert torch.equal(out.reshape(m, hq * d), known), (m, hq, hkv, d, c, live, pad)\n"
+            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad)\n"
+            "    assert r.ok, r\n"
+            "attention.COMBINE_ELEMENTS = 4096\n"
+            "model = gdtool.load_model('tiny-llama', seed=0)\n"
+            "prompt = gdtool.random_prompts(model, batch=12, lengths=(3, 9), seed=3)\n"
+            "kw = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=0, do_sample=False)\n"
+            "hf = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)\n"
+            "mine = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, kernels='fast', **kw)\n"
+            "assert torch.equal(hf.tokens, mine.tokens), (hf.tokens, mine.tokens)\n"
+            "note = step.compiles(model).kernels.iloc[-1]\n"
+            "assert \"attention: gdtool's split-KV kernels\" in note, note\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=900)
+
+
 def _next_token_logits(model, prompt):
     """The logits of one decode token after `prompt` (its greedy next token), HF's attention and then the packed
     one (gdtool's scope entered), each over a cache of its own."""
@@ -320,3 +395,40 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
         monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", False)
         two = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, two.tokens)
+
+
+@pytest.mark.cuda
+def test_mask_attention_in_the_compiled_forward_on_cuda():
+    """`mask_attention` on the GPU (the split kernel with every slot counted live, HF's boolean mask read in place):
+    at real shapes in bf16 (Llama's 32/8 x 64 at 64 rows, Qwen3's 32/8 x 128, a seeded sweep), NaN in every masked
+    slot, bit for bit the fast step's call with the live length known (the extra chunks add zeros) and the float64
+    check there; then tiny-llama at 12 rows (the compiled HF forward), captured equal to itself uncaptured, the
+    step's note naming the kernels."""
+    from gdtool.kernels import check, step as fast_step
+    gen, cpu_gen = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
+    shapes = [(64, 32, 8, 64, 384, 256, 3), (16, 32, 8, 128, 512, 300, 5), (1, 32, 8, 128, 4200, 4100, 0),
+              (1, 4, 1, 256, 4200, 4100, 0)]  # the last: 259 chunks, combined a block of 64 at a time
+    rng = random.Random(0)
+    for _ in range(8):
+        hkv, c = rng.choice((1, 2, 8)), rng.randint(16, 1024)
+        shapes.append((rng.randint(1, 64), hkv * rng.choice((1, 4, 8)), hkv, rng.choice((64, 128, 256)), c,
+                       rng.randint(1, c), rng.randint(0, 5)))
+    for m, hq, hkv, d, c, live, pad in shapes:
+        q, kc, vc, mask, slot, scale, _ = split_kv_args(cpu_gen, m, hq, hkv, d, c, live, pad, False)
+        q, kc, vc, mask, slot = (t.to("cuda") for t in (q, kc, vc, mask, slot))
+        q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+        mask[:, live:] = 0
+        known = fast_attention.split_kv(q, kc, vc, mask, slot, scale)
+        hidden = (mask == 0)[:, None, :, None].expand_as(kc)
+        nan_k, nan_v = kc.masked_fill(hidden, float("nan")), vc.masked_fill(hidden, float("nan"))
+        out = fast_attention.mask_attention(q.view(m, hq, 1, d), nan_k, nan_v, mask.bool()[:, None, None, :], scale)
+        assert torch.equal(out.reshape(m, hq * d), known), (m, hq, hkv, d, c, live, pad)
+        r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
+        assert r.ok, r
+    model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
+    prompt = gdtool.random_prompts(model, batch=12, lengths=(5, 12), seed=0)
+    kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast", mode="step-graph")
+    captured = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+    direct = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)
+    assert torch.equal(captured.tokens, direct.tokens)
+    assert "attention: gdtool's split-KV kernels" in fast_step.compiles(model).kernels.iloc[-1]

@@ -43,7 +43,10 @@ The arithmetic is flash-decoding's: scores and softmax in float32, probabilities
 model dtype for the product with V (as SDPA's kernels do), output rounded once. With gpt-oss's sinks
 (one learned logit per query head) the combine takes the sink into the common max and the sum; the
 fast step calls it for gpt-oss through `sinks_attention`, a custom operator inside the compiled HF
-forward (`sinks_plan` decides, `scope(sinks_kernel=True)` switches the dispatcher to it).
+forward (`sinks_plan` decides, `scope(sinks_kernel=True)` switches the dispatcher to it). Where `fast` runs
+HF's forward compiled (batches past gdtool's own forward, MoE and Gemma 3 layers it leaves to HF), the
+one-token sdpa calls with a boolean mask take the same kernels through `mask_attention` (`split_kv_plan`,
+`scope(split_kernel=True)`): every slot counted live, the masked ones never read.
 """
 from __future__ import annotations
 
@@ -63,6 +66,8 @@ COMBINE_ELEMENTS = 4096  # a combine program's tile of partials, float32 element
 _active = False
 _sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
 SINKS_PATH = "gpt_oss attention, sinks, split-KV"  # its kernel path's name (triton.CUDA_TESTED)
+_split_kernel = False  # inside the scope: the packed sdpa calls in gdtool's split-KV kernels (kernels="fast")
+SPLIT_PATH = "split-KV attention in the compiled HF forward"  # its kernel path's name (triton.CUDA_TESTED)
 _original = None
 _original_sinks = None  # gpt-oss's eager attention (attention sinks), where the dispatcher replaced it
 # keyword arguments that change the math: left to HF's function
@@ -75,16 +80,17 @@ def active() -> bool:
 
 
 @contextmanager
-def scope(sinks_kernel: bool = False):
+def scope(sinks_kernel: bool = False, split_kernel: bool = False):
     """gdtool's compiled step runs inside: the dispatchers' packed forms apply; sinks_kernel (`sinks_plan`):
-    gpt-oss's attention runs gdtool's split-KV kernels with its sinks (`sinks_attention`)."""
-    global _active, _sinks_kernel
-    before = _active, _sinks_kernel
-    _active, _sinks_kernel = True, bool(sinks_kernel)
+    gpt-oss's attention runs gdtool's split-KV kernels with its sinks (`sinks_attention`); split_kernel
+    (`split_kv_plan`): the calls the packed sdpa would take run them instead (`mask_attention`)."""
+    global _active, _sinks_kernel, _split_kernel
+    before = _active, _sinks_kernel, _split_kernel
+    _active, _sinks_kernel, _split_kernel = True, bool(sinks_kernel), bool(split_kernel)
     try:
         yield
     finally:
-        _active, _sinks_kernel = before
+        _active, _sinks_kernel, _split_kernel = before
 
 
 def install() -> None:
@@ -131,6 +137,10 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     if _active and applies(query, key, attention_mask, dropout, kwargs):
+        # a boolean mask says only which slots attend (sdpa's masks are; a float one may add a bias): split-KV
+        if _split_kernel and attention_mask is not None and attention_mask.dtype == torch.bool:
+            scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+            return torch.ops.gdtool.mask_attention(query, key, value, attention_mask, scale), None
         return decode_attention(query, key, value, attention_mask, scaling), None
     return _original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
@@ -163,13 +173,38 @@ def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout:
     return _original_sinks(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def _has_sinks(model) -> bool:
+    """Whether the model has gpt-oss's attention modules (the ones whose calls `_dispatch_sinks` receives)."""
+    return any(type(m).__module__.endswith("modeling_gpt_oss") and hasattr(m, "sinks") for m in model.modules())
+
+
+def split_kv_plan(model, kernels: str) -> tuple[bool, str]:
+    """(whether the compiled HF forward's one-token sdpa calls run gdtool's split-KV kernels, what the step's note
+    says). kernels="fast" where the decode forward is HF's compiled (gdtool's own forward calls the kernels
+    itself), on a model set to sdpa (gpt-oss: `sinks_plan`), where Triton runs on the model's device and the path
+    has passed its cuda tests there (or GDTOOL_UNTESTED_KERNELS=1). The packed sdpa reads every static slot; the
+    split kernel skips the masked ones (H200, 64 rows, 256 live of 384: 27.9 against 39.2 us a call,
+    `profiles/h200/decode-kernels/run2/`)."""
+    if kernels != "fast" or _has_sinks(model):
+        return False, ""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        return False, f"attention: HF's {implementation} attention (gdtool's split-KV kernels replace sdpa's)"
+    param = next(model.parameters())
+    if not usable(param):
+        return False, "attention: the packed sdpa (no Triton on this device)"
+    untested = untested_on_cuda(SPLIT_PATH, param.device)
+    if untested:
+        return False, f"attention: the packed sdpa ({untested})"
+    return True, "attention: gdtool's split-KV kernels"
+
+
 def sinks_plan(model, kernels: str) -> tuple[bool, str]:
     """(whether gpt-oss's attention runs gdtool's split-KV kernels with its sinks, what the step's note says).
     kernels="fast" on gpt-oss's own attention modules (the ones whose calls `_dispatch_sinks` receives), where Triton
     runs on the model's device and the path has passed its cuda tests there (or GDTOOL_UNTESTED_KERNELS=1). Set to
     another attention implementation than eager, gpt-oss calls that one, not the dispatcher: said, not claimed."""
-    if kernels != "fast" or not any(type(m).__module__.endswith("modeling_gpt_oss") and hasattr(m, "sinks")
-                                    for m in model.modules()):
+    if kernels != "fast" or not _has_sinks(model):
         return False, ""
     implementation = getattr(model.config, "_attn_implementation", None)
     if implementation != "eager":
@@ -210,6 +245,47 @@ def _(query, key, value, attention_mask, sinks, scaling):
     return query.new_empty(b, 1, hq, d)
 
 
+@torch.library.custom_op("gdtool::mask_attention", mutates_args=())
+def mask_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor,
+                   scaling: float) -> torch.Tensor:
+    """The one-token sdpa call of the compiled HF forward ([B, Hq, 1, D] over the static cache [B, Hkv, C, D],
+    HF's boolean [B, 1, 1, >= C] mask) in the split-KV kernels: -> [B, 1, Hq, D], as HF's attention returns it.
+    Every slot counts as live (HF's call gives no counter): the mask, read in place as a [B, C] view, alone says
+    which slots attend, and the kernel reads no key or value of a masked one (`split_kv`'s mask_only)."""
+    b, hq, _, d = query.shape
+    c = key.shape[2]
+    cols = attention_mask[:, 0, 0, :c].expand(b, c)
+    cols = cols if cols.stride(-1) == 1 else cols.contiguous()
+    q = query.reshape(b, hq, d).contiguous()
+    slot = _last_slot(c, query.device)
+    if usable(q, key):
+        out = split_kv(q, key.contiguous(), value.contiguous(), cols, slot, scaling, mask_only=True)
+    else:
+        out = split_kv_reference(q, key.contiguous(), value.contiguous(), cols, slot, scaling)
+    return out.reshape(b, 1, hq, d)
+
+
+@mask_attention.register_fake
+def _(query, key, value, attention_mask, scaling):
+    b, hq, _, d = query.shape
+    return query.new_empty(b, 1, hq, d)
+
+
+_LAST_SLOTS: dict = {}
+
+
+def _last_slot(c: int, device) -> torch.Tensor:
+    """The device scalar C - 1 (every slot of a C-slot cache counted live), made once per (C, device) outside a
+    CUDA graph capture, so a captured call reads it and launches nothing for it."""
+    key = (c, str(device))
+    slot = _LAST_SLOTS.get(key)
+    if slot is None:
+        slot = torch.full((), c - 1, dtype=torch.long, device=device)
+        if not (slot.is_cuda and torch.cuda.is_current_stream_capturing()):  # the graph's pool owns it then
+            _LAST_SLOTS[key] = slot
+    return slot
+
+
 # -------------------------------------------------------------------- the fast step: split-KV
 
 def split_kv_reference(q, k_cache, v_cache, mask, slot, scale, sinks=None):
@@ -245,7 +321,7 @@ if HAVE_TRITON:
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                       FUSED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr,
-                      PDL: tl.constexpr):
+                      MASK_ONLY: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
@@ -269,8 +345,10 @@ if HAVE_TRITON:
                 j = start + j0 + tl.arange(0, BLOCK_S)
                 inside = j < end
                 keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
-                k = tl.load(kv + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
-                v = tl.load(vv + j[:, None] * D + d[None, :], mask=inside[:, None], other=0.0)
+                # MASK_ONLY (every slot live, the mask alone says which attend): no masked slot's key or value read
+                read = keep if MASK_ONLY else inside
+                k = tl.load(kv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
+                v = tl.load(vv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
                 scores = tl.dot(q, tl.trans(k)) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
                 scores = tl.where(keep[None, :], scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -372,8 +450,9 @@ def combine_plan(splits: int, d: int) -> tuple[int, int]:
     return block_d, max(2, min(next_pow2(splits), COMBINE_ELEMENTS // block_d))
 
 
-def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
-    """Triton split-KV attention: same arguments and result as `split_kv_reference`."""
+def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False):
+    """Triton split-KV attention: same arguments and result as `split_kv_reference`. mask_only (slot: the cache's
+    last, the mask alone says which slots attend): the kernel reads no key or value of a masked slot."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -390,7 +469,8 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None):
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
-        FUSED=fused, BLOCK_D=block_d, BLOCK_SPLITS=block_splits, SINKS=sinks is not None, num_warps=4, **opts)
+        FUSED=fused, BLOCK_D=block_d, BLOCK_SPLITS=block_splits, SINKS=sinks is not None, MASK_ONLY=mask_only,
+        num_warps=4, **opts)
     if not fused:
         _attention_combine_kernel[(b * hq, d // block_d)](
             m, l, acc, out, slot, sink, HQ=hq, D=d, BLOCK_D=block_d, CHUNK=chunk, SPLITS=splits,

@@ -183,6 +183,9 @@ class CompiledStep(Step):
         # kernels="fast" on gpt-oss (attention with sinks): its attention in gdtool's split-KV kernels
         self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels) \
             if not self.fast_forward else (False, "")
+        # kernels="fast" elsewhere in the compiled HF forward: its one-token sdpa calls in the split-KV kernels
+        self.split_kernel, self.split_note = attention.split_kv_plan(self.model, kernels) \
+            if not self.fast_forward else (False, "")
         self._compiled = None
         self._cache_checked = False
         attention.install()
@@ -248,7 +251,8 @@ class CompiledStep(Step):
     def _scopes(self):
         """gdtool's kernels swapped into the HF modules for the duration of a compiled call (a captured graph
         replays no Python: the swap costs nothing after capture)."""
-        with attention.scope(self.sinks_kernel), experts.scope(self.moe_plan), linear.scope(self.linear_plan):
+        with attention.scope(self.sinks_kernel, self.split_kernel), experts.scope(self.moe_plan), \
+                linear.scope(self.linear_plan):
             yield
 
     def _run(self, body, *args):
@@ -313,6 +317,7 @@ def _kernels_note(step: CompiledStep) -> str:
         return step.kernels
     if not step.fast_plan.applies:
         moe = "; ".join(n for n in (step.moe_plan.note() if step.moe_plan is not None else "", step.sinks_note,
+                                    step.split_note,
                                     step.linear_plan.note() if step.linear_plan is not None else "") if n)
         if moe:
             return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
@@ -338,6 +343,7 @@ def _key(step: CompiledStep) -> tuple:
     param = next(step.model.parameters())
     base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
             step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else (), step.sinks_kernel,
+            step.split_kernel,
             step.linear_plan.key() if step.linear_plan is not None else ())
     if step.part == "forward":
         return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
