@@ -103,9 +103,9 @@ def test_split_kv_plan_says_which_attention_the_compiled_forward_runs(model):
 def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_under_the_interpreter():
     """`mask_attention` (every slot counted live, the mask alone says which attend) loads no key or value of a
     masked slot: with NaN in every masked slot, over a seeded sweep of rows, grouped heads, cache and live lengths
-    and padding, it gives bit for bit what the fast step's call gives with the live length known and clean caches
-    (the chunks past the live length add zeros), several blocks of chunks and output slices included, and the float64
-    check passes. Then tiny-llama at 12 rows (past gdtool's own forward): `kernels="fast"`'s compiled HF forward
+    and padding, it gives bit for bit what it gives with clean caches, several blocks of chunks and output slices
+    included; close to the fast step's call with the live length known (another kernel variant: on the H200 not
+    bitwise), and the float64 check passes. Then tiny-llama at 12 rows (past gdtool's own forward): `kernels="fast"`'s compiled HF forward
     runs its sdpa calls in the kernels, says so, and decodes HF's tokens."""
     code = ("import random, sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
             "from gdtool.kernels import attention, check, step\n"
@@ -122,8 +122,11 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
             "    known = attention.split_kv(q, kc, vc, mask, slot, scale)\n"
             "    hidden = (mask == 0)[:, None, :, None].expand_as(kc)\n"
             "    nan_k, nan_v = kc.masked_fill(hidden, float('nan')), vc.masked_fill(hidden, float('nan'))\n"
-            "    out = attention.mask_attention(q.view(m, hq, 1, d), nan_k, nan_v, mask.bool()[:, None, None, :], scale)\n"
-            "    assert torch.equal(out.reshape(m, hq * d), known), (m, hq, hkv, d, c, live, pad)\n"
+            "    mask4, q4 = mask.bool()[:, None, None, :], q.view(m, hq, 1, d)\n"
+            "    clean = attention.mask_attention(q4, kc, vc, mask4, scale)\n"
+            "    out = attention.mask_attention(q4, nan_k, nan_v, mask4, scale)\n"
+            "    assert torch.equal(out, clean), (m, hq, hkv, d, c, live, pad)\n"
+            "    torch.testing.assert_close(clean.reshape(m, hq * d), known)\n"
             "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad)\n"
             "    assert r.ok, r\n"
             "attention.COMBINE_ELEMENTS = 4096\n"
@@ -401,9 +404,9 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
 def test_mask_attention_in_the_compiled_forward_on_cuda():
     """`mask_attention` on the GPU (the split kernel with every slot counted live, HF's boolean mask read in place):
     at real shapes in bf16 (Llama's 32/8 x 64 at 64 rows, Qwen3's 32/8 x 128, a seeded sweep), NaN in every masked
-    slot, bit for bit the fast step's call with the live length known (the extra chunks add zeros) and the float64
-    check there; then tiny-llama at 12 rows (the compiled HF forward), captured equal to itself uncaptured, the
-    step's note naming the kernels."""
+    slot gives the bits clean caches give (no masked slot read), close to the fast step's call with the live length
+    known, and the float64 check passes there; then tiny-llama at 12 rows (the compiled HF forward), captured equal
+    to itself uncaptured, the step's note naming the kernels."""
     from gdtool.kernels import check, step as fast_step
     gen, cpu_gen = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
     shapes = [(64, 32, 8, 64, 384, 256, 3), (16, 32, 8, 128, 512, 300, 5), (1, 32, 8, 128, 4200, 4100, 0),
@@ -421,8 +424,12 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
         known = fast_attention.split_kv(q, kc, vc, mask, slot, scale)
         hidden = (mask == 0)[:, None, :, None].expand_as(kc)
         nan_k, nan_v = kc.masked_fill(hidden, float("nan")), vc.masked_fill(hidden, float("nan"))
-        out = fast_attention.mask_attention(q.view(m, hq, 1, d), nan_k, nan_v, mask.bool()[:, None, None, :], scale)
-        assert torch.equal(out.reshape(m, hq * d), known), (m, hq, hkv, d, c, live, pad)
+        mask4, q4 = mask.bool()[:, None, None, :], q.view(m, hq, 1, d)
+        clean = fast_attention.mask_attention(q4, kc, vc, mask4, scale)
+        out = fast_attention.mask_attention(q4, nan_k, nan_v, mask4, scale)
+        assert torch.equal(out, clean), (m, hq, hkv, d, c, live, pad)
+        # another kernel variant (its loads masked otherwise): the same sums, by rounding (H200, 0ceaca3: not bitwise)
+        torch.testing.assert_close(clean.reshape(m, hq * d), known)
         r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
         assert r.ok, r
     model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
