@@ -139,7 +139,7 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    tol = 1e-5 if dt == torch.float32 else 4e-3\n"
             "    assert float((one.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max()), cfg\n"
             "    assert not fast_triton._COUNTS.get(('router', 'cpu'), torch.zeros(1)).any()\n"
-            "# the small kernels routed in the router (and stacked down) at every token count, gpt-oss's too\n"
+            "# the small kernels routed in the router (and stacked down) at every token count\n"
             "bad = [r for r in check.check_experts_all('cpu', torch.float32, routed=True) if not r.ok]\n"
             "assert not bad, check.table(bad)\n"
             "assert not fast_triton._COUNTS[('router', 'cpu')].any()\n"
@@ -380,8 +380,8 @@ def test_experts_kernels_on_cuda(dtype):
 @pytest.mark.cuda
 def test_experts_kernels_routed_in_the_router_on_cuda():
     """The small kernels routed in the router kernel with down stacked (`Config.routed`, `stacked`: experts_config's
-    at one token) at every token count, and gpt-oss's candidate (`OssConfig.routed`), at real shapes in bf16
-    against float64; Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero)."""
+    at one token) at every token count, at real shapes in bf16 against float64 (gpt-oss's and the grouped ones as
+    they are); Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero)."""
     results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
     bad = [r for r in results if not r.ok]
     assert not bad, fast_check.table(bad)

@@ -187,16 +187,7 @@ def split_kv_plan(model, kernels: str) -> tuple[bool, str]:
     `profiles/h200/decode-kernels/run2/`)."""
     if kernels != "fast" or _has_sinks(model):
         return False, ""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != "sdpa":
-        return False, f"attention: HF's {implementation} attention (gdtool's split-KV kernels replace sdpa's)"
-    param = next(model.parameters())
-    if not usable(param):
-        return False, "attention: the packed sdpa (no Triton on this device)"
-    untested = untested_on_cuda(SPLIT_PATH, param.device)
-    if untested:
-        return False, f"attention: the packed sdpa ({untested})"
-    return True, "attention: gdtool's split-KV kernels"
+    return _kernels_plan(model, "sdpa", SPLIT_PATH, "attention", "the packed sdpa")
 
 
 def sinks_plan(model, kernels: str) -> tuple[bool, str]:
@@ -206,16 +197,23 @@ def sinks_plan(model, kernels: str) -> tuple[bool, str]:
     another attention implementation than eager, gpt-oss calls that one, not the dispatcher: said, not claimed."""
     if kernels != "fast" or not _has_sinks(model):
         return False, ""
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation != "eager":
-        return False, f"attention with sinks: HF's {implementation} attention (gdtool's kernels replace the eager one)"
+    return _kernels_plan(model, "eager", SINKS_PATH, "attention with sinks", "the packed torch form")
+
+
+def _kernels_plan(model, implementation: str, path: str, what: str, instead: str) -> tuple[bool, str]:
+    """`split_kv_plan`'s and `sinks_plan`'s checks: the model set to the attention implementation whose calls the
+    dispatcher receives, Triton on its device, `path`'s cuda tests passed there; the note names `what` and, where
+    the kernels do not run, the form that does (`instead`) and why."""
+    chosen = getattr(model.config, "_attn_implementation", None)
+    if chosen != implementation:
+        return False, f"{what}: HF's {chosen} attention (gdtool's kernels replace the {implementation} one)"
     param = next(model.parameters())
     if not usable(param):
-        return False, "attention with sinks: the packed torch form (no Triton on this device)"
-    untested = untested_on_cuda(SINKS_PATH, param.device)
+        return False, f"{what}: {instead} (no Triton on this device)"
+    untested = untested_on_cuda(path, param.device)
     if untested:
-        return False, f"attention with sinks: the packed torch form ({untested})"
-    return True, "attention with sinks: gdtool's split-KV kernels"
+        return False, f"{what}: {instead} ({untested})"
+    return True, f"{what}: gdtool's split-KV kernels"
 
 
 @torch.library.custom_op("gdtool::sinks_attention", mutates_args=())

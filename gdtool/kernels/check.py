@@ -586,8 +586,8 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     """The MoE block kernels on small shapes (interpreter-sized), and on CUDA at Qwen3-30B-A3B, Qwen1.5-MoE,
     OLMoE, Mixtral 8x7B and gpt-oss-20b/120b shapes; impl="reference" checks the torch reference against
     float64 alone. routed: the small kernels with their routing in the router kernel at every token count
-    (`Config.routed`, and `Config.stacked`; experts_config does so at one token), gpt-oss's too (`OssConfig.routed`);
-    the grouped ones as they are."""
+    (`Config.routed`, and `Config.stacked`; experts_config does so at one token); gpt-oss's and the grouped ones as
+    they are."""
     from dataclasses import replace
 
     from . import experts
@@ -600,8 +600,7 @@ def check_experts_all(device="cuda", dtype=torch.bfloat16, large: bool | None = 
     for shape in EXPERTS_GROUPED_SMALL + (EXPERTS_GROUPED_LARGE if large else []):
         results += check_experts(*shape, dtype, device, gen, grouped=True)
     for shape in EXPERTS_OSS_SMALL + (EXPERTS_OSS_LARGE if large else []):
-        config = replace(oss_config or experts.OssConfig(), routed=True) if routed else oss_config
-        results += check_experts_oss(*shape, dtype, device, gen, config=config)
+        results += check_experts_oss(*shape, dtype, device, gen, config=oss_config)
     for shape in EXPERTS_OSS_GROUPED_SMALL + (EXPERTS_OSS_GROUPED_LARGE if large else []):
         results += check_experts_oss(*shape, dtype, device, gen, grouped=True)
     return results

@@ -181,7 +181,7 @@ if HAVE_TRITON:
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                       W_F32: tl.constexpr, OSS: tl.constexpr):
+                       W_F32: tl.constexpr):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
@@ -217,7 +217,7 @@ if HAVE_TRITON:
             if done == tl.num_programs(0) - 1:
                 tl.store(count_ptr + m, 0)
                 _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, RENORM, W_F32,
-                             OSS, True)
+                             False, True)
                 if NORM:
                     tl.store(rstd_ptr + m, rstd)
 
@@ -471,22 +471,17 @@ if HAVE_TRITON:
     @triton.jit
     def _oss_gate_up_kernel(x_ptr, logits_ptr, gu_ptr, gub_ptr, act_ptr, ids_ptr, wts_ptr, H, E, I, stride_x,
                             stride_l, ALPHA, LIMIT, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-                            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            ROUTED: tl.constexpr):
+                            BLOCK_E: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Grid (tiles of BLOCK_N intermediate columns, M * TOPK pairs): gpt-oss's clamped SwiGLU of one pair's
         tile, from gate_up [E, H, 2I] (column 2n gate n, 2n + 1 up n: the tile's 2 * BLOCK_N columns are
         contiguous in every weight row). HF's rounding points: product, += bias, clamps, gate * alpha,
-        sigmoid, glu, up + 1, times, each rounded. ROUTED (`OssConfig.routed`): the router kernel routed the
-        rows; a program loads its expert id."""
+        sigmoid, glu, up + 1, times, each rounded."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         out_ty = x_ptr.dtype.element_ty
         m = p // TOPK
-        if ROUTED:
-            expert = tl.load(ids_ptr + p)
-        else:
-            expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
-                                 BLOCK_E, False, False, True)
+        expert = _pair_route(logits_ptr, ids_ptr, wts_ptr, p, t, m, stride_l, E, out_ty, TOPK, BLOCK_TOPK,
+                             BLOCK_E, False, False, True)
         c = t * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)    # gate 0, up 0, gate 1, up 1, ... of the tile
         cmask = c < 2 * I
         base = gu_ptr + expert.to(tl.int64) * H * (2 * I)
@@ -654,7 +649,6 @@ class Routing:
     top_k: int
     norm_topk: bool
     weights_f32: bool
-    oss: bool = False
 
 
 def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, norm=None,
@@ -673,7 +667,7 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         zero_counts("router", m, x.device) if route else logits, h, e, x.stride(0), logits.stride(0),
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
-        BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32, OSS=r.oss,
+        BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32,
         num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
@@ -694,12 +688,13 @@ class OssConfig:
     a gate and an up column), the reduction rows each step of the loop reads, warps. gpt-oss-20b at one token
     has ~360 programs of each (2.7 per H200 multiprocessor), each reading 64 or 128 contiguous bytes per
     weight row and 8K-element tiles: the fastest of the H200 sweep at one token (TUNED_FROM; from
-    GROUPED_FROM tokens the grouped kernels run)."""
+    GROUPED_FROM tokens the grouped kernels run). Routing the rows in the router kernel (as `Config.routed`) was
+    no faster here: 64.50 against 62.96 us a block at these tiles, the fastest of 108 configs
+    (profiles/h200/moe-sweep-a7748ba/, one block captured at one token), and was removed."""
     gate_up_cols: int = 32
     down_cols: int = 32
     block_k: int = 128
     warps: int = 4
-    routed: bool = False   # the router kernel routes (its last program per row); gate/up reads the ids
 
 
 def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias, down_bias, alpha, limit,
@@ -716,12 +711,11 @@ def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias,
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     y = torch.empty(m * top_k, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    route = Routing(ids, weights, weights, top_k, False, False, oss=True) if cfg.routed else None
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i), route=route)
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
     _oss_gate_up_kernel[(triton.cdiv(i, cfg.gate_up_cols), m * top_k)](
         x, logits, gate_up, gate_up_bias, act, ids, weights, h, e, i, x.stride(0), logits.stride(0), float(alpha),
         float(limit), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), BLOCK_N=cfg.gate_up_cols,
-        BLOCK_K=cfg.block_k, ROUTED=cfg.routed, num_warps=cfg.warps)
+        BLOCK_K=cfg.block_k, num_warps=cfg.warps)
     _oss_down_kernel[(triton.cdiv(h, cfg.down_cols), m * top_k)](
         act, ids, weights, down, down_bias, y, h, i, BLOCK_N=cfg.down_cols, BLOCK_K=cfg.block_k, num_warps=cfg.warps)
     _combine_kernel[(triton.cdiv(h, COMBINE_COLS), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=COMBINE_COLS)
