@@ -213,6 +213,46 @@ def part_gemv(args, rows):
                 torch.cuda.empty_cache()
 
 
+def _attention_plans(args, rows, gen):
+    """--attention-targets: llama-1b's attention at one row (32/8 x 64 over 384 slots, the live lengths of a decode)
+    with split_plan's TARGET_PROGRAMS set to each target (fewer, longer chunks: fewer programs and a shorter
+    combine), the combine in its own kernel and in the split kernel's last program (GDTOOL_FUSED_COMBINE), PDL on.
+    At 175 live slots the default plan (264) cuts 11 chunks of 16 and the step spends ~8 us a layer on attention
+    (nsys, a7748ba) for ~0.36 MB of cache: the question is which plan the latency favours."""
+    if not args.attention_targets:
+        return
+    m, hq, hkv, d, cache = (1, 32, 8, 64, 384) if DEVICE == "cuda" else (1, 4, 2, 16, 40)
+    lives = (129, 175, 256, 383) if DEVICE == "cuda" else (17,)
+    copies = 16 if DEVICE == "cuda" else 1
+    q = torch.randn(m, hq, d, device=DEVICE, generator=gen).to(DTYPE)
+    caches = [(torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE),
+               torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE)) for _ in range(copies)]
+    default_target, default_fused = fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE
+    try:
+        for live in lives:
+            mask = torch.zeros(m, cache, dtype=torch.long, device=DEVICE)
+            mask[:, :live] = 1
+            slot = torch.tensor(live - 1, device=DEVICE)
+            for target in args.attention_targets:
+                for fused in (False, True):
+                    if time.perf_counter() - START > args.budget_s:
+                        return
+                    fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE = target, fused
+                    try:
+                        with fast_triton.pdl(True):
+                            us = time_calls([lambda kc=kc, vc=vc: fast_attention.split_kv(
+                                q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches], args.reps)
+                        rows.append(dict(rows=m, heads=f"{hq}/{hkv}x{d}", cache=cache, live=live,
+                                         kernel="split-kv, combine fused" if fused else "split-kv", pdl=True, us=us,
+                                         target=target, chunks=str(fast_attention.split_plan(m, hkv, cache))))
+                    except Exception as error:
+                        rows.append(dict(rows=m, cache=cache, live=live, target=target, fused=fused,
+                                         error=repr(error)[:300]))
+                    log(rows[-1])
+    finally:
+        fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE = default_target, default_fused
+
+
 def part_attention(args, rows):
     dtype = DTYPE
     gen = torch.Generator(device=DEVICE).manual_seed(2)
@@ -251,6 +291,7 @@ def part_attention(args, rows):
                 except Exception as error:
                     rows.append(dict(rows=m, cache=cache, live=live, kernel=label, pdl=pdl, error=repr(error)[:300]))
                 log(rows[-1])
+    _attention_plans(args, rows, gen)
     vocab = 128256 if DEVICE == "cuda" else 4096
     for m in (1, 64):
         xs = [torch.randn(m, vocab, device=DEVICE) for _ in range(8)]
@@ -394,6 +435,8 @@ def parse_args(argv):
     p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
                    help="gemv part: tile configs besides the default (small: two neighbours), for --sweep-models")
     p.add_argument("--sweep-models", default="llama-1b", help="the models whose projections --sweep sweeps")
+    p.add_argument("--attention-targets", default="", help="attention part: llama-1b's attention at one row also with "
+                   "split_plan's TARGET_PROGRAMS at each of these (e.g. 8,16,33,66,132,264), combine fused and not")
     p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -406,6 +449,7 @@ def parse_args(argv):
     args.models = args.models.split(",")
     args.sweep_models = args.sweep_models.split(",")
     args.gemv_rows = [int(x) for x in args.gemv_rows.split(",")]
+    args.attention_targets = [int(x) for x in args.attention_targets.split(",") if x]
     args.step_models = args.step_models.split(",")
     # the riskiest cases last: a capture that fails can leave the process unusable
     args.step_cases = []

@@ -44,6 +44,8 @@
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
 #                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
+#   attention-plan the same probe's attention part, llama-1b's attention at one row also at each split plan
+#                  (ATTENTION_TARGETS: split_plan's TARGET_PROGRAMS), the combine fused and not
 #   agree          the same probe's teacher-forced agreement of kernels="fast" with HF's kernels (top-1 share, largest
 #                  logit difference; compare_kernels) for each of AGREE_MODELS (qwen3-30b-a3b,gpt-oss-20b) at
 #                  AGREE_BATCHES (1,16,64): the per-preset agreement the MoE issue asks for
@@ -234,6 +236,8 @@ for p in "$@"; do
     moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
            $py profiles/moe_sweep.py --model \$m ${MOE_SWEEP_BATCHES:+--batch $MOE_SWEEP_BATCHES} --out $work/moe-sweep \
            || exit 1; done" ;;
+    attention-plan) part attention-plan ${ATTENTION_PLAN_SECONDS:-200} "$py" profiles/decode_kernels_probe.py \
+           --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \
