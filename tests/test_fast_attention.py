@@ -79,6 +79,10 @@ def _against_hf_sdpa():
         assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, mask, scaling=0.25)[0], mine)
         assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, _additive(mask), scaling=0.25)[0],
                            fast_attention.decode_attention(q, k, v, _additive(mask), 0.25))
+        # heads of 8 (the kernel's dot products take 16 and up): the packed sdpa
+        q8, k8, v8 = q[..., :8], k[..., :8], v[..., :8]
+        assert torch.equal(fast_attention._dispatch(_Attn(), q8, k8, v8, mask, scaling=0.25)[0],
+                           fast_attention.decode_attention(q8, k8, v8, mask, 0.25))
     assert torch.equal(fast_attention._dispatch(_Attn(), q, k, v, mask, scaling=0.25)[0], hf)  # outside: HF's
 
 
@@ -97,6 +101,10 @@ def test_split_kv_plan_says_which_attention_the_compiled_forward_runs(model):
     eager.config._attn_implementation = "eager"
     applies, note = fast_attention.split_kv_plan(eager, "fast")
     assert not applies and note.startswith("attention: HF's eager attention"), note
+    eager.config._attn_implementation, eager.config.head_dim = "sdpa", 24   # heads the split kernel does not take
+    assert fast_attention.split_kv_plan(eager, "fast") == (
+        False, "attention: the packed sdpa (head_dim 24: the split kernel takes a power of two >= 16)")
+    assert [d for d in (8, 16, 24, 64, 80, 128, 256) if fast_attention.split_kv_fits(d)] == [16, 64, 128, 256]
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")

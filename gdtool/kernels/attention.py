@@ -138,7 +138,9 @@ def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 def _dispatch(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     if _active and applies(query, key, attention_mask, dropout, kwargs):
         # a boolean mask says only which slots attend (sdpa's masks are; a float one may add a bias): split-KV
-        if _split_kernel and attention_mask is not None and attention_mask.dtype == torch.bool:
+        if _split_kernel and attention_mask is not None and attention_mask.dtype == torch.bool \
+                and attention_mask.shape[-1] >= key.shape[2] and split_kv_fits(query.shape[-1]) \
+                and value.shape[-1] == query.shape[-1]:   # one head size for keys and values (not MLA's)
             scale = query.shape[-1] ** -0.5 if scaling is None else scaling
             return torch.ops.gdtool.mask_attention(query, key, value, attention_mask, scale), None
         return decode_attention(query, key, value, attention_mask, scaling), None
@@ -173,6 +175,11 @@ def _dispatch_sinks(module, query, key, value, attention_mask, scaling, dropout:
     return _original_sinks(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
+def split_kv_fits(head_dim: int) -> bool:
+    """Whether the split kernel takes heads of this size: a power of two >= 16 (its dot products' tiles)."""
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def _has_sinks(model) -> bool:
     """Whether the model has gpt-oss's attention modules (the ones whose calls `_dispatch_sinks` receives)."""
     return any(type(m).__module__.endswith("modeling_gpt_oss") and hasattr(m, "sinks") for m in model.modules())
@@ -187,6 +194,11 @@ def split_kv_plan(model, kernels: str) -> tuple[bool, str]:
     `profiles/h200/decode-kernels/run2/`)."""
     if kernels != "fast" or _has_sinks(model):
         return False, ""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(config, "num_attention_heads", None)
+    d = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else None)
+    if d is not None and not split_kv_fits(d):
+        return False, f"attention: the packed sdpa (head_dim {d}: the split kernel takes a power of two >= 16)"
     return _kernels_plan(model, "sdpa", SPLIT_PATH, "attention", "the packed sdpa")
 
 
