@@ -113,8 +113,9 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
     masked slot: with NaN in every masked slot, over a seeded sweep of rows, grouped heads, cache and live lengths
     and padding, it gives bit for bit what it gives with clean caches, several blocks of chunks and output slices
     included; close to the fast step's call with the live length known (another kernel variant: on the H200 not
-    bitwise), and the float64 check passes. Then tiny-llama at 12 rows (past gdtool's own forward): `kernels="fast"`'s compiled HF forward
-    runs its sdpa calls in the kernels, says so, and decodes HF's tokens."""
+    bitwise), and the float64 check passes. Then tiny-llama, tiny-qwen3-moe and tiny-gemma3 at 12 rows (past gdtool's
+    own forward): `kernels="fast"`'s compiled HF forward runs their sdpa calls in the kernels, says so, and decodes
+    HF's tokens."""
     code = ("import random, sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
             "from gdtool.kernels import attention, check, step\n"
             "t._against_hf_sdpa()\n"
@@ -138,14 +139,19 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
             "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad)\n"
             "    assert r.ok, r\n"
             "attention.COMBINE_ELEMENTS = 4096\n"
-            "model = gdtool.load_model('tiny-llama', seed=0)\n"
-            "prompt = gdtool.random_prompts(model, batch=12, lengths=(3, 9), seed=3)\n"
-            "kw = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=0, do_sample=False)\n"
-            "hf = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)\n"
-            "mine = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, kernels='fast', **kw)\n"
-            "assert torch.equal(hf.tokens, mine.tokens), (hf.tokens, mine.tokens)\n"
-            "note = step.compiles(model).kernels.iloc[-1]\n"
-            "assert \"attention: gdtool's split-KV kernels\" in note, note\n"
+            "calls, kernel = [], attention.split_kv\n"
+            "attention.split_kv = lambda *a, **k: calls.append(k.get('mask_only')) or kernel(*a, **k)\n"
+            "for name in ('tiny-llama', 'tiny-qwen3-moe', 'tiny-gemma3'):  # dense, MoE, sliding + full layers\n"
+            "    model = gdtool.load_model(name, seed=0)\n"
+            "    prompt = gdtool.random_prompts(model, batch=12, lengths=(3, 9), seed=3)\n"
+            "    kw = dict(max_new_tokens=5, eos_token_id=None, pad_token_id=0, do_sample=False)\n"
+            "    hf = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)\n"
+            "    calls.clear()\n"
+            "    mine = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, kernels='fast', **kw)\n"
+            "    assert torch.equal(hf.tokens, mine.tokens), (name, hf.tokens, mine.tokens)\n"
+            "    assert calls and all(calls), (name, calls)  # the sdpa calls went through mask_attention\n"
+            "    note = step.compiles(model).kernels.iloc[-1]\n"
+            "    assert \"attention: gdtool's split-KV kernels\" in note, (name, note)\n"
             "print('ok')\n")
     run_interpreted(code, timeout=900)
 
