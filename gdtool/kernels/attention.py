@@ -243,10 +243,10 @@ def sinks_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     else:
         cols = attention_mask[:, 0, 0, :c]
         keep = (cols if cols.dtype == torch.bool else cols == 0).to(torch.int8)
-    slot = torch.full((), c - 1, dtype=torch.long, device=query.device)
     q = query.reshape(b, hq, d).contiguous()
     run = split_kv if usable(q, key) else split_kv_reference
-    return run(q, key.contiguous(), value.contiguous(), keep, slot, scaling, sinks).reshape(b, 1, hq, d)
+    return run(q, key.contiguous(), value.contiguous(), keep, _last_slot(c, query.device), scaling,
+               sinks).reshape(b, 1, hq, d)
 
 
 @sinks_attention.register_fake
