@@ -216,6 +216,10 @@ KNOBS = {
     # multimodal RoPE sections summing to the rotary width / 2 (partial rotary: 8 of the 16 head dims)
     "glm4v": MROPE, "glm46v": MROPE, "glmga": MROPE, "glm_ocr": MROPE, "glm5_next": MROPE,
     "glm4v_moe": dict(rope_parameters=dict(MROPE["rope_parameters"], mrope_section=[1, 1, 2])),
+    # its indexer's heads must fit in one key head's query group (the default: 12 of 48 / 4); a budget of 2 + 2 local
+    # + 1 sink keys and a pool of 2 blocks of 2, below the prompt's length, so that the sparse selection runs
+    "kolibri1_1": dict(index_num_heads=1, index_topk=2, index_num_local_tokens=2, index_num_sink_tokens=1,
+                       index_pool_size=4, index_compression=2),
 }
 MEDIA_ID = 2  # the id of an image or vision-start token: one a prompt never holds (it draws ids from 3 up)
 # Gemma 4's drafting assistants: a text config without per-layer inputs, MoE or double-wide MLPs, whose layers
