@@ -102,7 +102,7 @@ def summary(rows: list[tuple[str, dict]], env: str) -> str:
             + f"; {mismatches} mismatches. Every row, with each refusal's reason: `docs/zoo.md`.")
 
 
-def _quiet() -> None:
+def quiet_worker() -> None:
     import torch
     import transformers
     torch.set_num_threads(1)   # one process per core: extra threads only wait for each other
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     found = {}
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
-                             initializer=_quiet) if args.jobs > 1 else nullcontext() as pool:
+                             initializer=quiet_worker) if args.jobs > 1 else nullcontext() as pool:
         runs = pool.map(_run, cases) if pool else map(_run, cases)
         for name, row in runs:
             found[name] = row

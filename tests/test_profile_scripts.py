@@ -336,3 +336,23 @@ def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():
     assert moe_sweep.grouped_from(rows) == 2
     rows[-1]["us_per_block"] = 4.0
     assert moe_sweep.grouped_from(rows) == 3
+
+
+def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):
+    """profiles/window_sweep.py: the suite's sliding-window sweep at other seeds. It runs every case of the seeds
+    asked for, prints each mismatch with its case's name and exits 1 on any; bad arguments are refused by name."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import window_sweep
+    import windows
+    assert window_sweep.main(["--seeds", "3", "--arch", "mistral"]) == 0
+    assert "5 cases, 0 mismatched" in capsys.readouterr().out
+    cases = windows.cases("mistral", windows.patterns_of("mistral"), seed=3)
+    monkeypatch.setattr(windows, "run", lambda case: [f"{case.name} step-graph: tokens differ"])
+    assert window_sweep.main(["--seeds", "3", "--arch", "mistral"]) == 1
+    out = capsys.readouterr().out
+    assert all(f"{c.name} step-graph: tokens differ" in out for c in cases) and "5 cases, 5 mismatched" in out
+    for bad, phrase in ((["--arch", "llama"], "no sliding window"), (["--seeds", "x"], "give N or A-B"),
+                        (["--windows", "1-4"], "fewer than 2 slots")):
+        with pytest.raises(SystemExit):
+            window_sweep.main(bad)
+        assert phrase in capsys.readouterr().err
