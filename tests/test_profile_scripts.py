@@ -356,3 +356,31 @@ def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             window_sweep.main(bad)
         assert phrase in capsys.readouterr().err
+
+
+def test_zoo_sweep_runs_every_case_at_random_shapes_and_fails_on_a_mismatch(monkeypatch, capsys):
+    """profiles/zoo_sweep.py: every causal-LM case at `--shapes` random shapes each, the shapes it ran printed;
+    a mismatch or a crash is printed with its shape and makes the exit status 1."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import zoo
+    import zoo_sweep
+    assert zoo_sweep.main(["--shapes", "2", "--arch", "mistral"]) == 0
+    out = capsys.readouterr().out
+    assert "6 ran, 0 refused, 0 not in the zoo; 0 mismatched or crashed" in out  # mistral and its 2 window variants
+    first = zoo.shapes("0-mistral", 2)[0]
+    assert f"mistral b{first.batch} p{first.width} pads{first.pads} n{first.new_tokens} seed {first.seed}: ran" in out
+    calls = iter([{"status": "mismatch", "error": "greedy step-graph poll=3: tokens differ"}, RuntimeError("boom")])
+
+    def outcome(*args, **kwargs):
+        found = next(calls, {"status": "ran", "results": [["greedy", "eager", 1, "pass"]]})
+        if isinstance(found, Exception):
+            raise found
+        return found
+    monkeypatch.setattr(zoo, "outcome", outcome)
+    assert zoo_sweep.main(["--shapes", "2", "--arch", "mistral"]) == 1
+    out = capsys.readouterr().out
+    assert "mismatch: greedy step-graph poll=3: tokens differ" in out and "crashed: RuntimeError: boom" in out
+    assert "2 mismatched or crashed" in out
+    with pytest.raises(SystemExit):
+        zoo_sweep.main(["--arch", "not_a_model"])
+    assert "not a causal LM" in capsys.readouterr().err

@@ -12,7 +12,9 @@ filled while decoding (10). The architectures the knob table and the image-text 
 error poisons its process's context; it must not fail the architectures after it). ZOO_SUBPROCESS=1
 takes that path on a CPU too.
 """
+import dataclasses
 import os
+import random
 import re
 
 import transformers
@@ -142,9 +144,10 @@ IDS = [c[0] for c in CASES]
 
 
 
-def _check(name, model_type, overrides, image_text, device):
+def _check(name, model_type, overrides, image_text, device, shape=None):
     sampled = device == "cpu" and (image_text or model_type in zoo.KNOBS or model_type in NEWLY_BUILT)
-    args = dict(model_type=model_type, overrides=overrides, device=device, image_text=image_text, sampled=sampled)
+    args = dict(model_type=model_type, overrides=overrides, device=device, image_text=image_text, sampled=sampled,
+                shape=None if shape is None else dataclasses.asdict(shape))
     isolated = device == "cuda" or os.environ.get("ZOO_SUBPROCESS") == "1"
     found = zoo.outcome_in_subprocess(**args) if isolated else zoo.outcome(**args)
     if os.environ.get("ZOO_OUTCOMES"):  # kept before any assertion: a failing case is recorded too
@@ -201,6 +204,25 @@ def check_hybrid(model_type, cache_kinds) -> None:
 @pytest.mark.parametrize("name,model_type,overrides,image_text", CASES, ids=IDS)
 def test_zoo(name, model_type, overrides, image_text):
     _check(name, model_type, overrides, image_text, "cpu")
+
+
+# The cases above decode one prompt (3 rows, 7 wide, 12 new tokens). A seeded draw of the causal-LM cases (window
+# variants among them) each decodes a random shape besides: 1-6 rows, 1-12 ids, any left padding, 2-16 new tokens
+# (`zoo.shapes`); `profiles/zoo_sweep.py` runs every case at as many shapes as asked.
+def _shape_sweep(count: int = 120):
+    rng = random.Random("zoo-shape-sweep")
+    causal = [c for c in CASES if not c[3]]
+    return [(name, model_type, overrides, zoo.shapes(name, 1)[0])
+            for name, model_type, overrides, _ in rng.sample(causal, count)]
+
+
+SHAPE_SWEEP = _shape_sweep()
+
+
+@pytest.mark.parametrize("name,model_type,overrides,shape", SHAPE_SWEEP,
+                         ids=[f"{c[0]}-b{c[3].batch}-p{c[3].width}-n{c[3].new_tokens}" for c in SHAPE_SWEEP])
+def test_zoo_at_random_shapes(name, model_type, overrides, shape):
+    _check(name, model_type, overrides, False, "cpu", shape=shape)
 
 
 @pytest.mark.cuda

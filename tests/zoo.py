@@ -9,8 +9,10 @@ config has a window.
 from __future__ import annotations
 
 import copy
+import random
 import re
 import warnings
+from dataclasses import dataclass
 
 import torch
 
@@ -380,46 +382,75 @@ def vocabulary(model) -> int:
     return min(VOCAB, getattr(embeddings, "num_embeddings", VOCAB))
 
 
-def prompt(model, device, batch: int = 3, width: int = 7, seed: int = 0):
+def prompt(model, device, batch: int = 3, width: int = 7, seed: int = 0, pads: tuple | None = None):
+    """`batch` rows of `width` ids, left-padded by `pads` (one count per row; by default different widths, the last
+    row unpadded)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocabulary(model), (batch, width), generator=gen)
     mask = torch.ones_like(ids)
-    for row in range(batch):  # left padding of different widths, the last row unpadded
-        mask[row, :max(0, width - 3 - 2 * row)] = 0
+    pads = pads if pads is not None else [max(0, width - 3 - 2 * row) for row in range(batch)]
+    for row, pad in enumerate(pads):
+        mask[row, :pad] = 0
     ids = torch.where(mask.bool(), ids, torch.zeros_like(ids))
     return ids.to(device), mask.to(device)
 
 
-def _reference(model, ids, mask, seed, **settings):
+@dataclass(frozen=True)
+class Shape:
+    """The prompt and length one zoo run decodes: the zoo test's fixed one by default, or a draw (`shapes`)."""
+    batch: int = 3
+    width: int = 7
+    pads: tuple | None = None
+    new_tokens: int = 12
+    seed: int = 0
+
+
+def shapes(seed: int | str, count: int) -> list[Shape]:
+    """`count` seeded random shapes: 1-6 rows, prompts of 1-12 ids with left pads of any width short of the row
+    (one row unpadded, so the width is the longest prompt), 2-16 new tokens."""
+    rng = random.Random(f"zoo-shapes-{seed}")
+    out = []
+    for _ in range(count):
+        batch, width = rng.randint(1, 6), rng.randint(1, 12)
+        pads = [rng.randint(0, width - 1) for _ in range(batch)]
+        pads[rng.randrange(batch)] = 0
+        out.append(Shape(batch, width, tuple(pads), rng.randint(2, 16), rng.randrange(1 << 16)))
+    return out
+
+
+def _reference(model, ids, mask, seed, new_tokens=NEW_TOKENS, **settings):
     from reference import generate
     try:
-        return generate(model, ids, mask, NEW_TOKENS, seed=seed, **settings)
+        return generate(model, ids, mask, new_tokens, seed=seed, **settings)
     except Exception as error:  # noqa: BLE001 - any failure of generate() means there is no reference
         raise GenerateFailed(f"{type(error).__name__}: {str(error)[:160]}") from error
 
 
-def run_architecture(model, device, cases=None) -> dict:
-    """Decode `model` in every mode and case; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
+def run_architecture(model, device, cases=None, shape: Shape = Shape()) -> dict:
+    """Decode `model` in every mode and case at `shape`; {(case, mode, poll): 'pass' | 'refused: <reason>'}.
     Raises AssertionError on any mismatch with generate(), GenerateFailed when there is no reference."""
     import gdtool
     from gdtool.core.feed import Unsupported
     from gdtool.core.graphs import CaptureError
     from reference import assert_same, decode
-    ids, mask = prompt(model, device)
-    plain, _ = _reference(model, ids, mask, 0, do_sample=False, eos_token_id=None, pad_token_id=0)
-    early, late = int(plain[0, 2]), int(plain[1, 6])
+    ids, mask = prompt(model, device, shape.batch, shape.width, shape.seed, shape.pads)
+    n, seed = shape.new_tokens, shape.seed + 5
+    plain, _ = _reference(model, ids, mask, 0, n, do_sample=False, eos_token_id=None, pad_token_id=0)
+    # EOS: the first row's third token and the second row's seventh (or the last ones there are), so rows
+    # finish at different steps
+    early, late = int(plain[0, min(2, n - 1)]), int(plain[min(1, shape.batch - 1), min(6, n - 1)])
     eos = [early, late] if early != late else [early]
     # every reference before any decode: a capture that fails half way left CUDA's generator unusable in the
     # process ("Offset increment outside graph capture" at the next random draw, charged to generate());
     # gdtool puts it back now, but the references must not depend on what a failed capture left
     cases = [(case, dict(settings, eos_token_id=eos, pad_token_id=1), modes) for case, settings, modes in cases or CASES]
-    references = [_reference(model, ids, mask, 5, **settings) for _, settings, _ in cases]
+    references = [_reference(model, ids, mask, seed, n, **settings) for _, settings, _ in cases]
     results = {}
     for (case, settings, modes), (ref_tokens, ref_scores) in zip(cases, references):
         for mode, poll in modes:
             key = (case, mode, poll)
             try:
-                out = decode(model, ids, mask, NEW_TOKENS, seed=5, mode=mode, eos_poll_interval=poll, **settings)
+                out = decode(model, ids, mask, n, seed=seed, mode=mode, eos_poll_interval=poll, **settings)
             except (Unsupported, CaptureError) as refusal:
                 results[key] = f"refused: {refusal}"
                 continue
@@ -435,9 +466,10 @@ def run_architecture(model, device, cases=None) -> dict:
 # -- one architecture as a JSON outcome, in this process or a fresh one ---------------------------------
 
 def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: bool = False,
-            sampled: bool = False) -> dict:
+            sampled: bool = False, shape: dict | None = None) -> dict:
     """What the zoo test asserts on, as JSON: {"status": "ran", "results": [[case, mode, poll, result]...],
-    "cache": [cache layer kinds]}, or "not built" / "generate failed" / "mismatch" with "error"."""
+    "cache": [cache layer kinds]}, or "not built" / "generate failed" / "mismatch" with "error". `shape`: the
+    fields of a `Shape` (the prompt and length), the zoo test's fixed one where None."""
     from gdtool.core import compat
     try:
         model = build(model_type, image_text=image_text, **overrides)
@@ -446,7 +478,7 @@ def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: b
         return {"status": "not built", "error": f"{type(error).__name__}: {str(error)[:300]}"}
     model = model.to(device)
     try:
-        results = run_architecture(model, device, SAMPLED_CASES if sampled else CASES)
+        results = run_architecture(model, device, SAMPLED_CASES if sampled else CASES, Shape(**(shape or {})))
     except GenerateFailed as error:
         return {"status": "generate failed", "error": str(error)}
     except AssertionError as error:
