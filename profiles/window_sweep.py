@@ -8,6 +8,10 @@ test suite runs seed 0 of every architecture; this runs the seeds asked for, ove
 
     python profiles/window_sweep.py --seeds 1-40 --jobs 2          # every sliding-window architecture
     python profiles/window_sweep.py --seeds 1-200 --arch gemma3_text mistral --windows 3-20 --widths 2-24
+    python profiles/window_sweep.py --seeds 1-20 --arch gemma3_text gpt_oss --kernels fast   # Triton's interpreter
+
+With `--kernels compiled` or `fast` each case decodes greedily with those kernels, eager and step-graph, as
+`test_sliding_windows_with_gdtool_kernels` does: the two modes bit for bit alike and the tokens generate()'s.
 
 It prints a line per (architecture, seed) and ends with the count of cases and mismatches; the exit status
 is 1 when any case mismatched (each is printed with its case name, which `windows.Case` rebuilds).
@@ -38,14 +42,15 @@ def span(text: str) -> range:
 
 
 def _job(job) -> tuple[str, int, int, list[str], float]:
-    arch, seed, per_fill, ranges = job
+    arch, seed, per_fill, ranges, kernels = job
     import windows
     start = time.perf_counter()
     patterns = windows.patterns_of(arch)
     if not patterns:
         return arch, seed, 0, [], 0.0
     cases = windows.cases(arch, patterns, per_fill=per_fill, seed=seed, **ranges)
-    failures = [f for case in cases for f in windows.run(case)]
+    failures = [f for case in cases
+                for f in (windows.run_kernels(case, kernels) if kernels else windows.run(case))]
     return arch, seed, len(cases), failures, time.perf_counter() - start
 
 
@@ -58,6 +63,8 @@ def main(argv=None) -> int:
     parser.add_argument("--windows", type=span, default=span("3-8"), help="sliding windows drawn from")
     parser.add_argument("--widths", type=span, default=span("2-10"), help="padded prompt widths drawn from")
     parser.add_argument("--new-tokens", type=span, default=span("2-12"), help="new tokens drawn from")
+    parser.add_argument("--kernels", choices=("compiled", "fast"), default=None,
+                        help="decode with these kernels (greedy, eager and step-graph) instead of every mode")
     parser.add_argument("--jobs", type=int, default=1, help="processes, one torch thread each")
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.per_fill < 1:
@@ -74,11 +81,12 @@ def main(argv=None) -> int:
         parser.error(f"--arch {' '.join(unknown)}: no sliding window in the installed transformers; "
                      f"these have one: {' '.join(known)}")
     ranges = dict(windows=args.windows, widths=args.widths, new_tokens=args.new_tokens)
-    jobs = [(arch, seed, args.per_fill, ranges) for arch in archs for seed in args.seeds]
+    jobs = [(arch, seed, args.per_fill, ranges, args.kernels) for arch in archs for seed in args.seeds]
     print(f"transformers {transformers.__version__}, torch {torch.__version__}, CPU; {len(archs)} architectures x "
           f"seeds {args.seeds.start}-{args.seeds.stop - 1}, {args.per_fill} case(s) per fill place; windows "
           f"{args.windows.start}-{args.windows.stop - 1}, widths {args.widths.start}-{args.widths.stop - 1}, "
-          f"new tokens {args.new_tokens.start}-{args.new_tokens.stop - 1}", flush=True)
+          f"new tokens {args.new_tokens.start}-{args.new_tokens.stop - 1}"
+          + (f"; kernels={args.kernels}" if args.kernels else ""), flush=True)
     start, total, failures, skipped = time.perf_counter(), 0, [], set()
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=quiet_worker) if args.jobs > 1 else nullcontext() as pool:
