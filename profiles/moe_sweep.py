@@ -44,6 +44,11 @@ SMALL_GRID = dict(gate_up_rows=(2, 4, 8, 16), down_rows=(2, 4, 8), warps=(4, 8),
 # row before its first load
 ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256, 512, 1024),
                    routed=(True,), stacked=(False, True))
+# the routed small kernels with the router's top-k one reduction a round over packed (probability, id) keys
+# (`Config.packed`) instead of a max and a min: the router's routing is on the step's path at one token (6.15 us a
+# layer at eb913f2, qwen3-30b-a3b); the tiles around experts_config's one-token default, beside ROUTED_GRID's rows
+PACKED_GRID = dict(gate_up_rows=(8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256,), routed=(True,), stacked=(True,),
+                   packed=(True,))
 # (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at
 # one token, one block captured, gate/up 8 rows, chunk 256, us a block with k rounds against ranked: 30.83 / 32.58
 # (down 4 rows, 8 warps), 30.97 / 34.04 (2, 4), 32.63 / 34.27 (2, 8), 33.73 / 36.94 (4, 4); removed from experts.py
@@ -166,7 +171,8 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
                 default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
-                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID)]
+                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID)
+                    + grid(PACKED_GRID)]
         else:
             config, block = build_oss_block()
             e = block.experts

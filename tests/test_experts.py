@@ -148,6 +148,37 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_packed_top_k_picks_what_the_rounds_pick():
+    """`Config.packed` (the router kernel's top-k, one max a round over (probability bits, complemented id) keys):
+    over a seeded sweep of experts (4-128), top-k, tokens, dtypes and routing weights, with tied logits (experts
+    sharing a router row) in half the trials, the same ids, weights and block output, bit for bit, as k rounds of
+    a max and a lowest-id min. Without routed=True it is refused by name."""
+    with pytest.raises(ValueError, match="routed=True"):
+        experts.Config(4, 4, 2, packed=True)
+    code = ("import random, torch\nfrom dataclasses import replace\nfrom gdtool.kernels import experts\n"
+            "rng = random.Random(5)\n"
+            "for trial in range(8):\n"
+            "    e = rng.choice([4, 8, 16, 60, 128]); k = min(e, rng.choice([1, 2, 4, 8])); m = rng.randint(1, 4)\n"
+            "    h, i = rng.choice([32, 64]), rng.choice([24, 32]); wf = rng.random() < 0.3\n"
+            "    norm_topk = rng.random() < 0.5; dt = torch.float32 if trial % 2 else torch.float16\n"
+            "    g = torch.Generator().manual_seed(trial)\n"
+            "    rw = torch.randn(e, h, generator=g).to(dt) / 8\n"
+            "    if trial % 2 == 0:  # tied logits: pairs of experts with the same router row\n"
+            "        for a in range(0, e - 1, 3):\n"
+            "            rw[a + 1] = rw[a]\n"
+            "    args = (torch.randn(m, h, generator=g).to(dt), rw, torch.randn(e, 2 * i, h, generator=g).to(dt) / 8,\n"
+            "            torch.randn(e, h, i, generator=g).to(dt) / 6, k, norm_topk, wf)\n"
+            "    base = experts.Config(4, 4, 2, chunk=None, routed=True, stacked=True)\n"
+            "    seen, ref = {}, {}\n"
+            "    out = experts.block_triton(*args, config=replace(base, packed=True), intermediates=seen)\n"
+            "    want = experts.block_triton(*args, config=base, intermediates=ref)\n"
+            "    assert torch.equal(seen['ids'], ref['ids']), (trial, seen['ids'], ref['ids'])\n"
+            "    assert torch.equal(seen['weights'], ref['weights']) and torch.equal(out, want), trial\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_grouped_align_kernel_over_a_seeded_sweep():
     """The align kernel's sorted buffer and tile owners, exactly, over drawn expert counts (up to 128, the
     chunk of pairs counted at a time shrinking with them), top-k, 1-64 tokens and tile heights 16-64, with
@@ -381,7 +412,8 @@ def test_experts_kernels_on_cuda(dtype):
 def test_experts_kernels_routed_in_the_router_on_cuda():
     """The small kernels routed in the router kernel with down stacked (`Config.routed`, `stacked`: experts_config's
     at one token) at every token count, at real shapes in bf16 against float64 (gpt-oss's and the grouped ones as
-    they are); Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero)."""
+    they are); Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero); and with
+    the packed top-k (`Config.packed`), bitwise the same again."""
     results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
     bad = [r for r in results if not r.ok]
     assert not bad, fast_check.table(bad)
@@ -394,6 +426,12 @@ def test_experts_kernels_routed_in_the_router_on_cuda():
     config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True)
     runs = [experts.block_triton(*args, config=config) for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
+    # the packed top-k (`Config.packed`, off by default): the same ids, weights and output, bit for bit
+    seen, ref = {}, {}
+    packed = experts.block_triton(*args, config=replace(config, packed=True), intermediates=seen)
+    experts.block_triton(*args, config=config, intermediates=ref)
+    assert torch.equal(seen["ids"], ref["ids"]) and torch.equal(seen["weights"], ref["weights"])
+    assert torch.equal(packed, runs[0])
     assert not fast_triton._COUNTS[("router", "cuda:0")].any()
 
 

@@ -181,14 +181,15 @@ if HAVE_TRITON:
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                       W_F32: tl.constexpr):
+                       W_F32: tl.constexpr, PACKED: tl.constexpr = False):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
         (`_x_chunk`). PDL (as the small gate/up and down kernels): launched early, it waits for the kernel
         before it first (`triton.py`). ROUTE (`Config.routed`): the last of a row's programs to finish routes
         the row from the stored logits (`_store_route`: ids and weights, as `_route_kernel`) and stores the
-        row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row."""
+        row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row. PACKED
+        (`Config.packed`): that routing's top-k one reduction a round (`_top_packed`)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         if PDL:
@@ -217,7 +218,7 @@ if HAVE_TRITON:
             if done == tl.num_programs(0) - 1:
                 tl.store(count_ptr + m, 0)
                 _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, RENORM, W_F32,
-                             False, True)
+                             False, True, PACKED)
                 if NORM:
                     tl.store(rstd_ptr + m, rstd)
 
@@ -244,11 +245,13 @@ if HAVE_TRITON:
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
-               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, FROM_L2: tl.constexpr = False):
+               BLOCK_E: tl.constexpr, NORM: tl.constexpr, OSS: tl.constexpr, FROM_L2: tl.constexpr = False,
+               PACKED: tl.constexpr = False):
         """Row m's routing from its logits, as HF's router: softmax in float32, the k largest (ties: lower
         id first), renormalized (NORM); or (OSS, gpt-oss) the k largest logits, then a float32 softmax over
         those k. Returns (ids [BLOCK_TOPK] int32, weights [BLOCK_TOPK] float32). FROM_L2: the logits read past
-        L1 (.cg), where other programs of the same kernel stored them."""
+        L1 (.cg), where other programs of the same kernel stored them. PACKED (softmax first only): the k
+        largest by one reduction a round over packed keys (`_top_packed`), the same ids and values."""
         e = tl.arange(0, BLOCK_E)
         live = e < E
         if FROM_L2:
@@ -259,26 +262,49 @@ if HAVE_TRITON:
         if OSS:
             ids, values = _route_topk_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
         else:
-            ids, values = _route_softmax_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, NORM)
+            ids, values = _route_softmax_first(logits, live, e, TOPK, BLOCK_TOPK, BLOCK_E, NORM, PACKED)
         return ids, values
 
     @triton.jit
     def _route_softmax_first(logits, live, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr,
-                             NORM: tl.constexpr):
+                             NORM: tl.constexpr, PACKED: tl.constexpr = False):
         p = tl.exp(logits - tl.max(logits, axis=0))
         p = p / tl.sum(p, axis=0)
-        p = tl.where(live, p, -1.0)
+        if PACKED:
+            ids, values = _top_packed(p, live, e, TOPK, BLOCK_TOPK, BLOCK_E)
+        else:
+            p = tl.where(live, p, -1.0)
+            slots = tl.arange(0, BLOCK_TOPK)
+            ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
+            values = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
+            for j in tl.static_range(TOPK):
+                best = tl.max(p, axis=0)
+                pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+                ids = tl.where(slots == j, pick, ids)
+                values = tl.where(slots == j, best, values)
+                p = tl.where(e == pick, -2.0, p)
+        if NORM:
+            values = values / tl.sum(values, axis=0)
+        return ids, values
+
+    @triton.jit
+    def _top_packed(p, live, e, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr):
+        """(ids, values) [BLOCK_TOPK] of the TOPK largest of the live probabilities p (>= 0, not -0.0: a softmax's),
+        largest first, ties to the lower id: what k rounds of a max and a lowest-id min pick, by one max a round.
+        A non-negative float32's bits order as its value does, so each live p is the key (bits << 32) | (BLOCK_E -
+        1 - id) (the lower id the larger key among equal p) and the round's max holds both the value and the id;
+        a dead or picked slot's key is -1, below every live one."""
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(live, (bits << 32) | (BLOCK_E - 1 - e).to(tl.int64), -1)
         slots = tl.arange(0, BLOCK_TOPK)
         ids = tl.zeros([BLOCK_TOPK], dtype=tl.int32)
         values = tl.zeros([BLOCK_TOPK], dtype=tl.float32)
         for j in tl.static_range(TOPK):
-            best = tl.max(p, axis=0)
-            pick = tl.min(tl.where(p == best, e, BLOCK_E), axis=0)
+            best = tl.max(key, axis=0)
+            pick = BLOCK_E - 1 - (best.to(tl.int32) & (BLOCK_E - 1))   # the low word: BLOCK_E - 1 - id
             ids = tl.where(slots == j, pick, ids)
-            values = tl.where(slots == j, best, values)
-            p = tl.where(e == pick, -2.0, p)
-        if NORM:
-            values = values / tl.sum(values, axis=0)
+            values = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), values)
+            key = tl.where(e == pick, -1, key)
         return ids, values
 
     @triton.jit
@@ -551,11 +577,15 @@ class Config:
     chunk: int | None = None   # elements of a weight row one load of gate/up and down covers (None: MAX_CHUNK)
     routed: bool = False       # the router kernel routes (its last program per row); gate/up reads the ids
     stacked: bool = False      # down: the k experts' tiles of a program as one load, one sum per chunk
+    packed: bool = False       # routed: the top-k one reduction a round over packed keys, not a max and a min
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
+        if self.packed and not self.routed:
+            raise ValueError("Config(packed=True): the packed top-k runs in the router kernel's routing; "
+                             "set routed=True too")
 
 
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
@@ -668,7 +698,7 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
         BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32,
-        num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
+        PACKED=cfg.packed and route is not None, num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
 
@@ -817,10 +847,10 @@ if HAVE_TRITON:
     @triton.jit
     def _store_route(logits_ptr, ids_ptr, wts_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
                      BLOCK_E: tl.constexpr, NORM: tl.constexpr, W_F32: tl.constexpr, OSS: tl.constexpr,
-                     FROM_L2: tl.constexpr):
+                     FROM_L2: tl.constexpr, PACKED: tl.constexpr = False):
         """Row m's expert ids and routing weights (rounded to the model dtype unless W_F32; OSS: gpt-oss's
-        routing), stored at ids[m, :TOPK], wts[m, :TOPK]."""
-        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS, FROM_L2)
+        routing; PACKED: `_top_packed`'s top-k), stored at ids[m, :TOPK], wts[m, :TOPK]."""
+        ids, values = _route(logits_ptr, m, stride_l, E, TOPK, BLOCK_TOPK, BLOCK_E, NORM, OSS, FROM_L2, PACKED)
         if not W_F32:   # rounded to the model dtype, the logits'
             values = values.to(logits_ptr.dtype.element_ty).to(tl.float32)
         slots = tl.arange(0, BLOCK_TOPK)

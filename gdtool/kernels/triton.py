@@ -106,7 +106,9 @@ def usable(*tensors) -> bool:
 # runs cut by their limits, none failed (kernel-paths-12ffb80-{a,b,c}.jsonl): every path above among them. At
 # a7748ba, the combine reading the partials once where every chunk fits one block, all 50 passed over two runs
 # (kernel-paths-a7748ba-{b,c}.jsonl). Since then the split kernel has a MASK_ONLY switch and the router kernel lost
-# its gpt-oss routing and gpt-oss's gate/up its ROUTED branch: every path here runs them off, the same code. Not
+# its gpt-oss routing and gpt-oss's gate/up its ROUTED branch: every path here runs them off, the same code. The
+# router kernel has since gained a PACKED switch (`experts.Config.packed`, a top-k candidate for the sweep), off on
+# every path here and reached only through an explicit Config. Not
 # listed: the compiled HF forward's split-KV attention (attention.SPLIT_PATH), whose cuda test failed at 0ceaca3 on
 # the test's own assertion (bitwise across two kernel variants), since corrected and not yet rerun.
 CUDA_TESTED = frozenset({
