@@ -6,6 +6,9 @@
     out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="step-graph", max_new_tokens=32)
     print(out.tokens, out.steps, out.host_syncs)
 """
+import warnings as _warnings
+
+from .core.compat import untested_transformers as _untested_transformers
 from .loops.decode import MODES, DecodeOutput, decode
 from .loops.decoder import Decoder
 from .core.models import PRESETS, load_model, random_prompts
@@ -16,3 +19,7 @@ from .measure import costmodel, workloads
 __all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "add_device_busy", "costmodel", "decode",
            "load_model", "profile", "random_prompts", "sweep", "workloads"]
 __version__ = "0.1.0"
+
+_untested = _untested_transformers()
+if _untested:
+    _warnings.warn(_untested, stacklevel=2)

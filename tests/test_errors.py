@@ -310,3 +310,26 @@ def test_a_mask_on_the_device_is_a_hazard_except_where_torch_fills_through_it():
     assert not graphs._fills_through_a_mask(x, (rows, rows[:1].expand(3)))        # two masks: index_put_
     assert not graphs._fills_through_a_mask(x, torch.tensor([0, 1], device="meta"))  # positions, not a mask
     assert not graphs._fills_through_a_mask(x, torch.ones(2, 3, dtype=torch.bool))  # a host mask (served as positions)
+
+
+def test_a_transformers_release_outside_the_tested_range_is_named_at_import():
+    """gdtool reads transformers' internals: a release outside the range its package metadata requires
+    (pyproject's, the newest the zoo ran against) gets a warning at import that names the version, the range and
+    the two fixes; the installed one is inside it (the test environments install from pyproject), so importing
+    gdtool warns of nothing."""
+    import subprocess
+    import sys
+
+    from gdtool.core.compat import untested_transformers
+    requires = ["torch>=2.11", "transformers<5.26,>=5.17", 'pytest>=8; extra == "dev"']
+    assert untested_transformers("5.25.0", requires) == "" and untested_transformers("5.17.0", requires) == ""
+    for version in ("5.26.0", "5.26.0.dev0", "5.16.1", "6.0.0"):
+        text = untested_transformers(version, requires)
+        assert f"transformers {version} is outside" in text and "<5.26,>=5.17" in text, text
+        assert "pip install 'transformers<5.26,>=5.17'" in text and "bash scripts/dev.sh test" in text
+    assert untested_transformers("7.0", ["torch>=2.11"]) == ""  # no transformers requirement: nothing to say
+    assert untested_transformers() == ""
+    code = ("import warnings\nwith warnings.catch_warnings(record=True) as seen:\n    warnings.simplefilter('always')\n"
+            "    import gdtool\nprint([str(w.message) for w in seen if 'gdtool was tested' in str(w.message)])")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stdout[-2000:] + run.stderr[-2000:]

@@ -13,6 +13,9 @@
   `past_length + torch.arange(seq_len)`, the same positions added on the device.
 - Whether the repetition penalty sees left pads: up to 5.2x generate() penalizes every id of
   `input_ids`, pads included; later releases skip each row's left padding (`prompt_ignore_length`).
+
+All of this rests on transformers' internals, checked on the releases the package requires (pyproject.toml's
+range, the newest the zoo test ran against): `untested_transformers` says when the installed one is outside it.
 """
 from __future__ import annotations
 
@@ -20,6 +23,31 @@ import contextlib
 import inspect
 
 import torch
+
+
+def untested_transformers(version: str | None = None, requires: list[str] | None = None) -> str:
+    """'' where transformers `version` (the installed one) is in the range gdtool's package metadata requires;
+    else a warning that says so and what to do. '' too where gdtool is not installed (run from a source tree)."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+    if version is None:
+        import transformers
+        version = transformers.__version__
+    if requires is None:
+        try:
+            requires = metadata.requires("gdtool") or []
+        except metadata.PackageNotFoundError:
+            return ""
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "transformers" and req.marker is None and not req.specifier.contains(version, prereleases=True):
+            return (f"transformers {version} is outside the releases gdtool was tested with ({req.specifier}): "
+                    "gdtool reads transformers' internals (caches, masks, generate()'s processors), which a release "
+                    "may change, and its refusals and bitwise parity with generate() are checked on that range only. "
+                    f"Install a tested release (pip install 'transformers{req.specifier}'), or run gdtool's tests on "
+                    "this one first (bash scripts/dev.sh test).")
+    return ""
 
 
 def penalty_sees_left_pads() -> bool:
