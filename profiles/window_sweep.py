@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from gdtool.measure.record import describe  # noqa: E402
 from zoo_table import quiet_worker  # noqa: E402
 
 
@@ -71,8 +72,6 @@ def main(argv=None) -> int:
         parser.error("--jobs and --per-fill: give 1 or more")
     if min(args.windows) < 2:
         parser.error(f"--windows {args.windows.start}-{args.windows.stop - 1}: a window of fewer than 2 slots")
-    import torch
-    import transformers
     import windows
     known = windows.architectures()
     archs = args.arch or known
@@ -82,7 +81,7 @@ def main(argv=None) -> int:
                      f"these have one: {' '.join(known)}")
     ranges = dict(windows=args.windows, widths=args.widths, new_tokens=args.new_tokens)
     jobs = [(arch, seed, args.per_fill, ranges, args.kernels) for arch in archs for seed in args.seeds]
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, CPU; {len(archs)} architectures x "
+    print(f"{describe()}\n{len(archs)} architectures x "
           f"seeds {args.seeds.start}-{args.seeds.stop - 1}, {args.per_fill} case(s) per fill place; windows "
           f"{args.windows.start}-{args.windows.stop - 1}, widths {args.widths.start}-{args.widths.stop - 1}, "
           f"new tokens {args.new_tokens.start}-{args.new_tokens.stop - 1}"

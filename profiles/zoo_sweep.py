@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
+from gdtool.measure.record import describe  # noqa: E402
 from zoo_table import quiet_worker  # noqa: E402
 
 
@@ -51,7 +52,6 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.jobs < 1 or args.shapes < 1:
         parser.error("--jobs and --shapes: give 1 or more")
-    import torch
     import transformers
     import zoo
     known = zoo.architectures()
@@ -67,7 +67,7 @@ def main(argv=None) -> int:
         cases += [(name, model_type, overrides) for name, overrides in variants]
     jobs = [(name, model_type, overrides, dataclasses.asdict(shape)) for name, model_type, overrides in cases
             for shape in zoo.shapes(f"{args.seed}-{name}", args.shapes)]
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}, CPU; {len(cases)} cases x "
+    print(f"{describe()}\n{len(cases)} cases x "
           f"{args.shapes} shapes, seed {args.seed}", flush=True)
     start, counts, bad = time.perf_counter(), {"ran": 0, "refused": 0, "not in the zoo": 0}, []
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
