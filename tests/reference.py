@@ -3,8 +3,12 @@ import torch
 
 
 def generate(model, prompt_ids, mask, max_new_tokens, seed=None, **settings):
+    """generate()'s tokens and scores on the model as freshly loaded: no cache length and no module-held state left
+    by earlier calls (`compat.start_fresh`: RecurrentGemma's one-token prefill reads the state it left)."""
+    from gdtool.core import compat
     if hasattr(model, "_previous_max_cache_length"):
         del model._previous_max_cache_length
+    compat.start_fresh(model)
     if seed is not None:
         torch.manual_seed(seed)
     out = model.generate(prompt_ids, attention_mask=mask, max_new_tokens=max_new_tokens,

@@ -218,6 +218,32 @@ def test_state_kept_on_the_modules_is_decoded_exactly_in_every_mode(case, device
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_one_token_prompt_decodes_from_a_fresh_state_whatever_ran_before(device):
+    """RecurrentGemma's prefill of a one-token prompt takes its decode branch, which reads the convolution state the
+    previous forward left on the module (transformers 5.17-5.25: generate() itself answers such a prompt
+    differently on a model that has decoded before). gdtool starts every prefill fresh (`compat.start_fresh`): a
+    one-token prompt gets what generate() gives on a freshly loaded model, in every mode and through a Decoder,
+    after other prompts of the same batch size were decoded by generate() and by gdtool."""
+    model = _recurrent_gemma(device)
+    ids = torch.tensor([[17], [301]], device=device)
+    mask = torch.ones_like(ids)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, cache_implementation="static",
+                         disable_compile=True, output_scores=True, return_dict_in_generate=True, **kw)
+    ref = ref.sequences[:, 1:], ref.scores
+    other = gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=4)
+    for mode in gdtool.MODES:
+        generate(model, other.input_ids, other.attention_mask, 5, **kw)
+        decode(model, other.input_ids, other.attention_mask, 5, mode=mode, **kw)
+        assert_same(decode(model, ids, mask, 6, mode=mode, **kw), *ref)
+    dec = gdtool.Decoder(model, mode="step-graph", max_new_tokens=6, **kw)
+    for _ in range(2):
+        assert torch.equal(dec.generate(ids, mask).tokens, ref[0].cpu())
+        decode(model, other.input_ids, other.attention_mask, 5, **kw)
+    dec.close()
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mode", ["step-graph", "device-loop"])
 def test_state_kept_on_the_modules_is_refilled_by_each_call_of_a_decoder(mode, device):
     # the second call replays the first call's steps: they must read the state its own prefill made

@@ -93,6 +93,23 @@ def remember_cache_length(model, length: int) -> None:
     model._previous_max_cache_length = length
 
 
+# State a model keeps on its modules between forwards, not in the cache, and resets only where its forward gets no
+# cache or another batch size (class name -> attributes; None is how a freshly built module holds them).
+# RecurrentGemma's recurrent blocks: a one-token prompt's prefill takes the decode branch, which reads the
+# convolution state the previous call left (5.17-5.25), so generate() on a model that has decoded before gives
+# another answer for the same one-token prompt than on a freshly loaded one.
+FRESH_STATE = {"RecurrentGemmaRecurrentBlock": ("conv1d_state",), "RecurrentGemmaRglru": ("recurrent_states",)}
+
+
+def start_fresh(model) -> None:
+    """Clear the state `model` keeps on its modules (`FRESH_STATE`), as a freshly loaded model holds it: a decode
+    then depends on its prompt alone, never on what ran before (every prefill does this; references taken with
+    generate() do it first too)."""
+    for module in model.modules():
+        for name in FRESH_STATE.get(type(module).__name__, ()):
+            setattr(module, name, None)
+
+
 def static_cache(model, length: int):
     from transformers import StaticCache
     return StaticCache(config=model.config, max_cache_len=length)

@@ -384,6 +384,7 @@ class Feed:
 
     def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> dict:
         kwargs = self._common(attention_mask, positions)
+        compat.start_fresh(self.model)
         self.module_state.watch()
         length = None if self.all_linear else input_ids.shape[1]
         return self.model.prepare_inputs_for_generation(input_ids, next_sequence_length=length,
