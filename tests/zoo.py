@@ -407,14 +407,18 @@ class Shape:
 
 def shapes(seed: int | str, count: int) -> list[Shape]:
     """`count` seeded random shapes: 1-6 rows, prompts of 1-12 ids with left pads of any width short of the row
-    (one row unpadded, so the width is the longest prompt), 2-16 new tokens."""
+    (one row unpadded, so the width is the longest prompt), 2-16 new tokens. The edges are drawn more often than
+    their share: one-id prompts (where RecurrentGemma's prefill took its decode branch and read stale state), one
+    row, one decode step (2 new tokens)."""
     rng = random.Random(f"zoo-shapes-{seed}")
     out = []
     for _ in range(count):
-        batch, width = rng.randint(1, 6), rng.randint(1, 12)
+        batch = 1 if rng.random() < 0.15 else rng.randint(1, 6)
+        width = 1 if rng.random() < 0.15 else rng.randint(1, 12)
         pads = [rng.randint(0, width - 1) for _ in range(batch)]
         pads[rng.randrange(batch)] = 0
-        out.append(Shape(batch, width, tuple(pads), rng.randint(2, 16), rng.randrange(1 << 16)))
+        new_tokens = 2 if rng.random() < 0.15 else rng.randint(2, 16)
+        out.append(Shape(batch, width, tuple(pads), new_tokens, rng.randrange(1 << 16)))
     return out
 
 
