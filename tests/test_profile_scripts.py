@@ -384,3 +384,33 @@ def test_zoo_sweep_runs_every_case_at_random_shapes_and_fails_on_a_mismatch(monk
     with pytest.raises(SystemExit):
         zoo_sweep.main(["--arch", "not_a_model"])
     assert "not a causal LM" in capsys.readouterr().err
+
+
+def test_zoo_sweep_names_the_cases_in_flight_when_a_worker_dies(monkeypatch, capsys):
+    """A worker killed mid-case (the kernel's OOM killer, as 5.17's tiny Falcon-H1 at 24 GiB does) breaks the pool:
+    the sweep names the model types in flight and the fix (--skip), and exits 1; --skip leaves a type out."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from concurrent.futures.process import BrokenProcessPool
+
+    import zoo_sweep
+
+    class Broken:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, job):
+            class Future:
+                def result(self):
+                    raise BrokenProcessPool("a child process terminated abruptly")
+            return Future()
+    monkeypatch.setattr(zoo_sweep, "ProcessPoolExecutor", Broken)
+    assert zoo_sweep.main(["--shapes", "1", "--arch", "mistral", "gemma2", "--jobs", "2"]) == 1
+    assert "with one of these in flight: mistral; run again with --skip" in capsys.readouterr().out
+    assert zoo_sweep.main(["--shapes", "1", "--arch", "mistral", "gemma2", "--skip", "mistral", "--jobs", "2"]) == 1
+    assert "in flight: gemma2;" in capsys.readouterr().out
