@@ -60,9 +60,9 @@ def main(argv=None) -> int:
     import transformers
     import zoo
     known = zoo.architectures()
-    unknown = sorted(set(args.arch or ()) - set(known))
+    unknown = sorted((set(args.arch or ()) | set(args.skip)) - set(known))
     if unknown:
-        parser.error(f"--arch {' '.join(unknown)}: not a causal LM of transformers {transformers.__version__}")
+        parser.error(f"--arch/--skip {' '.join(unknown)}: not a causal LM of transformers {transformers.__version__}")
     cases = []
     for model_type in [t for t in args.arch or known if t not in args.skip]:
         try:

@@ -95,7 +95,8 @@ IMAGE_TEXT_NOT_BUILT = {
     # scipy's linear_sum_assignment (scipy is in the dev extras); where installed, they build and must decode
     "fast_vlm": TIMM, "perception_lm": TIMM, "inkling_mm_model": r"^ModuleNotFoundError: No module named 'scipy'",
 }
-OLDEST = tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 18)
+RELEASE = tuple(int(x) for x in transformers.__version__.split(".")[:2])  # (major, minor) of the installed one
+OLDEST = RELEASE < (5, 18)
 if OLDEST:  # what 5.17 refuses or cannot decode and later releases can
     # 5.17's XLM names its cache `cache`, a name 5.17's generate() does not hand one by: generate() recomputes
     # the sequence at every step (later releases hand it `cache`, and generate() itself fails)
@@ -116,7 +117,7 @@ IMAGE_TEXT_GENERATE_FAILS = {
     "llama4": "image_outputs|block_sequence_ids",  # its output lacks a field generate() reads (5.17: chunked mask)
     "pi0": "has no attribute 'generate'", "pi05": "has no attribute 'generate'",  # action models: no generate()
 }
-if tuple(int(x) for x in transformers.__version__.split(".")[:2]) >= (5, 25):
+if RELEASE >= (5, 25):
     # 5.25's Llama 4 image-text output has the field generate() reads: it decodes text alone (eager; the graph
     # modes refuse its chunked attention, as for its causal-LM class)
     del IMAGE_TEXT_GENERATE_FAILS["llama4"]
