@@ -16,6 +16,7 @@
 #   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the linear layers of other models, attention
 #                  (the fused combine), the window sweep with them), and which kernel paths passed them
 #                  (profiles/kernel_paths.py)
+#   tests-pick     the cuda tests TESTS_PICK names (pytest's arguments: files, node ids, -k "..."), -n none
 #   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
 #                  2.11; their busy-vs-span checks are not for a shared GPU), capture through a device mask
 #                  (`ids[image_mask] = 0`) in the capture tests and the zoo's image-text cases that 829123a refused
@@ -197,6 +198,8 @@ for p in "$@"; do
            -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
            tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured ;;
+    tests-pick) part tests-pick ${TESTS_PICK_SECONDS:-300} bash -c "$py -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
+           -p no:logging ${TESTS_PICK:?set TESTS_PICK: the pytest arguments, e.g. tests/test_parity.py -k one_token}" ;;
     recheck) part recheck ${RECHECK_SECONDS:-150} bash -c "$py -m pytest -q -rfE --tb=short -m cuda -p no:cacheprovider \
            -p no:logging tests/test_timing.py && $py -m pytest -q -rfE --tb=short -m cuda -n ${TEST_WORKERS:-8} \
            -p no:cacheprovider -p no:logging tests/test_cuda.py tests/test_zoo.py -k 'index_lists or failed_capture or \
