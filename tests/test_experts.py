@@ -217,7 +217,7 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     for batch, pick in picks.items():
         assert experts.grouped_config(batch) == experts.GroupedConfig(**pick), batch
     newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, experts.SMALL_TUNED_FROM)))
-    assert newer[1] == dict(gate_up_rows=8, down_rows=4, warps=8, chunk=256, routed=True, stacked=True)
+    assert newer[1] == dict(gate_up_rows=8, down_rows=4, warps=8, chunk=256, routed=True, stacked=True, packed=True)
     for batch, pick in moe_sweep.small_picks([r for r in rows if r["model"] == "qwen3-30b-a3b"]).items():
         pick = newer[1] if batch == 1 else pick   # one token: the newer sweep, with the routed candidates
         config = vars(experts.experts_config(2048, 768, batch))
@@ -412,8 +412,8 @@ def test_experts_kernels_on_cuda(dtype):
 def test_experts_kernels_routed_in_the_router_on_cuda():
     """The small kernels routed in the router kernel with down stacked (`Config.routed`, `stacked`: experts_config's
     at one token) at every token count, at real shapes in bf16 against float64 (gpt-oss's and the grouped ones as
-    they are); Qwen3-30B-A3B's block at one token three times: bitwise the same (the counts back at zero); and with
-    the packed top-k (`Config.packed`), bitwise the same again."""
+    they are); Qwen3-30B-A3B's block at one token three times with k rounds of a max and a min: bitwise the same
+    (the counts back at zero); and with the packed top-k (`Config.packed`, the default), bitwise the same again."""
     results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
     bad = [r for r in results if not r.ok]
     assert not bad, fast_check.table(bad)
@@ -423,10 +423,11 @@ def test_experts_kernels_routed_in_the_router_on_cuda():
             torch.randn(128, 1536, 2048, device="cuda", generator=gen).bfloat16() / 45,
             torch.randn(128, 2048, 768, device="cuda", generator=gen).bfloat16() / 28, 8, True, False)
     from dataclasses import replace
-    config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True)
+    config = replace(experts.experts_config(2048, 768, 1), routed=True, stacked=True, packed=False)
     runs = [experts.block_triton(*args, config=config) for _ in range(3)]
     assert all(torch.equal(runs[0], r) for r in runs[1:])
-    # the packed top-k (`Config.packed`, off by default): the same ids, weights and output, bit for bit
+    # the packed top-k (`Config.packed`, experts_config's at one token): the same ids, weights and output as k
+    # rounds of a max and a min, bit for bit
     seen, ref = {}, {}
     packed = experts.block_triton(*args, config=replace(config, packed=True), intermediates=seen)
     experts.block_triton(*args, config=config, intermediates=ref)

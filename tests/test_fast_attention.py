@@ -418,9 +418,9 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
 def test_mask_attention_in_the_compiled_forward_on_cuda():
     """`mask_attention` on the GPU (the split kernel with every slot counted live, HF's boolean mask read in place):
     at real shapes in bf16 (Llama's 32/8 x 64 at 64 rows, Qwen3's 32/8 x 128, a seeded sweep), NaN in every masked
-    slot gives the bits clean caches give (no masked slot read), close to the fast step's call with the live length
-    known, and the float64 check passes there; then tiny-llama at 12 rows (the compiled HF forward), captured equal
-    to itself uncaptured, the step's note naming the kernels."""
+    slot gives the bits clean caches give (no masked slot read), its float64 error within twice that of the fast
+    step's call with the live length known (`check.judge`), and the float64 check passes there; then tiny-llama at
+    12 rows (the compiled HF forward), captured equal to itself uncaptured, the step's note naming the kernels."""
     from gdtool.kernels import check, step as fast_step
     gen, cpu_gen = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
     shapes = [(64, 32, 8, 64, 384, 256, 3), (16, 32, 8, 128, 512, 300, 5), (1, 32, 8, 128, 4200, 4100, 0),
@@ -442,8 +442,12 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
         clean = fast_attention.mask_attention(q4, kc, vc, mask4, scale)
         out = fast_attention.mask_attention(q4, nan_k, nan_v, mask4, scale)
         assert torch.equal(out, clean), (m, hq, hkv, d, c, live, pad)
-        # another kernel variant (its loads masked otherwise): the same sums, by rounding (H200, 0ceaca3: not bitwise)
-        torch.testing.assert_close(clean.reshape(m, hq * d), known)
+        # another kernel variant (its loads masked otherwise), not bitwise (H200: 4 bf16 ulps apart at 2 of 131072
+        # outputs, 5260519): against float64, mask_attention's error within 2x the fast step's call's (+ one unit)
+        exact = check.exact_attention(q, kc, vc, mask, scale)
+        r = check.judge("mask_attention", f"{(m, hq, hkv, d, c, live, pad)}", torch.bfloat16, clean.reshape(m, hq * d),
+                        known, exact)
+        assert r.ok, r
         r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
         assert r.ok, r
     model = gdtool.load_model("tiny-llama", seed=0, device="cuda")

@@ -80,7 +80,7 @@ def _rel(out, exact) -> float:
     return float((out - exact).norm() / exact.norm().clamp_min(1e-30))
 
 
-def _judge(name, shape, dtype, out, ref, exact, note="") -> Result:
+def judge(name, shape, dtype, out, ref, exact, note="") -> Result:
     e, r = _rel(out, exact), _rel(ref, exact)
     tol = TOLERANCE[dtype]
     ok = e == e and e < tol and e <= 2 * r + UNIT[dtype]
@@ -111,7 +111,7 @@ def check_gemv(m, n, k, dtype, device, gen, norm=True, residual=False, out_f32=F
     exact = xn @ w.double().T + (b.double() if bias else 0) + (r.double() if residual else 0)
     flags = "".join(f for f, on in (("+bias", bias), ("+norm", norm), ("(1+w)", norm and plus_one),
                                     ("+res", residual), ("->f32", out_f32)) if on)
-    return _judge("rms_gemv" + flags, f"{m}x{k} @ {k}x{n}", dtype, out, ref, exact,
+    return judge("rms_gemv" + flags, f"{m}x{k} @ {k}x{n}", dtype, out, ref, exact,
                   "" if config is None else f"config {config}")
 
 
@@ -125,7 +125,7 @@ def check_gate_up(m, n, k, dtype, device, gen, config=None, plus_one=False, act=
     xn = _exact_norm(x, g, 1e-5, plus_one)
     exact = gemv.activation_reference(xn @ wg.double().T, act) * (xn @ wu.double().T)
     name = "gate_up" + ("" if act == "silu" else f"+{act}") + ("+(1+w)" if plus_one else "")
-    return _judge(name, f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
+    return judge(name, f"{m}x{k} @ {k}x{n} (x2)", dtype, out, ref, exact)
 
 
 def check_rms_add(m, n, dtype, device, gen, plus_one=True) -> Result:
@@ -136,7 +136,7 @@ def check_rms_add(m, n, dtype, device, gen, plus_one=True) -> Result:
     out = _impl.rms_add(y, g, 1e-6, r, plus_one)
     ref = gemv.rms_add_reference(y, g, 1e-6, r, plus_one)
     exact = r.double() + _exact_norm(y, g, 1e-6, plus_one)
-    return _judge("rms_add" + ("(1+w)" if plus_one else ""), f"{m}x{n}", dtype, out, ref, exact)
+    return judge("rms_add" + ("(1+w)" if plus_one else ""), f"{m}x{n}", dtype, out, ref, exact)
 
 
 def check_folded_add(m, k, dtype, device, gen, kind, n=96, config=None) -> list[Result]:
@@ -223,12 +223,28 @@ def check_qkv_rope(m, k, hq, hkv, d, cache_len, dtype, device, gen, config=None,
     untouched = all(torch.equal(a[:, :, others], b[:, :, others]) for a, b in zip(mine, caches))
     name = "qkv_rope" + ("+bias" if bias else "") + ("+qk_norm" if qk_norm else "") + ("(1+w)" if plus_one else "")
     shape = f"{m}x{k}, heads {hq}/{hkv}x{d}, cache {cache_len}"
-    results = [_judge(f"{name}: q", shape, dtype, q, q_ref, qe),
-               _judge(f"{name}: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
-               _judge(f"{name}: v at slot", shape, dtype, mine[1][:, :, i], theirs[1][:, :, i], ve)]
+    results = [judge(f"{name}: q", shape, dtype, q, q_ref, qe),
+               judge(f"{name}: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke),
+               judge(f"{name}: v at slot", shape, dtype, mine[1][:, :, i], theirs[1][:, :, i], ve)]
     results[-1].ok = results[-1].ok and untouched
     results[-1].note = "other slots untouched" if untouched else "OTHER SLOTS CHANGED"
     return results
+
+
+def exact_attention(q, kc, vc, mask, scale, sink=None) -> torch.Tensor:
+    """One-token attention in float64: q [M, Hq, D] over the caches [M, Hkv, C, D], the slots where mask [M, C]
+    is nonzero (a softmax joined by one logit a query head if `sink` [Hq]) -> [M, Hq * D]."""
+    m, hq, d = q.shape
+    hkv = kc.shape[1]
+    keep = (mask != 0)[:, None, None, :]
+    qd = q.double().view(m, hkv, hq // hkv, d)
+    scores = ((qd @ kc.double().transpose(-1, -2)) * scale).masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        extra = sink.double().view(1, hkv, hq // hkv, 1).expand(m, -1, -1, -1)
+        p = torch.cat([scores, extra], -1).softmax(-1)[..., :-1]
+    else:
+        p = scores.softmax(-1)
+    return (p @ vc.double()).reshape(m, hq * d)
 
 
 def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0, sinks=False) -> Result:
@@ -246,18 +262,9 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0, s
     sink = (2.0 * torch.randn(hq, generator=gen, device=device)).to(dtype) if sinks else None
     out = _impl.attention(q, kc, vc, mask, slot, scale, sink)
     ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale, sink)
-    keep = (mask != 0)[:, None, None, :]
-    qd = q.double().view(m, hkv, hq // hkv, d)
-    scores = (qd @ kc.double().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~keep, float("-inf"))
-    if sinks:
-        extra = sink.double().view(1, hkv, hq // hkv, 1).expand(m, -1, -1, -1)
-        p = torch.cat([scores, extra], -1).softmax(-1)[..., :-1]
-    else:
-        p = scores.softmax(-1)
-    exact = (p @ vc.double()).reshape(m, hq * d)
+    exact = exact_attention(q, kc, vc, mask, scale, sink)
     chunk, splits = attention.split_plan(m, hkv, cache_len)
-    return _judge("decode_attention" + ("+sinks" if sinks else ""), f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of "
+    return judge("decode_attention" + ("+sinks" if sinks else ""), f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of "
                   f"{cache_len}" + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact,
                   f"{splits} chunks of {chunk}")
 
@@ -485,13 +492,13 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
     # the same experts, or the same up to ties (torch.topk orders ties as it likes; the kernel: lower id first)
     probs_ref = torch.softmax(logits_ref, -1, dtype=torch.float)
     same_ids = torch.equal(ids, ids_ref) or torch.equal(probs_ref.gather(1, ids), probs_ref.gather(1, ids_ref))
-    result = _judge(f"moe_block ({name})", shape, dtype, out, ref, exact,
+    result = judge(f"moe_block ({name})", shape, dtype, out, ref, exact,
                     "" if config is None else f"config {config}")
     results = [result]
     if seen:
         weights = seen["weights"]
         weights_exact = w
-        routing = _judge(f"moe routing weights ({name})", shape, dtype, weights, weights_ref.float(), weights_exact,
+        routing = judge(f"moe routing weights ({name})", shape, dtype, weights, weights_ref.float(), weights_exact,
                          "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
         routing.ok = routing.ok and same_ids
         results.append(routing)
@@ -553,9 +560,9 @@ def check_experts_oss(name, m, e, h, i, top_k, dtype, device, gen, config=None, 
             exact[r] += w[r, j] * (act @ down[expert].double() + down_bias[expert].double())
     shape = f"{m} tokens, top-{top_k} of {e}, {h}x{i}"
     same_ids = torch.equal(ids, ids_ref) or torch.equal(logits_ref.gather(1, ids), logits_ref.gather(1, ids_ref))
-    results = [_judge(f"moe_block ({name})", shape, dtype, out, ref, exact, "" if config is None else f"config {config}")]
+    results = [judge(f"moe_block ({name})", shape, dtype, out, ref, exact, "" if config is None else f"config {config}")]
     if seen:
-        routing = _judge(f"moe routing weights ({name})", shape, dtype, seen["weights"], weights_ref.float(), w,
+        routing = judge(f"moe routing weights ({name})", shape, dtype, seen["weights"], weights_ref.float(), w,
                          "ids equal torch.topk's (up to ties)" if same_ids else "IDS DIFFER from torch.topk's")
         routing.ok = routing.ok and same_ids
         results.append(routing)

@@ -107,10 +107,12 @@ def usable(*tensors) -> bool:
 # a7748ba, the combine reading the partials once where every chunk fits one block, all 50 passed over two runs
 # (kernel-paths-a7748ba-{b,c}.jsonl). Since then the split kernel has a MASK_ONLY switch and the router kernel lost
 # its gpt-oss routing and gpt-oss's gate/up its ROUTED branch: every path here runs them off, the same code. The
-# router kernel has since gained a PACKED switch (`experts.Config.packed`, a top-k candidate for the sweep), off on
-# every path here and reached only through an explicit Config. Not
-# listed: the compiled HF forward's split-KV attention (attention.SPLIT_PATH), whose cuda test failed at 0ceaca3 on
-# the test's own assertion (bitwise across two kernel variants), since corrected and not yet rerun.
+# router kernel has since gained a PACKED switch (`experts.Config.packed`), checked bit for bit against the rounds
+# of a max and a min by the routed cuda test. At 5260519 50 of tests-kernels' 51 tests passed
+# (kernel-paths-5260519.txt), the MASK_ONLY and PACKED switches among them; the one that failed was the compiled
+# HF forward's split-KV attention (attention.SPLIT_PATH), on its assertion between two kernel variants (4 bf16 ulps
+# apart at 2 of 131072 outputs). That assertion is now against float64 (`check.judge`), and the test passed at
+# PLACEHOLDER_SPLIT; packed became experts_config's one-token default there (moe-sweep-5260519).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -138,6 +140,7 @@ CUDA_TESTED = frozenset({
     "qwen3_moe experts",
     "qwen3_moe experts, grouped",
     "split-KV attention, combine in the last program",
+    "split-KV attention in the compiled HF forward",
 })
 
 # The kernel paths this process has asked about on CUDA, tested or not (the cuda tests report, per test,
