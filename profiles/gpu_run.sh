@@ -237,7 +237,8 @@ for p in "$@"; do
            $py profiles/moe_block.py --batch ${NCU_GROUPED_BATCH:-64}; \
            for r in \$d/*.ncu-rep; do \$ncu --import \$r --page details --csv > \${r%.ncu-rep}-details.csv; done" ;;
     moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
-           $py profiles/moe_sweep.py --model \$m ${MOE_SWEEP_BATCHES:+--batch $MOE_SWEEP_BATCHES} --out $work/moe-sweep \
+           $py profiles/moe_sweep.py --model \$m ${MOE_SWEEP_BATCHES:+--batch $MOE_SWEEP_BATCHES} \
+           ${MOE_SWEEP_GRIDS:+--grids $MOE_SWEEP_GRIDS} --out $work/moe-sweep \
            || exit 1; done" ;;
     attention-plan) part attention-plan ${ATTENTION_PLAN_SECONDS:-200} "$py" profiles/decode_kernels_probe.py \
            --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" ;;

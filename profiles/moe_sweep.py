@@ -49,6 +49,13 @@ ROUTED_GRID = dict(gate_up_rows=(4, 8, 16), down_rows=(2, 4), warps=(4, 8), chun
 # layer at eb913f2, qwen3-30b-a3b); the tiles around experts_config's one-token default, beside ROUTED_GRID's rows
 PACKED_GRID = dict(gate_up_rows=(8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(256,), routed=(True,), stacked=(True,),
                    packed=(True,))
+# the packed one-token kernels with the router's and down's own warps (`Config.router_warps`, `down_warps`): Nsight
+# Compute at fa2489e (one token, qwen3-30b-a3b) found the router 8.0 us for 64 programs, the last program's routing
+# (softmax, 8 rounds of a max over 128 experts) across 8 warps' shared memory, and down at 0.97 waves of 512
+# programs, 4 an SM by its 54 registers (50% occupancy), the DRAM at 39% of its peak
+WARPS_GRID = dict(router_rows=(1, 2), gate_up_rows=(8,), down_rows=(2, 4, 8), warps=(8,), chunk=(256,), routed=(True,),
+                  stacked=(True,), packed=(True,), router_warps=(1, 2, 4, 8), down_warps=(4, 8))
+GRIDS = ("grouped", "small", "routed", "packed", "warps")
 # (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at
 # one token, one block captured, gate/up 8 rows, chunk 256, us a block with k rounds against ranked: 30.83 / 32.58
 # (down 4 rows, 8 warps), 30.97 / 34.04 (2, 4), 32.63 / 34.27 (2, 8), 33.73 / 36.94 (4, 4); removed from experts.py
@@ -151,9 +158,9 @@ def oss_must_read(batch: int, e=32, k=4, h=2880, i=2880, dtype_bytes=2) -> float
 FIELDS = ("model", "batch", "variant", "config", "us_per_block", "gb_s", "max_abs_diff", "ok", "seconds", "error")
 
 
-def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
-    """Every variant at each batch; `done(rows)` gets each batch's rows as soon as they are measured (the CSV
-    keeps what a cut run measured)."""
+def sweep(model: str, batches: list[int], done=lambda rows: None, grids=GRIDS) -> list[dict]:
+    """Every variant of the named grids (GRIDS; gpt-oss's small kernels: "small") at each batch; `done(rows)` gets
+    each batch's rows as soon as they are measured (the CSV keeps what a cut run measured)."""
     import torch
 
     import gdtool.kernels.experts as experts
@@ -166,13 +173,14 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
             args = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj, 8, True, False)
             floor = must_read(batch)
             variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(x, *args, config=experts.GroupedConfig(
-                **cfg))) for cfg in grid(GROUPED_GRID)]
+                **cfg))) for cfg in grid(GROUPED_GRID) if "grouped" in grids]
             if batch <= experts.MAX_TOKENS:
                 default = experts.experts_config(2048, 768)
                 variants.append(("small", {}, lambda x: experts.block_triton(x, *args)))
+                spaces = [grid(space) for name, space in (("small", SMALL_GRID), ("routed", ROUTED_GRID),
+                                                          ("packed", PACKED_GRID), ("warps", WARPS_GRID)) if name in grids]
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
-                    router_rows=default.router_rows, **cfg))) for cfg in grid(SMALL_GRID) + grid(ROUTED_GRID)
-                    + grid(PACKED_GRID)]
+                    **{"router_rows": default.router_rows, **cfg}))) for space in spaces for cfg in space]
         else:
             config, block = build_oss_block()
             e = block.experts
@@ -181,8 +189,9 @@ def sweep(model: str, batches: list[int], done=lambda rows: None) -> list[dict]:
             floor = oss_must_read(batch)
             plain, oss = args[:4] + (False, False), args[4:]
             variants = [("grouped", cfg, lambda x, cfg=cfg: experts.block_grouped(
-                x, *plain, config=experts.GroupedConfig(**cfg), oss=oss)) for cfg in grid(GROUPED_GRID)]
-            if batch <= experts.MAX_TOKENS:
+                x, *plain, config=experts.GroupedConfig(**cfg), oss=oss)) for cfg in grid(GROUPED_GRID)
+                if "grouped" in grids]
+            if batch <= experts.MAX_TOKENS and "small" in grids:
                 variants += [("oss", cfg, lambda x, cfg=cfg: experts.block_oss(x, *args, config=experts.OssConfig(**cfg)))
                              for cfg in grid(OSS_GRID)]
         hidden = config.hidden_size
@@ -227,7 +236,12 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3-30b-a3b")
     p.add_argument("--batch", default=None, help="comma-separated tokens per step (default: the model's list)")
     p.add_argument("--out", required=True, help="folder for sweep.csv")
+    p.add_argument("--grids", default=",".join(GRIDS), help=f"comma-separated grids to sweep, of {', '.join(GRIDS)}")
     args = p.parse_args(argv)
+    grids = tuple(g for g in args.grids.split(",") if g)
+    unknown = set(grids) - set(GRIDS)
+    if unknown:
+        p.error(f"--grids: unknown {', '.join(sorted(unknown))}; the grids are {', '.join(GRIDS)}")
     batches = [int(b) for b in (args.batch or MODELS[args.model]).split(",")]
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     out = Path(args.out)
@@ -240,7 +254,7 @@ def main(argv=None):
         def done(rows):
             writer.writerows(rows)
             f.flush()
-        sweep(args.model, batches, done)
+        sweep(args.model, batches, done, grids)
     print(f"wrote {path}")
 
 

@@ -166,9 +166,10 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
     run_interpreted(code, timeout=600)
 
 
-@pytest.mark.parametrize("model, sweep", [("gemma-3-1b", "sweep-6e765ba"), ("llama-1b", "sweep-14cc799")])
+@pytest.mark.parametrize("model, sweep", [("gemma-3-1b", "sweep-6e765ba"), ("llama-1b", "sweep-14cc799"),
+                                          ("llama-8b", "sweep-fa2489e")])
 def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
-    """gemv_config picks, for each projection of Gemma-3-1B and Llama-1B at one row, a tile config within 3% of
+    """gemv_config picks, for each projection of Gemma-3-1B, Llama-1B and Llama-8B at one row, a tile config within 3% of
     the fastest of the H200 sweep (profiles/h200/decode-kernels/<sweep>/gemv.csv: every config, PDL off), and
     qkv_rope_config one within 5% (its head-block rule is the two models': HB 1 is 4% faster on Llama-1B's
     q/k/v and 12% slower on Gemma-3-1B's)."""
@@ -186,7 +187,7 @@ def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
         timed.setdefault((row["proj"], int(row["n"]), int(row["k"])), {})[
             ast.literal_eval("(" + label) if label else "default"] = float(row["us"])
     assert len(timed) == 5, timed
-    heads = {"gemma-3-1b": 256, "llama-1b": 64}[model]
+    heads = {"gemma-3-1b": 256, "llama-1b": 64, "llama-8b": 128}[model]
     for (proj, n, k), times in timed.items():
         if proj == "qkv":
             config, bound = gemv.qkv_rope_config(k, heads)[:3], 1.05

@@ -578,6 +578,8 @@ class Config:
     routed: bool = False       # the router kernel routes (its last program per row); gate/up reads the ids
     stacked: bool = False      # down: the k experts' tiles of a program as one load, one sum per chunk
     packed: bool = False       # routed: the top-k one reduction a round over packed keys, not a max and a min
+    router_warps: int | None = None   # the router kernel's warps (None: warps)
+    down_warps: int | None = None     # the down kernel's warps (None: warps)
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
@@ -662,7 +664,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
         BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, STACKED=cfg.stacked,
-        BLOCK_TOPK=next_pow2(top_k), num_warps=cfg.warps,
+        BLOCK_TOPK=next_pow2(top_k), num_warps=cfg.down_warps or cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
@@ -699,7 +701,8 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
         BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32,
-        PACKED=cfg.packed and route is not None, num_warps=cfg.warps, **launch_options(x.device, _nbytes(router_weight)))
+        PACKED=cfg.packed and route is not None, num_warps=cfg.router_warps or cfg.warps,
+        **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
 

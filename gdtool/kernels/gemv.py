@@ -482,11 +482,14 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     per SM (the warps by K itself, not its padding) 12.2 and 154. Its o projection (n = 1152) in 8-row
     tiles left 144 tiles for 132 multiprocessors: 3.7 us, against 3.0 in 4-row tiles. Llama-1B's K = 2048
     with 8 warps, 4 per SM against 2: o 4.33 against 4.45 us, gate/up 19.75 against 20.42, the lm_head
-    123.2 against 127.8 (its earlier 8-row tiles at 2 per SM; 4-row tiles at 2 took 140)."""
+    123.2 against 127.8 (its earlier 8-row tiles at 2 per SM; 4-row tiles at 2 took 140). Llama-8B's K = 4096
+    (sweep-fa2489e) also runs 4 per SM, and one-row tiles there 4 warps: o 10.51 against 10.84 us, the lm_head
+    241.9 against 249.9, gate/up (one row each of gate and up) 59.11 against 59.86; its down (K = 14336) keeps 8
+    warps, 2 per SM (30.4 us; 31.9 at 4 warps, 4 per SM)."""
     block_k = next_pow2(k)
     block_n = max(1, min(16, (8192 // block_k) // tiles))
-    warps = 8 if k >= 2048 else 4
-    per_sm = 2 if warps == 8 and block_k > 2048 else 4
+    warps = 4 if k < 2048 or (block_k == 4096 and block_n == 1) else 8
+    per_sm = 2 if warps == 8 and block_k > 4096 else 4
     while block_n > 1 and -(-n // block_n) < 2 * 132:
         block_n //= 2
     return block_n, warps, per_sm
@@ -572,10 +575,11 @@ def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[
 
     2048-wide tiles (K from 1025 to 2048) run 4 warps, 4 programs an SM, measured on the H200 alone at one
     row: Llama-1B's q/k/v (HB 2) 6.53 us against 7.03 with 8 warps, 2 an SM (HB 1: 6.27, sweep-14cc799),
-    Gemma-3-1B's 5.51 against 5.99 (HB 1: 6.17, sweep-6e765ba); wider K keeps 8 warps, 2 an SM."""
+    Gemma-3-1B's 5.51 against 5.99 (HB 1: 6.17, sweep-6e765ba); 4096-wide tiles too: Llama-8B's (HB 1) 15.98 us
+    against 18.02 with 8 warps, 2 an SM (8 warps, 4 an SM: 15.84; sweep-fa2489e); wider K keeps 8 warps, 2 an SM."""
     hb = max(1, min(d // 2, 4096 // next_pow2(k)))
-    if next_pow2(k) == 2048:  # 4 warps, 4 per SM (sweep-14cc799, sweep-6e765ba)
-        return hb, 4, 4, 2048
+    if next_pow2(k) in (2048, 4096):  # 4 warps, 4 per SM (sweep-14cc799, sweep-6e765ba, sweep-fa2489e)
+        return hb, 4, 4, next_pow2(k)
     return hb, 8 if next_pow2(k) > 2048 else 4, 2, next_pow2(k)
 
 
