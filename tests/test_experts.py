@@ -217,7 +217,8 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     for batch, pick in picks.items():
         assert experts.grouped_config(batch) == experts.GroupedConfig(**pick), batch
     newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, experts.SMALL_TUNED_FROM)))
-    assert newer[1] == dict(gate_up_rows=8, down_rows=4, warps=8, chunk=256, routed=True, stacked=True, packed=True)
+    assert newer[1] == dict(router_rows=1, gate_up_rows=8, down_rows=2, warps=8, chunk=256, routed=True, stacked=True,
+                            packed=True, router_warps=1, down_warps=4)
     for batch, pick in moe_sweep.small_picks([r for r in rows if r["model"] == "qwen3-30b-a3b"]).items():
         pick = newer[1] if batch == 1 else pick   # one token: the newer sweep, with the routed candidates
         config = vars(experts.experts_config(2048, 768, batch))

@@ -605,8 +605,10 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     the rows are routed once in the router kernel (`routed`), down reads its k experts as one load
     (`stacked`), and both read 256 elements a load (a warp's 32 x 8: each chunk's sum stays in a warp): 30.5 us
     a block against 35.0 for the same tiles unrouted at 1024 (profiles/h200/moe-sweep-39ace1a/); the top-k there
-    one reduction a round over packed keys (`packed`): 30.42 us against 30.86 (moe-sweep-5260519/, SMALL_TUNED_FROM;
-    rows longer than 4096 elements keep 1024-element loads, their static chunks few). The fastest small-kernel
+    one reduction a round over packed keys (`packed`): 30.42 us against 30.86 (moe-sweep-5260519/); and the router
+    one row a program in one warp (its routing's reductions in shuffles), down half the rows in 4 warps (more
+    programs an SM): 28.68 us against 30.44 (moe-sweep-79cb9d0/, SMALL_TUNED_FROM; rows longer than 4096 elements keep
+    1024-element loads, their static chunks few). The fastest small-kernel
     configs of the H200 sweeps at Qwen3-30B-A3B's shapes (profiles/moe_sweep.py; tests/test_experts.py holds
     this to them); other shapes keep the elements per program."""
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
@@ -615,7 +617,8 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
                   gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
                   down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
     if one:
-        return replace(base, chunk=256 if max(kh, ki) <= 4096 else 1024, routed=True, stacked=True, packed=True)
+        return replace(base, chunk=256 if max(kh, ki) <= 4096 else 1024, routed=True, stacked=True, packed=True,
+                       router_rows=1, router_warps=1, down_rows=max(1, base.down_rows // 2), down_warps=4)
     return base
 
 
@@ -808,7 +811,7 @@ GROUPED_CONFIGS = ((2, _A), (4, GroupedConfig(block_m=16, block_n=64, block_k=64
 TUNED_FROM = ("profiles/h200/moe-sweep-c6bba88/qwen3-30b-a3b.csv", "profiles/h200/moe-sweep-0f91d78/gpt-oss-20b.csv")
 # the small kernels at one token since their routing moved into the router kernel (`Config.routed`, `stacked`):
 # that sweep's batch-1 pick is experts_config's at one token (the batches above keep TUNED_FROM's picks)
-SMALL_TUNED_FROM = "profiles/h200/moe-sweep-5260519/qwen3-30b-a3b.csv"
+SMALL_TUNED_FROM = "profiles/h200/moe-sweep-79cb9d0/qwen3-30b-a3b.csv"
 # tokens per step from which the grouped kernels run (families without a shared expert; the others keep the
 # small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in either model
 # (`moe_sweep.grouped_from`). The grouped kernels won at every batch from 2 (qwen3-30b-a3b: 50 against 57 us a
