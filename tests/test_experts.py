@@ -235,6 +235,14 @@ def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
     assert experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, chunk=512).chunk == 512
 
 
+def test_experts_config_refuses_warps_that_are_not_a_power_of_two():
+    for field, value in (("warps", 3), ("router_warps", 0), ("down_warps", 64)):
+        with pytest.raises(ValueError, match=rf"Config\({field}={value}\): a kernel runs a power of two of warps"):
+            experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, **{field: value})
+    config = experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, router_warps=1, down_warps=None)
+    assert (config.router_warps, config.down_warps) == (1, None)
+
+
 def test_plan_names_the_blocks_and_why_not():
     model = moe.build("qwen3_moe")
     plan = experts.plan(model, 3)

@@ -316,6 +316,11 @@ def test_moe_sweep_grid_and_fastest_config():
     for space, kind in ((moe_sweep.GROUPED_GRID, experts.GroupedConfig), (moe_sweep.OSS_GRID, experts.OssConfig)):
         kind(**moe_sweep.grid(space)[0])   # the grids name the configs' own fields
     experts.Config(router_rows=1, **moe_sweep.grid(moe_sweep.SMALL_GRID)[0])
+    for space in (moe_sweep.ROUTED_GRID, moe_sweep.PACKED_GRID, moe_sweep.WARPS_GRID):
+        for cell in moe_sweep.grid(space):
+            experts.Config(**{"router_rows": 1, **cell})
+    with pytest.raises(SystemExit):   # an unknown grid name: argparse's error, naming the grids
+        moe_sweep.main(["--grids", "packed,bogus", "--out", "/nonexistent"])
 
 
 def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():

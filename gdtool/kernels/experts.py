@@ -585,6 +585,11 @@ class Config:
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
             raise ValueError(f"Config(chunk={self.chunk}): a load covers a power of two of a row's elements "
                              "(e.g. 512, 1024, 4096), or None for MAX_CHUNK")
+        for name in ("warps", "router_warps", "down_warps"):
+            value = getattr(self, name)
+            if value is not None and value not in (1, 2, 4, 8, 16, 32):
+                raise ValueError(f"Config({name}={value}): a kernel runs a power of two of warps, 1 to 32"
+                                 + ("" if name == "warps" else ", or None for `warps`"))
         if self.packed and not self.routed:
             raise ValueError("Config(packed=True): the packed top-k runs in the router kernel's routing; "
                              "set routed=True too")
@@ -610,7 +615,8 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     programs an SM): 28.68 us against 30.44 (moe-sweep-79cb9d0/, SMALL_TUNED_FROM; rows longer than 4096 elements keep
     1024-element loads, their static chunks few). The fastest small-kernel
     configs of the H200 sweeps at Qwen3-30B-A3B's shapes (profiles/moe_sweep.py; tests/test_experts.py holds
-    this to them); other shapes keep the elements per program."""
+    this to them); other shapes keep the elements per program of gate/up and down (the router's one row in one
+    warp, and down's 4 warps, at one token everywhere)."""
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
     base = Config(router_rows=max(1, min(16, 4096 // kh)),
