@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import ast
 import csv
+import dataclasses
 import itertools
 import sys
 import time
@@ -55,7 +56,14 @@ PACKED_GRID = dict(gate_up_rows=(8, 16), down_rows=(2, 4), warps=(4, 8), chunk=(
 # programs, 4 an SM by its 54 registers (50% occupancy), the DRAM at 39% of its peak
 WARPS_GRID = dict(router_rows=(1, 2), gate_up_rows=(8,), down_rows=(2, 4, 8), warps=(8,), chunk=(256,), routed=(True,),
                   stacked=(True,), packed=(True,), router_warps=(1, 2, 4, 8), down_warps=(4, 8))
-GRIDS = ("grouped", "small", "routed", "packed", "warps")
+# the one-token default with the router's weight rows and down's routing and weight tiles loaded before their PDL wait
+# (`Config.router_early`, `down_early`), each variant timed as a chain of CHAIN blocks in one graph (variant "early",
+# µs per block), so that each router follows a down kernel as in the step (one block a graph starts its router
+# at the graph's launch). Down's early loads lost at 41fab16 ("early" in moe-sweep-41fab16/), when each down program
+# still routed its row from the logits; the router routes the row since
+EARLY_GRID = dict(down_rows=(2, 4), router_early=(False, True), down_early=(False, True))
+CHAIN = 4
+GRIDS = ("grouped", "small", "routed", "packed", "warps", "early")
 # (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at
 # one token, one block captured, gate/up 8 rows, chunk 256, us a block with k rounds against ranked: 30.83 / 32.58
 # (down 4 rows, 8 warps), 30.97 / 34.04 (2, 4), 32.63 / 34.27 (2, 8), 33.73 / 36.94 (4, 4); removed from experts.py
@@ -68,6 +76,16 @@ GRIDS = ("grouped", "small", "routed", "packed", "warps")
 # default tiles, 64.50 against 62.96 us a block, since removed from experts.py)
 OSS_GRID = dict(gate_up_cols=(16, 32, 64), down_cols=(16, 32, 64), block_k=(64, 128, 256), warps=(4, 8))
 MODELS = {"qwen3-30b-a3b": "1,2,4,8,16,32,64", "gpt-oss-20b": "1,4,16,32,64"}
+
+
+def chained(fn):
+    """fn(x) run CHAIN times in a row, each call on the one before's output; returns the first output."""
+    def run(x):
+        first = y = fn(x)
+        for _ in range(CHAIN - 1):
+            y = fn(y)
+        return first
+    return run
 
 
 def grid(space: dict) -> list[dict]:
@@ -181,6 +199,10 @@ def sweep(model: str, batches: list[int], done=lambda rows: None, grids=GRIDS) -
                                                           ("packed", PACKED_GRID), ("warps", WARPS_GRID)) if name in grids]
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
                     **{"router_rows": default.router_rows, **cfg}))) for space in spaces for cfg in space]
+                if "early" in grids:
+                    one = experts.experts_config(2048, 768, 1)
+                    variants += [("early", cfg, chained(lambda x, cfg=cfg: experts.block_triton(
+                        x, *args, config=dataclasses.replace(one, **cfg)))) for cfg in grid(EARLY_GRID)]
         else:
             config, block = build_oss_block()
             e = block.experts
@@ -214,6 +236,7 @@ def sweep(model: str, batches: list[int], done=lambda rows: None, grids=GRIDS) -
                 start = time.perf_counter()
                 try:
                     us = time_graph(lambda fn=fn: outputs.__setitem__(name, fn(flat)))
+                    us /= CHAIN if name == "early" else 1
                     diff = float((outputs[name].float() - reference).abs().max())
                 except Exception as error:  # a config the GPU cannot run (shared memory, registers): its row says so
                     rows.append(dict(model=model, batch=batch, variant=name, config=repr(cfg), us_per_block=float("nan"),

@@ -105,15 +105,16 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
     shared expert, float32 routing weights, rows per program, load chunks and the folded norm and residual:
     against float64 (`check_experts`); the routed ids and weights equal the unrouted kernels' exactly; with the
     norm folded, close to the unrouted block; a second call bitwise equal to the first, the router's counts
-    back at zero."""
-    code = ("import random, torch\nfrom gdtool.kernels import check, experts, triton as fast_triton\n"
+    back at zero; with the router's and (routed and stacked) down's early loads (`Config.router_early`,
+    `down_early`: one to five chunks), bitwise equal to it."""
+    code = ("import dataclasses, random, torch\nfrom gdtool.kernels import check, experts, triton as fast_triton\n"
             "rng = random.Random(3)\n"
             "for trial in range(10):\n"
             "    e = rng.choice([4, 8, 16, 32]); k = rng.choice([1, 2, 4]); m = rng.randint(1, 6)\n"
             "    h = rng.choice([32, 64, 96]); i = rng.choice([24, 32, 40]); wf = rng.random() < 0.3\n"
             "    shared = rng.choice([0, 0, 48]); norm_topk = rng.random() < 0.5\n"
             "    cfg = experts.Config(router_rows=rng.choice([2, 4, 8]), gate_up_rows=rng.choice([2, 4, 8]),\n"
-            "                         down_rows=rng.choice([1, 2, 4]), chunk=rng.choice([16, 32, None]),\n"
+            "                         down_rows=rng.choice([1, 2, 4]), chunk=rng.choice([8, 16, 32, None]),\n"
             "                         routed=trial % 3 != 1, stacked=trial % 3 != 0)\n"
             "    plain = experts.Config(cfg.router_rows, cfg.gate_up_rows, cfg.down_rows, chunk=cfg.chunk)\n"
             "    dt = torch.float32 if trial % 2 else torch.float16\n"
@@ -135,10 +136,21 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    two = experts.block_triton(*args, config=cfg, residual=res, norm=norm, **extra)\n"
             "    ref = experts.block_triton(*args, config=plain, intermediates=base, residual=res, norm=norm, **extra)\n"
             "    assert torch.equal(one, two), cfg\n"
+            "    early = dataclasses.replace(cfg, router_early=True, down_early=cfg.routed and cfg.stacked)\n"
+            "    assert torch.equal(one, experts.block_triton(*args, config=early, residual=res, norm=norm, **extra)), early\n"
             "    assert torch.equal(seen['ids'], base['ids']) and torch.equal(seen['weights'], base['weights']), cfg\n"
             "    tol = 1e-5 if dt == torch.float32 else 4e-3\n"
             "    assert float((one.float() - ref.float()).abs().max()) <= tol * float(ref.float().abs().max()), cfg\n"
             "    assert not fast_triton._COUNTS.get(('router', 'cpu'), torch.zeros(1)).any()\n"
+            "# down's early tiles held in 1 to 5 chunks (4 held before the wait, the fifth loaded after it)\n"
+            "for trial, (i, chunk) in enumerate(((40, 8), (32, 8), (24, 8), (16, 8), (8, 8))):\n"
+            "    g = torch.Generator().manual_seed(200 + trial)\n"
+            "    args = (torch.randn(2, 32, generator=g), torch.randn(8, 32, generator=g) / 8,\n"
+            "            torch.randn(8, 2 * i, 32, generator=g) / 8, torch.randn(8, 32, i, generator=g) / 6, 2, True, False)\n"
+            "    cfg = experts.Config(router_rows=2, gate_up_rows=4, down_rows=2, chunk=chunk, routed=True, stacked=True)\n"
+            "    late = experts.block_triton(*args, config=cfg)\n"
+            "    early = experts.block_triton(*args, config=dataclasses.replace(cfg, router_early=True, down_early=True))\n"
+            "    assert torch.equal(late, early), (i, chunk)\n"
             "# the small kernels routed in the router (and stacked down) at every token count\n"
             "bad = [r for r in check.check_experts_all('cpu', torch.float32, routed=True) if not r.ok]\n"
             "assert not bad, check.table(bad)\n"
@@ -241,6 +253,15 @@ def test_experts_config_refuses_warps_that_are_not_a_power_of_two():
             experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, **{field: value})
     config = experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, router_warps=1, down_warps=None)
     assert (config.router_warps, config.down_warps) == (1, None)
+
+
+def test_experts_config_refuses_early_down_loads_without_the_router_s_routing():
+    """Down may read the routing before its PDL wait only where the router kernel wrote it (two kernels back), into
+    its stacked tiles: down_early without routed or stacked is refused, naming both."""
+    for routed, stacked in ((False, True), (True, False), (False, False)):
+        with pytest.raises(ValueError, match=r"down_early=True.*routed=True.*stacked=True"):
+            experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, routed=routed, stacked=stacked, down_early=True)
+    assert experts.Config(router_rows=1, gate_up_rows=4, down_rows=4, routed=True, stacked=True, down_early=True)
 
 
 def test_plan_names_the_blocks_and_why_not():

@@ -33,7 +33,8 @@ returns at once:
 
     split    per chunk: the group's query heads (grouped-query: one key/value head serves G query
              heads, read once for all G) against the chunk's keys, masked by the 2-D mask and the
-             live length; online softmax; unnormalized output, running max and sum (float32)
+             live length; online softmax; unnormalized output, running max and sum (float32). Under
+             PDL the chunk's first keys and values (all but this step's slot) load before the wait
     combine  per (row, query head, 64 of its outputs): the live chunks' partial results, rescaled to
              the common max, read a block of chunks at a time (`combine_plan`)
              (GDTOOL_FUSED_COMBINE=1: inside the split kernel, by the last of a row and key/value head's
@@ -336,38 +337,48 @@ if HAVE_TRITON:
         s = tl.program_id(1)
         b = bh // HKV
         hk = bh % HKV
+        # Before the PDL wait: the slot counter, the mask and the chunk's first block of keys and values, all but
+        # this step's slot. The kernel just before this one (q/k/v + RoPE, or the norm and RoPE after its products)
+        # writes the cache at `slot` only; the counter, the mask and the earlier slots were written before it, and
+        # under PDL this kernel starts only once every block of that kernel has passed its own wait, so once
+        # every kernel before it has ended (window.py says the same of the roll). Loaded early, they overlap that
+        # kernel's tail; this step's slot is read after the wait. HF's forward (`mask_attention`,
+        # `sinks_attention`) launches no PDL kernel before this one: there it starts after the one before ends.
+        live = tl.load(slot_ptr) + 1
+        start = s * CHUNK
+        end = tl.minimum(start + CHUNK, live)
+        d = tl.arange(0, D)
+        kv = kc_ptr + (bh.to(tl.int64) * C) * D
+        vv = vc_ptr + (bh.to(tl.int64) * C) * D
+        j = start + tl.arange(0, BLOCK_S)
+        inside = j < end
+        keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
+        # MASK_ONLY (every slot live, the mask alone says which attend): no masked slot's key or value read
+        read = keep if MASK_ONLY else inside
+        fresh = j == live - 1
+        k = tl.load(kv + j[:, None] * D + d[None, :], mask=(read & ~fresh)[:, None], other=0.0)
+        v = tl.load(vv + j[:, None] * D + d[None, :], mask=(read & ~fresh)[:, None], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        live = tl.load(slot_ptr) + 1
-        start = s * CHUNK
         if start < live:
             g = tl.arange(0, BLOCK_G)
-            d = tl.arange(0, D)
             q = tl.load(q_ptr + ((b * HQ + hk * G + g) * D)[:, None] + d[None, :], mask=(g < G)[:, None], other=0.0)
+            now = (read & fresh)[:, None]
+            k = tl.where(now, tl.load(kv + j[:, None] * D + d[None, :], mask=now, other=0.0), k)
+            v = tl.where(now, tl.load(vv + j[:, None] * D + d[None, :], mask=now, other=0.0), v)
             m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
             acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-            kv = kc_ptr + (bh.to(tl.int64) * C) * D
-            vv = vc_ptr + (bh.to(tl.int64) * C) * D
-            end = tl.minimum(start + CHUNK, live)
-            for j0 in range(0, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
+            m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
+            for j0 in range(BLOCK_S, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
                 j = start + j0 + tl.arange(0, BLOCK_S)
                 inside = j < end
                 keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
-                # MASK_ONLY (every slot live, the mask alone says which attend): no masked slot's key or value read
                 read = keep if MASK_ONLY else inside
                 k = tl.load(kv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
                 v = tl.load(vv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
-                scores = tl.dot(q, tl.trans(k)) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
-                scores = tl.where(keep[None, :], scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far
-                p = tl.exp2(scores - m_safe[:, None])
-                alpha = tl.exp2(m_i - m_safe)
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+                m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
             row = (b * HQ + hk * G + g) * SPLITS + s
             tl.store(m_ptr + row, m_i, mask=g < G)
             tl.store(l_ptr + row, l_i, mask=g < G)
@@ -384,6 +395,19 @@ if HAVE_TRITON:
                     for d0 in tl.static_range(0, D, BLOCK_D):
                         _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, b * HQ + hk * G + gi, d0, live, HQ, D,
                                  BLOCK_D, CHUNK, SPLITS, BLOCK_SPLITS, SINKS, True)
+
+    @triton.jit
+    def _attend(q, k, v, keep, m_i, l_i, acc, qk_scale):
+        """One block of keys in the online softmax: (running max, sum, unnormalized output) after it."""
+        scores = tl.dot(q, tl.trans(k)) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
+        scores = tl.where(keep[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far
+        p = tl.exp2(scores - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        return m_new, l_i, acc
 
     @triton.jit
     def _partials(ptr, mask, other, FROM_L2: tl.constexpr):

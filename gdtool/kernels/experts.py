@@ -63,7 +63,9 @@ setting (`triton.launch_options`) as the forward's kernels do.
 
 Two candidates for the small kernels were measured on the H200 and removed: gate/up streamed by a persistent
 grid after a routing kernel (no faster, profiles/h200/moe-sweep-9e35b5d/) and the down kernel's routing and
-weight loads before its PDL wait (slower, profiles/h200/moe-sweep-41fab16/).
+weight loads before its PDL wait (slower, profiles/h200/moe-sweep-41fab16/, when down still routed its row from
+the logits). Since the router kernel routes the row (`Config.routed`), down's early loads read the stored routing
+(`Config.down_early`), and the router loads its weight rows early too (`router_early`).
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).
@@ -181,7 +183,7 @@ if HAVE_TRITON:
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                       W_F32: tl.constexpr, PACKED: tl.constexpr = False):
+                       W_F32: tl.constexpr, PACKED: tl.constexpr = False, EARLY: tl.constexpr = False):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
@@ -189,22 +191,25 @@ if HAVE_TRITON:
         before it first (`triton.py`). ROUTE (`Config.routed`): the last of a row's programs to finish routes
         the row from the stored logits (`_store_route`: ids and weights, as `_route_kernel`) and stores the
         row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row. PACKED
-        (`Config.packed`): that routing's top-k one reduction a round (`_top_packed`)."""
+        (`Config.packed`): that routing's top-k one reduction a round (`_top_packed`). EARLY
+        (`Config.router_early`): the first chunk of the program's weight rows loaded before the PDL wait, as the
+        dense products load theirs (weights are never written during a step)."""
         t = tl.program_id(0)
         m = tl.program_id(1)
+        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
+        if EARLY:
+            first = _router_rows(w_ptr, ws_ptr, n, tl.arange(0, BLOCK_K), H, E, SHARED)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         rstd = _row_rstd(x_ptr + m * stride_x, H, eps, BLOCK_K, CHUNKS, NORM)
         for c in tl.static_range(CHUNKS):
             k = c * BLOCK_K + tl.arange(0, BLOCK_K)
-            kmask = k[None, :] < H
-            w = tl.load(w_ptr + n[:, None].to(tl.int64) * H + k[None, :], mask=(n[:, None] < E) & kmask, other=0.0)
-            if SHARED:
-                ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
-                w = tl.where(n[:, None] == E, ws, w)
+            if EARLY and c == 0:
+                w = first
+            else:
+                w = _router_rows(w_ptr, ws_ptr, n, k, H, E, SHARED)
             x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, NORM)
             acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
         if BIAS:
@@ -221,6 +226,16 @@ if HAVE_TRITON:
                              False, True, PACKED)
                 if NORM:
                     tl.store(rstd_ptr + m, rstd)
+
+    @triton.jit
+    def _router_rows(w_ptr, ws_ptr, n, k, H, E, SHARED: tl.constexpr):
+        """[BLOCK_N, BLOCK_K] of the router's weight: rows n, elements k; row E the shared expert's gate (SHARED)."""
+        kmask = k[None, :] < H
+        w = tl.load(w_ptr + n[:, None].to(tl.int64) * H + k[None, :], mask=(n[:, None] < E) & kmask, other=0.0)
+        if SHARED:
+            ws = tl.load(ws_ptr + k[None, :] + 0 * n[:, None], mask=(n[:, None] == E) & kmask, other=0.0)
+            w = tl.where(n[:, None] == E, ws, w)
+        return w
 
     @triton.jit
     def _row_rstd(x_ptr, H, eps, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr, NORM: tl.constexpr):
@@ -416,23 +431,25 @@ if HAVE_TRITON:
                      H, I, IS, E, stride_l, stride_res, stride_out,
                      TOPK: tl.constexpr, W_F32: tl.constexpr, SHARED: tl.constexpr, RESIDUAL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr, CHUNKS: tl.constexpr, BLOCK_IS: tl.constexpr,
-                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr, BLOCK_TOPK: tl.constexpr):
+                     CHUNKS_S: tl.constexpr, PDL: tl.constexpr, STACKED: tl.constexpr, BLOCK_TOPK: tl.constexpr,
+                     EARLY: tl.constexpr = False):
         """Grid (tiles of the hidden dim, M rows): the routed experts' down products, weighted and summed in
         routing order (float32, rounded once), plus the gated shared expert; RESIDUAL (the fast forward): the
         decoder layer's residual added to that, rounded once, as HF's `residual + hidden_states`. STACKED
         (`Config.stacked`): the k experts' tiles as one [k, rows, chunk] load and one sum per chunk, instead
-        of one expert after the other (`_stacked_down`)."""
+        of one expert after the other (`_stacked_down`); EARLY (`Config.down_early`, stacked and routed): its
+        routing and first weight tiles loaded before the PDL wait."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < H
-        if PDL:
+        if PDL and not (STACKED and EARLY):
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         out_ty = out_ptr.dtype.element_ty
         if STACKED:
             acc = _stacked_down(act_ptr, ids_ptr, wts_ptr, d_ptr, m, n, nmask, H, I, out_ty, TOPK, BLOCK_TOPK, W_F32,
-                                BLOCK_N, BLOCK_I, CHUNKS)
+                                BLOCK_N, BLOCK_I, CHUNKS, EARLY, PDL)
         else:
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
             for j in tl.static_range(TOPK):
@@ -461,22 +478,53 @@ if HAVE_TRITON:
     @triton.jit
     def _stacked_down(act_ptr, ids_ptr, wts_ptr, d_ptr, m, n, nmask, H, I, out_ty: tl.constexpr, TOPK: tl.constexpr,
                       BLOCK_TOPK: tl.constexpr, W_F32: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                      CHUNKS: tl.constexpr):
+                      CHUNKS: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
         """float32 [BLOCK_N]: row m's k down products over rows n, each rounded and weighted as the loop of
         `_down_kernel` rounds it, summed in routing order. The k experts' weight tiles are one [k, rows, chunk]
         load and one sum per chunk, so every expert's loads are in flight at once; the sum over the k is then
-        taken one expert at a time (each column of `part` picked whole: adding zeros is exact)."""
+        taken one expert at a time (each column of `part` picked whole: adding zeros is exact).
+        EARLY: the routing and the first 4 chunks of weight tiles are loaded before the PDL wait (PDL),
+        the activations after it. The router kernel wrote the routing two kernels back; under PDL this kernel
+        starts only once every block of gate/up has passed its own wait, so once the router has ended (its
+        stores read past L1, .cg, as the fused combine reads its partials)."""
         j = tl.arange(0, BLOCK_TOPK)
         jmask = j < TOPK
-        experts = tl.load(ids_ptr + m * TOPK + j, mask=jmask, other=0)
-        weights = tl.load(wts_ptr + m * TOPK + j, mask=jmask, other=0.0)
+        if EARLY:
+            experts = tl.load(ids_ptr + m * TOPK + j, mask=jmask, other=0, cache_modifier=".cg")
+            weights = tl.load(wts_ptr + m * TOPK + j, mask=jmask, other=0.0, cache_modifier=".cg")
+        else:
+            experts = tl.load(ids_ptr + m * TOPK + j, mask=jmask, other=0)
+            weights = tl.load(wts_ptr + m * TOPK + j, mask=jmask, other=0.0)
         w_rows = (experts.to(tl.int64) * H * I)[:, None, None] + n[None, :, None].to(tl.int64) * I   # [k, rows, 1]
         a_rows = ((m * TOPK + j).to(tl.int64) * I)[:, None, None]                                  # [k, 1, 1]
         live = jmask[:, None, None] & nmask[None, :, None]
+        if EARLY:   # up to 4 chunks held before the wait (each an unrolled name: Triton holds no lists)
+            w0 = _down_tile(d_ptr, w_rows, live, I, 0, BLOCK_I)
+            w1 = w0
+            w2 = w0
+            w3 = w0
+            if CHUNKS > 1:
+                w1 = _down_tile(d_ptr, w_rows, live, I, 1, BLOCK_I)
+            if CHUNKS > 2:
+                w2 = _down_tile(d_ptr, w_rows, live, I, 2, BLOCK_I)
+            if CHUNKS > 3:
+                w3 = _down_tile(d_ptr, w_rows, live, I, 3, BLOCK_I)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
         y = tl.zeros([BLOCK_TOPK, BLOCK_N], dtype=tl.float32)
         for c in tl.static_range(CHUNKS):
             i = (c * BLOCK_I + tl.arange(0, BLOCK_I))[None, None, :]
-            w = tl.load(d_ptr + w_rows + i, mask=live & (i < I), other=0.0)
+            if EARLY and c == 0:
+                w = w0
+            elif EARLY and c == 1:
+                w = w1
+            elif EARLY and c == 2:
+                w = w2
+            elif EARLY and c == 3:
+                w = w3
+            else:
+                w = _down_tile(d_ptr, w_rows, live, I, c, BLOCK_I)
             a = tl.load(act_ptr + a_rows + i, mask=jmask[:, None, None] & (i < I), other=0.0)
             y += tl.sum(a.to(tl.float32) * w.to(tl.float32), axis=2)
         y = y.to(out_ty).to(tl.float32)
@@ -488,6 +536,12 @@ if HAVE_TRITON:
         for jj in tl.static_range(TOPK):
             acc += tl.sum(tl.where(j[:, None] == jj, part, 0.0), axis=0)
         return acc
+
+    @triton.jit
+    def _down_tile(d_ptr, w_rows, live, I, c: tl.constexpr, BLOCK_I: tl.constexpr):
+        """Chunk c of the k experts' down weight rows: [k, rows, BLOCK_I]."""
+        i = (c * BLOCK_I + tl.arange(0, BLOCK_I))[None, None, :]
+        return tl.load(d_ptr + w_rows + i, mask=live & (i < I), other=0.0)
 
     # gpt-oss's experts are stored the other way round: [E, K, N], each weight row a row of the reduction, its
     # N outputs contiguous. A program of the kernels above reads rows of the N dimension, which here would be
@@ -580,6 +634,8 @@ class Config:
     packed: bool = False       # routed: the top-k one reduction a round over packed keys, not a max and a min
     router_warps: int | None = None   # the router kernel's warps (None: warps)
     down_warps: int | None = None     # the down kernel's warps (None: warps)
+    router_early: bool = False   # the router's weight rows (first chunk) loaded before its PDL wait
+    down_early: bool = False     # stacked: down's routing and weight tiles loaded before its PDL wait
 
     def __post_init__(self):
         if self.chunk is not None and (self.chunk < 1 or self.chunk & (self.chunk - 1)):
@@ -590,6 +646,10 @@ class Config:
             if value is not None and value not in (1, 2, 4, 8, 16, 32):
                 raise ValueError(f"Config({name}={value}): a kernel runs a power of two of warps, 1 to 32"
                                  + ("" if name == "warps" else ", or None for `warps`"))
+        if self.down_early and not (self.routed and self.stacked):
+            raise ValueError("Config(down_early=True): down reads the routing before its PDL wait only where the "
+                             "router kernel wrote it, two kernels back (routed=True), into its stacked tiles "
+                             "(stacked=True); set both")
         if self.packed and not self.routed:
             raise ValueError("Config(packed=True): the packed top-k runs in the router kernel's routing; "
                              "set routed=True too")
@@ -616,7 +676,9 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     1024-element loads, their static chunks few). The fastest small-kernel
     configs of the H200 sweeps at Qwen3-30B-A3B's shapes (profiles/moe_sweep.py; tests/test_experts.py holds
     this to them); other shapes keep the elements per program of gate/up and down (the router's one row in one
-    warp, and down's 4 warps, at one token everywhere)."""
+    warp, and down's 4 warps, at one token everywhere). At one token the router's weight rows, and down's routing
+    and weight tiles, load before their PDL wait (`router_early`, `down_early`: moe_sweep.py's "early" grid, a
+    chain of blocks, times them)."""
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
     base = Config(router_rows=max(1, min(16, 4096 // kh)),
@@ -624,7 +686,8 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
                   down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
     if one:
         return replace(base, chunk=256 if max(kh, ki) <= 4096 else 1024, routed=True, stacked=True, packed=True,
-                       router_rows=1, router_warps=1, down_rows=max(1, base.down_rows // 2), down_warps=4)
+                       router_rows=1, router_warps=1, down_rows=max(1, base.down_rows // 2), down_warps=4,
+                       router_early=True, down_early=True)
     return base
 
 
@@ -673,7 +736,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
         h, i, i_shared, e, logits.stride(0), res.stride(0), out.stride(0),
         TOPK=top_k, W_F32=weights_f32, SHARED=shared, RESIDUAL=residual is not None, BLOCK_N=cfg.down_rows,
         BLOCK_I=block_i, CHUNKS=chunks_i, BLOCK_IS=block_s, CHUNKS_S=chunks_s, STACKED=cfg.stacked,
-        BLOCK_TOPK=next_pow2(top_k), num_warps=cfg.down_warps or cfg.warps,
+        BLOCK_TOPK=next_pow2(top_k), EARLY=cfg.down_early, num_warps=cfg.down_warps or cfg.warps,
         **launch_options(dev, _routed_bytes(m, top_k, down) + (_nbytes(shared_down) if shared else 0)))
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act,
@@ -710,7 +773,7 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
         BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32,
-        PACKED=cfg.packed and route is not None, num_warps=cfg.router_warps or cfg.warps,
+        PACKED=cfg.packed and route is not None, EARLY=cfg.router_early, num_warps=cfg.router_warps or cfg.warps,
         **launch_options(x.device, _nbytes(router_weight)))
     return logits
 
