@@ -60,8 +60,9 @@ WARPS_GRID = dict(router_rows=(1, 2), gate_up_rows=(8,), down_rows=(2, 4, 8), wa
 # (`Config.router_early`, `down_early`), each variant timed as a chain of CHAIN blocks in one graph (variant "early",
 # µs per block), so that each router follows a down kernel as in the step (one block a graph starts its router
 # at the graph's launch). Down's early loads lost at 41fab16 ("early" in moe-sweep-41fab16/), when each down program
-# still routed its row from the logits; the router routes the row since
-EARLY_GRID = dict(down_rows=(2, 4), router_early=(False, True), down_early=(False, True))
+# still routed its row from the logits; the router routes the row since. At 75ec5b5 (moe-sweep-75ec5b5/, this grid
+# with gate/up 8 rows in 8 warps only) both early: 26.74 us a block against 27.75 late; now the tiles around it
+EARLY_GRID = dict(gate_up_rows=(4, 8, 16), warps=(4, 8), down_rows=(2, 4), router_early=(True,), down_early=(True,))
 CHAIN = 4
 GRIDS = ("grouped", "small", "routed", "packed", "warps", "early")
 # (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at

@@ -319,6 +319,11 @@ def test_moe_sweep_grid_and_fastest_config():
     for space in (moe_sweep.ROUTED_GRID, moe_sweep.PACKED_GRID, moe_sweep.WARPS_GRID):
         for cell in moe_sweep.grid(space):
             experts.Config(**{"router_rows": 1, **cell})
+    import dataclasses
+    for cell in moe_sweep.grid(moe_sweep.EARLY_GRID):   # the one-token default with the early grid's fields
+        dataclasses.replace(experts.experts_config(2048, 768, 1), **cell)
+    calls = []
+    assert moe_sweep.chained(lambda x: calls.append(x) or x + 1)(0) == 1 and calls == list(range(moe_sweep.CHAIN))
     with pytest.raises(SystemExit):   # an unknown grid name: argparse's error, naming the grids
         moe_sweep.main(["--grids", "packed,bogus", "--out", "/nonexistent"])
 

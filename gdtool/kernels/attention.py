@@ -467,10 +467,10 @@ if HAVE_TRITON:
                         SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)  # row * Hq + query head
         d0 = tl.program_id(1) * BLOCK_D
+        live = tl.load(slot_ptr) + 1   # before the wait: the split kernel does not write the counter (its own note)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        live = tl.load(slot_ptr) + 1
         _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh, d0, live, HQ, D, BLOCK_D, CHUNK, SPLITS, BLOCK_SPLITS,
                  SINKS, False)
 
