@@ -35,8 +35,8 @@ model = "llama-1b"
 # fused attention combine on, and its batch-64 run at c6bba88 with fused projections, each the fastest of that
 # batch with peers in the same run; llama-1b/pdl-auto: its fast step at batch 1 with PDL per kernel at 69c20df,
 # the fastest measured, a run without peers; llama-1b, llama-8b and qwen3-8b hold their fast step at batch 1 at
-# a7748ba beside the gpt-fast-style step (llama-8b's at 79cb9d0), and at batch 64 at 5260519 (the split-KV runs:
-# llama-1b's at 98b1af8, llama-8b's at fa2489e))
+# a7748ba beside the gpt-fast-style step (llama-1b's at a74fd82, llama-8b's at 79cb9d0), and at batch 64 at 5260519
+# (the split-KV runs: llama-1b's at 98b1af8, llama-8b's at fa2489e); qwen3-30b-a3b's batch 1 at 75ec5b5, no peer)
 bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "qwen3-8b", "gemma-3-1b",
                  "gemma-3-1b/fused-combine/pdl-auto-peers", "gemma-3-1b/fused-projections", "qwen3-30b-a3b",
                  "gpt-oss-20b", "gpt-oss-20b/fused-projections"]
