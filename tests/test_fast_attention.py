@@ -338,6 +338,39 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
+    """The split kernel loads its chunk's first block before the PDL wait and the rest in its loop; at the default
+    plan a short cache's chunks are one block each. With split_plan's TARGET_PROGRAMS lowered so that chunks span
+    1 to 8 blocks (this step's slot in the first block or a later one), over a seeded sweep of rows, grouped heads,
+    cache and live lengths, padding and sinks: the float64 check passes; and `mask_attention` (the mask alone says
+    which slots attend) reads no masked slot's key or value, NaN there giving the clean caches' bits."""
+    code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
+            "gen = torch.Generator().manual_seed(5)\n"
+            "rng = random.Random(5)\n"
+            "blocks = set()\n"
+            "for i in range(12):\n"
+            "    attention.TARGET_PROGRAMS = (1, 2, 3, 8)[i % 4]\n"
+            "    hkv, c = rng.choice((1, 2)), rng.randint(17, 130)\n"
+            "    m, hq, d, live = rng.randint(1, 3), hkv * rng.choice((1, 4)), rng.choice((16, 32)), rng.randint(1, c)\n"
+            "    pad, sinks = rng.randint(0, 3), rng.random() < 0.3\n"
+            "    chunk, _ = attention.split_plan(m, hkv, c)\n"
+            "    blocks.add((chunk // attention.BLOCK_S, (live - 1) % chunk // attention.BLOCK_S))\n"
+            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    assert r.ok, (attention.TARGET_PROGRAMS, r)\n"
+            "    q, kc, vc, mask, slot, scale, _ = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, False)\n"
+            "    mask[:, live:] = 0\n"
+            "    hidden = (mask == 0)[:, None, :, None].expand_as(kc)\n"
+            "    mask4, q4 = mask.bool()[:, None, None, :], q.view(m, hq, 1, d)\n"
+            "    clean = attention.mask_attention(q4, kc, vc, mask4, scale)\n"
+            "    nan = attention.mask_attention(q4, kc.masked_fill(hidden, float('nan')), vc.masked_fill(hidden, float('nan')),\n"
+            "                                   mask4, scale)\n"
+            "    assert torch.equal(clean, nan), (attention.TARGET_PROGRAMS, m, hq, hkv, c, live, pad)\n"
+            "assert max(b for b, _ in blocks) >= 4 and any(at > 0 for _, at in blocks), blocks  # long chunks, the slot past block 0\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
     """The combine reads a head's partials a block of chunks at a time, and each of its programs takes a slice
     of the head's outputs (`combine_plan`). With the tiles shrunk so that every case takes several blocks and
