@@ -60,11 +60,14 @@ WARPS_GRID = dict(router_rows=(1, 2), gate_up_rows=(8,), down_rows=(2, 4, 8), wa
 # (`Config.router_early`, `down_early`), each variant timed as a chain of CHAIN blocks in one graph (variant "early",
 # µs per block), so that each router follows a down kernel as in the step (one block a graph starts its router
 # at the graph's launch). Down's early loads lost at 41fab16 ("early" in moe-sweep-41fab16/), when each down program
-# still routed its row from the logits; the router routes the row since. At 75ec5b5 (moe-sweep-75ec5b5/, this grid
-# with gate/up 8 rows in 8 warps only) both early: 26.74 us a block against 27.75 late; now the tiles around it
-EARLY_GRID = dict(gate_up_rows=(4, 8, 16), warps=(4, 8), down_rows=(2, 4), router_early=(True,), down_early=(True,))
+# still routed its row from the logits; the router routes the row since. At 75ec5b5 (moe-sweep-75ec5b5/) both early:
+# 26.74 us a block against 27.75 late. EARLY_TILES_GRID ("early-tiles"; "early" at a74fd82, moe-sweep-a74fd82/): the
+# tiles around the default, both early loads on
+EARLY_GRID = dict(down_rows=(2, 4), router_early=(False, True), down_early=(False, True))
+EARLY_TILES_GRID = dict(gate_up_rows=(4, 8, 16), warps=(4, 8), down_rows=(2, 4), router_early=(True,),
+                        down_early=(True,))
 CHAIN = 4
-GRIDS = ("grouped", "small", "routed", "packed", "warps", "early")
+GRIDS = ("grouped", "small", "routed", "packed", "warps", "early", "early-tiles")
 # (RANKED_GRID, the routing's top-k by ranks (`Config.ranked`), was slower on the H200 at 14cc799: qwen3-30b-a3b at
 # one token, one block captured, gate/up 8 rows, chunk 256, us a block with k rounds against ranked: 30.83 / 32.58
 # (down 4 rows, 8 warps), 30.97 / 34.04 (2, 4), 32.63 / 34.27 (2, 8), 33.73 / 36.94 (4, 4); removed from experts.py
@@ -200,10 +203,11 @@ def sweep(model: str, batches: list[int], done=lambda rows: None, grids=GRIDS) -
                                                           ("packed", PACKED_GRID), ("warps", WARPS_GRID)) if name in grids]
                 variants += [("small", cfg, lambda x, cfg=cfg: experts.block_triton(x, *args, config=experts.Config(
                     **{"router_rows": default.router_rows, **cfg}))) for space in spaces for cfg in space]
-                if "early" in grids:
-                    one = experts.experts_config(2048, 768, 1)
-                    variants += [("early", cfg, chained(lambda x, cfg=cfg: experts.block_triton(
-                        x, *args, config=dataclasses.replace(one, **cfg)))) for cfg in grid(EARLY_GRID)]
+                one = experts.experts_config(2048, 768, 1)
+                chains = [cfg for name, space in (("early", EARLY_GRID), ("early-tiles", EARLY_TILES_GRID))
+                          if name in grids for cfg in grid(space)]
+                variants += [("early", cfg, chained(lambda x, cfg=cfg: experts.block_triton(
+                    x, *args, config=dataclasses.replace(one, **cfg)))) for cfg in chains]
         else:
             config, block = build_oss_block()
             e = block.experts

@@ -320,7 +320,7 @@ def test_moe_sweep_grid_and_fastest_config():
         for cell in moe_sweep.grid(space):
             experts.Config(**{"router_rows": 1, **cell})
     import dataclasses
-    for cell in moe_sweep.grid(moe_sweep.EARLY_GRID):   # the one-token default with the early grid's fields
+    for cell in moe_sweep.grid(moe_sweep.EARLY_GRID) + moe_sweep.grid(moe_sweep.EARLY_TILES_GRID):   # the early grids' fields
         dataclasses.replace(experts.experts_config(2048, 768, 1), **cell)
     calls = []
     assert moe_sweep.chained(lambda x: calls.append(x) or x + 1)(0) == 1 and calls == list(range(moe_sweep.CHAIN))
