@@ -310,10 +310,10 @@ def split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks):
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
-    """GDTOOL_FUSED_COMBINE: the split kernel's last program per (row, key/value head) combines. Under the
-    interpreter, over a seeded sweep of rows, grouped heads, cache and live lengths, left padding and sinks: the
-    output equals the two-kernel form's bit for bit, again on a second call (the counts back at zero), and
-    the float64 check passes."""
+    """GDTOOL_FUSED_COMBINE: the split kernel's last program per (row, key/value head) combines (`fused_plan`, short
+    caches). Under the interpreter, over a seeded sweep of rows, grouped heads, cache and live lengths, left padding
+    and sinks: the output equals the two-kernel form's bit for bit (the same plan: every case here keeps
+    split_plan's chunks), again on a second call (the counts back at zero), and the float64 check passes."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, check, triton as fast_triton\n"
             "import test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(0)\n"
@@ -325,6 +325,7 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
             "                  rng.randint(1, c), rng.randint(0, 3), rng.random() < 0.5))\n"
             "for m, hq, hkv, d, c, live, pad, sinks in cases:\n"
             "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
+            "    assert attention.fused_plan(m, hkv, hq // hkv, c, d) == attention.split_plan(m, hkv, c)\n"
             "    attention._FUSED_COMBINE = False\n"
             "    two = attention.split_kv(*args)\n"
             "    attention._FUSED_COMBINE = True\n"
@@ -339,21 +340,27 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
-    """The split kernel loads its chunk's first block before the PDL wait and the rest in its loop; at the default
-    plan a short cache's chunks are one block each. With split_plan's TARGET_PROGRAMS lowered so that chunks span
-    1 to 8 blocks (this step's slot in the first block or a later one), over a seeded sweep of rows, grouped heads,
-    cache and live lengths, padding and sinks: the float64 check passes; and `mask_attention` (the mask alone says
-    which slots attend) reads no masked slot's key or value, NaN there giving the clean caches' bits."""
+    """The split kernel loads its chunk's first keys before the PDL wait (`early_keys`: the whole chunk where it
+    is short) and the rest in its loop a block at a time; at the default plan a short cache's chunks are one block
+    each. With split_plan's TARGET_PROGRAMS lowered so that chunks span 1 to 8 blocks (this step's slot in the first
+    block or a later one), two thirds of the cases with EARLY_ELEMENTS lowered to one block's keys (the loop runs)
+    and a third at the default (chunks loaded whole, one chunk a head finished in the split kernel, or combined in
+    its last program), over a seeded sweep of rows, grouped heads, cache and live lengths, padding and sinks: the float64
+    check passes; and `mask_attention` (the mask alone says which slots attend) reads no masked slot's key or
+    value, NaN there giving the clean caches' bits."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(5)\n"
             "rng = random.Random(5)\n"
-            "blocks = set()\n"
+            "blocks, kinds, default = set(), set(), attention.EARLY_ELEMENTS\n"
             "for i in range(12):\n"
-            "    attention.TARGET_PROGRAMS = (1, 2, 3, 8)[i % 4]\n"
             "    hkv, c = rng.choice((1, 2)), rng.randint(17, 130)\n"
             "    m, hq, d, live = rng.randint(1, 3), hkv * rng.choice((1, 4)), rng.choice((16, 32)), rng.randint(1, c)\n"
+            "    attention.TARGET_PROGRAMS = m * hkv * (1, 2, 3, 8)[i % 4]  # 1, 2, 3 or 8 chunks a head (or fewer)\n"
+            "    attention.EARLY_ELEMENTS = (16 * 16, default)[i // 4 % 2]\n"
             "    pad, sinks = rng.randint(0, 3), rng.random() < 0.3\n"
-            "    chunk, _ = attention.split_plan(m, hkv, c)\n"
+            "    chunk, splits, fused = attention.attention_plan(m, hkv, hq // hkv, c, d, torch.device('cpu'))\n"
+            "    kinds.add('one chunk' if splits == 1 else 'fused' if fused else 'loop' if chunk > attention.early_keys(chunk, d)\n"
+            "              else 'two kernels')\n"
             "    blocks.add((chunk // attention.BLOCK_S, (live - 1) % chunk // attention.BLOCK_S))\n"
             "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
             "    assert r.ok, (attention.TARGET_PROGRAMS, r)\n"
@@ -366,6 +373,7 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
             "                                   mask4, scale)\n"
             "    assert torch.equal(clean, nan), (attention.TARGET_PROGRAMS, m, hq, hkv, c, live, pad)\n"
             "assert max(b for b, _ in blocks) >= 4 and any(at > 0 for _, at in blocks), blocks  # long chunks, the slot past block 0\n"
+            "assert {'one chunk', 'fused', 'loop'} <= kinds, kinds\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
 
@@ -382,6 +390,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
             "gen = torch.Generator().manual_seed(1)\n"
             "rng = random.Random(1)\n"
             "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
+            "attention._FUSED_COMBINE = False  # the combine kernel's blocks; the fused form is compared below\n"
             "one_block = 0\n"
             "cases = [(1, 4, 1, 32, 96, 96, 0, False), (2, 8, 2, 16, 80, 3, 1, True)]\n"
             "for _ in range(6):\n"
@@ -417,12 +426,13 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
 def test_fused_combine_on_cuda(monkeypatch, pdl):
     """GDTOOL_FUSED_COMBINE on the GPU, where the programs of one launch run at once: the float64 checks at
-    real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64, 8 rows, sinks) and a seeded sweep, each twice (the
-    counts reset), and tiny-llama's fast step captured equal to itself uncaptured and to the two-kernel form."""
+    real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64 and Qwen3-30B-A3B's 32/4 x 128 at 384 slots, the
+    fused plan; 8 rows, sinks) and a seeded sweep, each twice (the counts reset), and tiny-llama's fast step
+    captured equal to itself uncaptured, with the fused combine and without it."""
     from gdtool.kernels import check
     gen = torch.Generator(device="cuda").manual_seed(0)
     check._impl.triton = True
-    shapes = [(1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False),
+    shapes = [(1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False), (1, 32, 4, 128, 384, 300, 0, False),
               (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False),
               (1, 4, 1, 256, 4200, 4150, 0, True)]  # ~260 chunks: the combine reads them a block at a time
     rng = random.Random(pdl)  # and a seeded sweep over rows, groups, head sizes, cache and live lengths, padding
@@ -439,12 +449,14 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
         model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
         prompt = gdtool.random_prompts(model, batch=3, lengths=(5, 12), seed=0)
         kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast",
-                  mode="step-graph")
-        captured = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
-        direct = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)
-        monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", False)
-        two = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
-    assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, two.tokens)
+                  mode="step-graph", return_scores=True)
+        runs = []
+        for fused in (True, False):
+            monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", fused)
+            runs.append((gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw),
+                         gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)))
+    for captured, direct in runs:
+        assert torch.equal(captured.tokens, direct.tokens) and torch.equal(torch.stack(captured.scores), torch.stack(direct.scores))
 
 
 @pytest.mark.cuda

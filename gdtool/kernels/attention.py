@@ -36,9 +36,11 @@ returns at once:
              live length; online softmax; unnormalized output, running max and sum (float32). Under
              PDL the chunk's first keys and values (all but this step's slot) load before the wait
     combine  per (row, query head, 64 of its outputs): the live chunks' partial results, rescaled to
-             the common max, read a block of chunks at a time (`combine_plan`)
-             (GDTOOL_FUSED_COMBINE=1: inside the split kernel, by the last of a row and key/value head's
-             programs to finish; one launch instead of two)
+             the common max, read a block of chunks at a time (`combine_plan`). Where a cache is short
+             (`split_plan`'s fused plan: each chunk loaded whole before the wait, a (row, key/value head)'s
+             partials one [G, chunks, D] tile) the last of its programs to finish combines them instead, in
+             one load (GDTOOL_FUSED_COMBINE=0: never); one chunk a (row, key/value head) (large batches)
+             finishes in the split kernel itself. One launch instead of two either way
 
 The arithmetic is flash-decoding's: scores and softmax in float32, probabilities rounded to the
 model dtype for the product with V (as SDPA's kernels do), output rounded once. With gpt-oss's sinks
@@ -63,6 +65,8 @@ BLOCK_S = 16          # keys per inner iteration of the split kernel
 TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
 COMBINE_D = 64          # a combine program's share of a head's outputs (`combine_plan`)
 COMBINE_ELEMENTS = 4096  # a combine program's tile of partials, float32 elements
+EARLY_ELEMENTS = 4096   # keys x head size a split program loads before its PDL wait (8 KB of bf16 keys, as many values)
+FUSED_ELEMENTS = 16384  # the fused combine's [G, chunks, D] float32 tile of partials (64 KB over 4 warps)
 
 _active = False
 _sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
@@ -325,20 +329,57 @@ def split_plan(batch: int, hkv: int, cache_len: int) -> tuple[int, int]:
     return chunk, cdiv(cache_len, chunk)
 
 
+def early_keys(chunk: int, d: int) -> int:
+    """Keys of its chunk a split program loads in one block before its PDL wait: the whole chunk (its length
+    rounded up to a power of two, the block's lanes past it masked) where that block's keys fit EARLY_ELEMENTS,
+    else as many as fit, at least BLOCK_S; the rest of the chunk loads after the wait, a block at a time."""
+    fit = max(BLOCK_S, 1 << max(0, (EARLY_ELEMENTS // d).bit_length() - 1))
+    return min(next_pow2(chunk), fit)
+
+
+def fused_plan(batch: int, hkv: int, g: int, cache_len: int, d: int) -> tuple[int, int] | None:
+    """(chunk, splits) for the combine in the split kernel's last program, or None where it does not apply:
+    `split_plan`'s chunks, lengthened until a (row, key/value head)'s partials fit one [G, splits, D] float32 tile
+    of at most FUSED_ELEMENTS (one load), and only while each chunk still loads whole before the wait
+    (`early_keys`): short caches. Llama-1B at 384 slots keeps its 24 chunks of 16 (a [4, 32, 64] tile);
+    Qwen3-30B-A3B's 8 query heads of 128 a group take 12 chunks of 32 ([8, 16, 128])."""
+    chunk, splits = split_plan(batch, hkv, cache_len)
+    most = FUSED_ELEMENTS // (next_pow2(g) * d)   # chunks the tile holds
+    if most < 1:
+        return None
+    most = 1 << (most.bit_length() - 1)
+    if splits > most:
+        chunk = cdiv(cdiv(cache_len, most), BLOCK_S) * BLOCK_S
+        splits = cdiv(cache_len, chunk)
+    if early_keys(chunk, d) < chunk:
+        return None
+    return chunk, splits
+
+
+def attention_plan(batch: int, hkv: int, g: int, cache_len: int, d: int, device) -> tuple[int, int, bool]:
+    """(chunk, splits, fused): `fused_plan` where it applies and the fused combine is on (`fused_combine`), else
+    `split_plan` and the combine in its own kernel. One chunk a (row, key/value head) finishes in the split kernel
+    either way."""
+    plan = fused_plan(batch, hkv, g, cache_len, d) if fused_combine(device) else None
+    if plan is not None:
+        return (*plan, True)
+    return (*split_plan(batch, hkv, cache_len), False)
+
+
 if HAVE_TRITON:
     @triton.jit
     def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
                       C, stride_mask, qk_scale, count_ptr, o_ptr, sink_ptr,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
-                      FUSED: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr,
-                      MASK_ONLY: tl.constexpr, PDL: tl.constexpr):
+                      EARLY: tl.constexpr, FUSED: tl.constexpr, COMBINE_G: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
+                      SINKS: tl.constexpr, MASK_ONLY: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
         hk = bh % HKV
-        # Before the PDL wait: the slot counter, the mask and the chunk's first block of keys and values, all but
-        # this step's slot. The kernel just before this one (q/k/v + RoPE, or the norm and RoPE after its products)
+        # Before the PDL wait: the slot counter, the mask and the chunk's first EARLY keys and values (the whole
+        # chunk where it is short: `early_keys`), all but this step's slot. The kernel just before this one (q/k/v + RoPE, or the norm and RoPE after its products)
         # writes the cache at `slot` only; the counter, the mask and the earlier slots were written before it, and
         # under PDL this kernel starts only once every block of that kernel has passed its own wait, so once
         # every kernel before it has ended (window.py says the same of the roll). Loaded early, they overlap that
@@ -350,7 +391,7 @@ if HAVE_TRITON:
         d = tl.arange(0, D)
         kv = kc_ptr + (bh.to(tl.int64) * C) * D
         vv = vc_ptr + (bh.to(tl.int64) * C) * D
-        j = start + tl.arange(0, BLOCK_S)
+        j = start + tl.arange(0, EARLY)
         inside = j < end
         keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
         # MASK_ONLY (every slot live, the mask alone says which attend): no masked slot's key or value read
@@ -371,7 +412,7 @@ if HAVE_TRITON:
             l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
             acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
             m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
-            for j0 in range(BLOCK_S, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
+            for j0 in range(EARLY, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
                 j = start + j0 + tl.arange(0, BLOCK_S)
                 inside = j < end
                 keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
@@ -379,11 +420,21 @@ if HAVE_TRITON:
                 k = tl.load(kv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
                 v = tl.load(vv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
                 m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
-            row = (b * HQ + hk * G + g) * SPLITS + s
-            tl.store(m_ptr + row, m_i, mask=g < G)
-            tl.store(l_ptr + row, l_i, mask=g < G)
-            tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
-        if FUSED:
+            heads = b * HQ + hk * G + g
+            if SPLITS == 1:  # the only chunk: finished here, as the combine finishes one chunk's partials
+                if SINKS:
+                    sink = tl.load(sink_ptr + heads % HQ, mask=g < G, other=float("-inf")).to(tl.float32) \
+                        * 1.4426950408889634
+                else:
+                    sink = tl.full([BLOCK_G], float("-inf"), tl.float32)
+                out = _rescaled(acc[:, None, :], l_i[:, None], m_i[:, None], (g >= 0)[:, None], sink, SINKS)
+                tl.store(o_ptr + heads[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
+            else:
+                row = heads * SPLITS + s
+                tl.store(m_ptr + row, m_i, mask=g < G)
+                tl.store(l_ptr + row, l_i, mask=g < G)
+                tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=(g < G)[:, None])
+        if FUSED and SPLITS > 1:
             # The combine in the last of the (row, key/value head)'s SPLITS programs to finish: every thread's
             # stores done (the barrier), then one acq_rel count: the last sees the others' partials. It sets
             # the count back to 0 for the next call (the next kernel to use it waits for this one's end).
@@ -391,10 +442,8 @@ if HAVE_TRITON:
             done = tl.atomic_add(count_ptr + bh, 1, sem="acq_rel")
             if done == SPLITS - 1:
                 tl.store(count_ptr + bh, 0)
-                for gi in tl.static_range(G):
-                    for d0 in tl.static_range(0, D, BLOCK_D):
-                        _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, b * HQ + hk * G + gi, d0, live, HQ, D,
-                                 BLOCK_D, CHUNK, SPLITS, BLOCK_SPLITS, SINKS, True)
+                _combine_group(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, b * HQ + hk * G, live, HQ, D, G, COMBINE_G,
+                               CHUNK, SPLITS, BLOCK_SPLITS, SINKS)
 
     @triton.jit
     def _attend(q, k, v, keep, m_i, l_i, acc, qk_scale):
@@ -410,21 +459,52 @@ if HAVE_TRITON:
         return m_new, l_i, acc
 
     @triton.jit
-    def _partials(ptr, mask, other, FROM_L2: tl.constexpr):
-        """A load of the split kernel's partial results; FROM_L2: past L1 (.cg), where other programs of the same
-        kernel stored them just before (the fused combine)."""
-        if FROM_L2:
-            return tl.load(ptr, mask=mask, other=other, cache_modifier=".cg")
-        return tl.load(ptr, mask=mask, other=other)
+    def _rescaled(acc, l, m, valid, sink, SINKS: tl.constexpr):
+        """Heads' outputs [H, Dt] from their chunks' partials acc [H, S, Dt], l and m [H, S] (m in log2 units),
+        valid [H, S] (the live chunks), sink [H] (gpt-oss: joins the common max and the sum, never the output):
+        each chunk rescaled to the common max, summed in chunk order, divided by the sum."""
+        top = tl.maximum(tl.max(m, axis=1), sink)
+        w = tl.where(valid, tl.exp2(m - top[:, None]), 0.0)
+        total = tl.sum(l * w, axis=1)
+        out = tl.sum(acc * w[:, :, None], axis=1)
+        if SINKS:
+            total += tl.exp2(sink - top)
+        return out / total[:, None]
+
+    @triton.jit
+    def _combine_group(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh0, live, HQ: tl.constexpr, D: tl.constexpr,
+                       G: tl.constexpr, COMBINE_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr,
+                       BLOCK_SPLITS: tl.constexpr, SINKS: tl.constexpr):
+        """The fused combine: the G query heads bh0 .. bh0 + G of one (row, key/value head), every live chunk's
+        partials in one [G, chunks, D] load past L1 (.cg: other programs of this kernel stored them just before),
+        combined as `_rescaled` combines them, stored."""
+        n_live = (live + CHUNK - 1) // CHUNK
+        g = tl.arange(0, COMBINE_G)
+        s = tl.arange(0, BLOCK_SPLITS)
+        d = tl.arange(0, D)
+        rows = (bh0 + g)[:, None] * SPLITS + s[None, :]
+        valid = (g < G)[:, None] & (s < n_live)[None, :]
+        m = tl.load(m_ptr + rows, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        l = tl.load(l_ptr + rows, mask=valid, other=0.0, cache_modifier=".cg")
+        acc = tl.load(acc_ptr + rows[:, :, None] * D + d[None, None, :], mask=valid[:, :, None], other=0.0,
+                      cache_modifier=".cg")
+        if SINKS:
+            sink = tl.load(sink_ptr + (bh0 + g) % HQ, mask=g < G, other=float("-inf")).to(tl.float32) \
+                * 1.4426950408889634
+        else:
+            sink = tl.full([COMBINE_G], float("-inf"), tl.float32)
+        out = _rescaled(acc, l, m, valid, sink, SINKS)
+        tl.store(o_ptr + (bh0 + g)[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty), mask=(g < G)[:, None])
 
     @triton.jit
     def _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh, d0, live, HQ: tl.constexpr, D: tl.constexpr,
                  BLOCK_D: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                 SINKS: tl.constexpr, FROM_L2: tl.constexpr):
+                 SINKS: tl.constexpr):
         """One (row, query head) bh, outputs d0 to d0 + BLOCK_D: its live chunks' partial results, rescaled to
         the common max, stored. Where every chunk fits one block (SPLITS <= BLOCK_SPLITS, `combine_plan`) the
-        partials are read once, all loads in flight together; otherwise BLOCK_SPLITS chunks at a time, twice: the
-        maxima for the common max, then the sums and outputs, added block by block in chunk order."""
+        partials are read once, all loads in flight together (`_rescaled`); otherwise BLOCK_SPLITS chunks at a
+        time, twice: the maxima for the common max, then the sums and outputs, added block by block in chunk
+        order."""
         n_live = (live + CHUNK - 1) // CHUNK
         s = tl.arange(0, BLOCK_SPLITS)
         d = d0 + tl.arange(0, BLOCK_D)
@@ -435,31 +515,30 @@ if HAVE_TRITON:
             sink = tl.full([], float("-inf"), tl.float32)
         if SPLITS <= BLOCK_SPLITS:
             valid = s < n_live
-            m = _partials(m_ptr + base + s, valid, float("-inf"), FROM_L2)
-            l = _partials(l_ptr + base + s, valid, 0.0, FROM_L2)
-            acc = _partials(acc_ptr + (base + s)[:, None] * D + d[None, :], valid[:, None], 0.0, FROM_L2)
-            top = tl.maximum(tl.max(m, axis=0), sink)
-            w = tl.where(valid, tl.exp2(m - top), 0.0)
-            total = tl.sum(l * w, axis=0)
-            out = tl.sum(acc * w[:, None], axis=0)
+            m = tl.load(m_ptr + base + s, mask=valid, other=float("-inf"))
+            l = tl.load(l_ptr + base + s, mask=valid, other=0.0)
+            acc = tl.load(acc_ptr + (base + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
+            out = _rescaled(acc[None, :, :], l[None, :], m[None, :], valid[None, :], tl.zeros([1], tl.float32) + sink,
+                            SINKS)
+            tl.store(o_ptr + bh * D + d[None, :], out.to(o_ptr.dtype.element_ty))
         else:
             top = sink
             for s0 in range(0, n_live, BLOCK_SPLITS):
-                top = tl.maximum(top, tl.max(_partials(m_ptr + base + s0 + s, s0 + s < n_live, float("-inf"),
-                                                       FROM_L2), axis=0))
+                top = tl.maximum(top, tl.max(tl.load(m_ptr + base + s0 + s, mask=s0 + s < n_live, other=float("-inf")),
+                                             axis=0))
             total = tl.zeros([], tl.float32)
             out = tl.zeros([BLOCK_D], tl.float32)
             for s0 in range(0, n_live, BLOCK_SPLITS):
                 valid = s0 + s < n_live
-                m = _partials(m_ptr + base + s0 + s, valid, float("-inf"), FROM_L2)
-                l = _partials(l_ptr + base + s0 + s, valid, 0.0, FROM_L2)
-                acc = _partials(acc_ptr + (base + s0 + s)[:, None] * D + d[None, :], valid[:, None], 0.0, FROM_L2)
+                m = tl.load(m_ptr + base + s0 + s, mask=valid, other=float("-inf"))
+                l = tl.load(l_ptr + base + s0 + s, mask=valid, other=0.0)
+                acc = tl.load(acc_ptr + (base + s0 + s)[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
                 w = tl.where(valid, tl.exp2(m - top), 0.0)
                 total += tl.sum(l * w, axis=0)
                 out += tl.sum(acc * w[:, None], axis=0)
-        if SINKS:
-            total += tl.exp2(sink - top)
-        tl.store(o_ptr + bh * D + d, (out / total).to(o_ptr.dtype.element_ty))
+            if SINKS:
+                total += tl.exp2(sink - top)
+            tl.store(o_ptr + bh * D + d, (out / total).to(o_ptr.dtype.element_ty))
 
     @triton.jit
     def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, slot_ptr, sink_ptr,
@@ -472,7 +551,7 @@ if HAVE_TRITON:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         _combine(m_ptr, l_ptr, acc_ptr, o_ptr, sink_ptr, bh, d0, live, HQ, D, BLOCK_D, CHUNK, SPLITS, BLOCK_SPLITS,
-                 SINKS, False)
+                 SINKS)
 
 
 def combine_plan(splits: int, d: int) -> tuple[int, int]:
@@ -490,22 +569,23 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
-    chunk, splits = split_plan(b, hkv, c)
+    chunk, splits, fused = attention_plan(b, hkv, g, c, d, q.device)
     m = torch.empty(b * hq * splits, device=q.device, dtype=torch.float32)
     l = torch.empty_like(m)
     acc = torch.empty(b * hq * splits, d, device=q.device, dtype=torch.float32)
     out = torch.empty(b, hq * d, device=q.device, dtype=q.dtype)
     opts = launch_options(q.device)
-    fused = fused_combine(q.device)
     sink = sinks if sinks is not None else m
     block_d, block_splits = combine_plan(splits, d)
+    if fused:
+        block_splits = max(2, next_pow2(splits))   # every chunk in the one tile (`fused_plan`)
     _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
-        FUSED=fused, BLOCK_D=block_d, BLOCK_SPLITS=block_splits, SINKS=sinks is not None, MASK_ONLY=mask_only,
-        num_warps=4, **opts)
-    if not fused:
+        EARLY=early_keys(chunk, d), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
+        SINKS=sinks is not None, MASK_ONLY=mask_only, num_warps=4, **opts)
+    if not fused and splits > 1:
         _attention_combine_kernel[(b * hq, d // block_d)](
             m, l, acc, out, slot, sink, HQ=hq, D=d, BLOCK_D=block_d, CHUNK=chunk, SPLITS=splits,
             BLOCK_SPLITS=block_splits, SINKS=sinks is not None, num_warps=4 if block_d * block_splits >= 4096 else 2,
@@ -513,18 +593,15 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
     return out
 
 
-# The combine inside the split kernel, in the last program of each (row, key/value head) to finish: one kernel
-# instead of two per attention (the combine's launch is ~2.4 us a layer at gemma-3-1b's batch 1, nsys at cb883e2).
-# Off unless asked for (GDTOOL_FUSED_COMBINE=1) and, on CUDA, until its cuda tests pass (CUDA_TESTED).
+# The combine inside the split kernel, in the last program of each (row, key/value head) to finish (`fused_plan`:
+# short caches): one kernel instead of two per attention. In the step the combine kernel ended ~3.2 us after the
+# split kernel at llama-1b's batch 1 (nsys, H200, a7748ba), where its own work is one load from L2. On unless
+# GDTOOL_FUSED_COMBINE=0; on CUDA only once its cuda tests have passed (CUDA_TESTED), two kernels until then.
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
-_FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE")
+_FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE", default=True)
 
 
 def fused_combine(device) -> bool:
-    """Whether split_kv combines inside its split kernel on `device` (refused on CUDA while untested)."""
-    if not _FUSED_COMBINE:
-        return False
-    why = untested_on_cuda(FUSED_COMBINE_PATH, device)
-    if why:
-        raise RuntimeError(f"GDTOOL_FUSED_COMBINE=1: {why}")
-    return True
+    """Whether split_kv may combine inside its split kernel on `device` (where `fused_plan` applies): asked for
+    (GDTOOL_FUSED_COMBINE, on by default) and, on CUDA, tested there."""
+    return _FUSED_COMBINE and not untested_on_cuda(FUSED_COMBINE_PATH, device)

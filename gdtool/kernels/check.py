@@ -263,10 +263,10 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0, s
     out = _impl.attention(q, kc, vc, mask, slot, scale, sink)
     ref = attention.split_kv_reference(q, kc, vc, mask, slot, scale, sink)
     exact = exact_attention(q, kc, vc, mask, scale, sink)
-    chunk, splits = attention.split_plan(m, hkv, cache_len)
+    chunk, splits, fused = attention.attention_plan(m, hkv, hq // hkv, cache_len, d, q.device)
     return judge("decode_attention" + ("+sinks" if sinks else ""), f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of "
                   f"{cache_len}" + (f", left pad {pad}/row" if pad else ""), dtype, out, ref, exact,
-                  f"{splits} chunks of {chunk}")
+                  f"{splits} chunks of {chunk}" + (", combined in the split kernel" if fused or splits == 1 else ""))
 
 
 def check_window_roll(b, hkv, w, d, dtype, device, gen, config=None) -> Result:

@@ -325,7 +325,8 @@ def _kernels_note(step: CompiledStep) -> str:
     device = next(step.model.parameters()).device
     pdl = fast_triton.pdl_label() if fast_triton.pdl_supported(device) else "off"
     argmax = "two-stage argmax; " if step._eager_argmax() else ""
-    combine = "attention combined in the split kernel's last program; " if attention.fused_combine(device) else ""
+    combine = "attention combined in the split kernel's last program where the cache is short; " \
+        if attention.fused_combine(device) else ""
     return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
 
 

@@ -40,10 +40,12 @@ PDL_AUTO_MAX_BYTES = 64 << 20
 _OFF, _ON = ("0", "false", "off", "", "none"), ("1", "true", "on")
 
 
-def env_flag(name: str) -> bool:
+def env_flag(name: str, default: bool = False) -> bool:
     """An on/off environment variable of gdtool's kernels (GDTOOL_FUSED_COMBINE, GDTOOL_UNTESTED_KERNELS): 0,
-    false, off or unset; 1, true or on. Anything else is refused, not read as on."""
-    value = os.environ.get(name, "0").strip().lower()
+    false or off; 1, true or on; unset: `default`. Anything else is refused, not read as on."""
+    if name not in os.environ:
+        return default
+    value = os.environ[name].strip().lower()
     if value in _OFF or value in _ON:
         return value in _ON
     raise ValueError(f"{name}={os.environ[name]!r}: give 1 (on) or 0 (off)")
