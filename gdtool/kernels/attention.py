@@ -413,13 +413,14 @@ if HAVE_TRITON:
             acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
             m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
             for j0 in range(EARLY, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
-                j = start + j0 + tl.arange(0, BLOCK_S)
-                inside = j < end
-                keep = inside & (tl.load(mask_ptr + b * stride_mask + j, mask=inside, other=0) != 0)
-                read = keep if MASK_ONLY else inside
-                k = tl.load(kv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
-                v = tl.load(vv + j[:, None] * D + d[None, :], mask=read[:, None], other=0.0)
-                m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
+                # names of their own: the early block's are EARLY wide, a loop-carried value keeps one shape
+                jb = start + j0 + tl.arange(0, BLOCK_S)
+                inside_b = jb < end
+                keep_b = inside_b & (tl.load(mask_ptr + b * stride_mask + jb, mask=inside_b, other=0) != 0)
+                read_b = keep_b if MASK_ONLY else inside_b
+                kb = tl.load(kv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
+                vb = tl.load(vv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
+                m_i, l_i, acc = _attend(q, kb, vb, keep_b, m_i, l_i, acc, qk_scale)
             heads = b * HQ + hk * G + g
             if SPLITS == 1:  # the only chunk: finished here, as the combine finishes one chunk's partials
                 if SINKS:
