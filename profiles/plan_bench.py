@@ -1,0 +1,37 @@
+"""`python -m gdtool bench` with the split-KV attention's plan set: TARGET_PROGRAMS (`attention.split_plan`,
+which the fused combine's plan starts from) and GDTOOL_FUSED_COMBINE's switch, for an A/B of plans in the step.
+
+    python profiles/plan_bench.py --target 132 [--fused 0|1] -- --model llama-1b --batch 1 --kernels fast ...
+
+Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from gdtool import __main__ as cli  # noqa: E402
+from gdtool.kernels import attention  # noqa: E402
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", type=int, default=attention.TARGET_PROGRAMS,
+                        help=f"split_plan's TARGET_PROGRAMS (default {attention.TARGET_PROGRAMS})")
+    parser.add_argument("--fused", type=int, choices=(0, 1), default=None, help="the fused combine off (0) or on (1)")
+    args = parser.parse_args(ours)
+    attention.TARGET_PROGRAMS = args.target
+    if args.fused is not None:
+        attention._FUSED_COMBINE = bool(args.fused)
+    print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
+          f"{'on' if attention._FUSED_COMBINE else 'off'}", flush=True)
+    return cli.main(["bench", *bench])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
