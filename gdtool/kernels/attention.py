@@ -58,7 +58,6 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from .gemv import HeadNorm
 from .triton import (HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable,
                      zero_counts)
 
@@ -368,17 +367,13 @@ def attention_plan(batch: int, hkv: int, g: int, cache_len: int, d: int, device)
 
 
 if HAVE_TRITON:
-    from .gemv import _head_norm_rope
-
     @triton.jit
     def _attention_split_kernel(q_ptr, kc_ptr, vc_ptr, mask_ptr, slot_ptr, m_ptr, l_ptr, acc_ptr,
                       C, stride_mask, qk_scale, count_ptr, o_ptr, sink_ptr,
-                      kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, stride_pos, rope_scaling, qk_eps,
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                       EARLY: tl.constexpr, FUSED: tl.constexpr, COMBINE_G: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                      SINKS: tl.constexpr, MASK_ONLY: tl.constexpr, HEAD_NORM: tl.constexpr, QK_NORM: tl.constexpr,
-                      PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+                      SINKS: tl.constexpr, MASK_ONLY: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
@@ -404,42 +399,14 @@ if HAVE_TRITON:
         fresh = j == live - 1
         k = tl.load(kv + j[:, None] * D + d[None, :], mask=(read & ~fresh)[:, None], other=0.0)
         v = tl.load(vv + j[:, None] * D + d[None, :], mask=(read & ~fresh)[:, None], other=0.0)
-        if HEAD_NORM:  # the norm's weights, the angles' inputs (written before the kernel before this one)
-            hd = tl.arange(0, D // 2)
-            inv = tl.load(inv_ptr + hd).to(tl.float32)[None, :]
-            pos = tl.load(pos_ptr + b * stride_pos).to(tl.float32)
-            gq1, gq2, gk1, gk2 = inv, inv, inv, inv   # no norm: unused
-            if QK_NORM:
-                gq1, gq2 = tl.load(gq_ptr + hd)[None, :], tl.load(gq_ptr + D // 2 + hd)[None, :]
-                gk1, gk2 = tl.load(gk_ptr + hd)[None, :], tl.load(gk_ptr + D // 2 + hd)[None, :]
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if start < live:
             g = tl.arange(0, BLOCK_G)
+            q = tl.load(q_ptr + ((b * HQ + hk * G + g) * D)[:, None] + d[None, :], mask=(g < G)[:, None], other=0.0)
             now = (read & fresh)[:, None]
-            if HEAD_NORM:
-                # q and this step's k as the q/k/v products left them: their per-head norm and RoPE here (the
-                # arithmetic of the q/k/v kernel's, `gemv._head_norm_rope`), q for every program of the group, k
-                # also written at the cache slot by the program whose chunk holds it
-                out_ty = q_ptr.dtype.element_ty
-                rows = (b * HQ + hk * G + g) * D
-                q1 = tl.load(q_ptr + rows[:, None] + hd[None, :], mask=(g < G)[:, None], other=0.0).to(tl.float32)
-                q2 = tl.load(q_ptr + rows[:, None] + D // 2 + hd[None, :], mask=(g < G)[:, None], other=0.0)
-                r1, r2 = _head_norm_rope(q1, q2.to(tl.float32), gq1, gq2, pos, inv, rope_scaling, qk_eps, out_ty, D,
-                                         QK_NORM, PLUS_ONE)
-                q = tl.join(r1, r2).permute(0, 2, 1).reshape(BLOCK_G, D)
-                k_raw = kr_ptr + bh * D + hd[None, :]
-                r1, r2 = _head_norm_rope(tl.load(k_raw).to(tl.float32), tl.load(k_raw + D // 2).to(tl.float32), gk1,
-                                         gk2, pos, inv, rope_scaling, qk_eps, out_ty, D, QK_NORM, PLUS_ONE)
-                k_now = tl.join(r1, r2).permute(0, 2, 1).reshape(1, D)
-                holds = live - 1 < start + CHUNK   # this step's slot is in this chunk (then it is < C)
-                tl.store(kv + (live - 1) * D + d[None, :], k_now, mask=d[None, :] < tl.where(holds, D, 0))
-                k = tl.where(now, k_now, k)
-            else:
-                q = tl.load(q_ptr + ((b * HQ + hk * G + g) * D)[:, None] + d[None, :], mask=(g < G)[:, None],
-                            other=0.0)
-                k = tl.where(now, tl.load(kv + j[:, None] * D + d[None, :], mask=now, other=0.0), k)
+            k = tl.where(now, tl.load(kv + j[:, None] * D + d[None, :], mask=now, other=0.0), k)
             v = tl.where(now, tl.load(vv + j[:, None] * D + d[None, :], mask=now, other=0.0), v)
             m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -453,8 +420,6 @@ if HAVE_TRITON:
                 read_b = keep_b if MASK_ONLY else inside_b
                 kb = tl.load(kv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
                 vb = tl.load(vv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
-                if HEAD_NORM:  # this step's key, where this block holds it, is this program's own
-                    kb = tl.where((jb == live - 1)[:, None], k_now, kb)
                 m_i, l_i, acc = _attend(q, kb, vb, keep_b, m_i, l_i, acc, qk_scale)
             heads = b * HQ + hk * G + g
             if SPLITS == 1:  # the only chunk: finished here, as the combine finishes one chunk's partials
@@ -590,15 +555,6 @@ if HAVE_TRITON:
                  SINKS)
 
 
-def _head_norm_args(norm, q):
-    """The split kernel's arguments kr .. qk_eps: a `HeadNorm`'s, or placeholders (q) where there is none."""
-    if norm is None:
-        return q, q, q, q, q, 0, 1.0, 0.0
-    weights = (norm.q_weight, norm.k_weight) if norm.q_weight is not None else (q, q)
-    return (norm.k, *weights, norm.positions, norm.inv_freq, norm.positions.stride(0), float(norm.scaling),
-            float(norm.eps))
-
-
 def combine_plan(splits: int, d: int) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_SPLITS): the combine's programs each take BLOCK_D of a head's D outputs, and read its
     partials BLOCK_SPLITS chunks at a time, a [BLOCK_SPLITS, BLOCK_D] float32 tile of at most COMBINE_ELEMENTS.
@@ -610,13 +566,7 @@ def combine_plan(splits: int, d: int) -> tuple[int, int]:
 
 def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False):
     """Triton split-KV attention: same arguments and result as `split_kv_reference`. mask_only (slot: the cache's
-    last, the mask alone says which slots attend): the kernel reads no key or value of a masked slot. q may be a
-    `gemv.HeadNorm` (`qkv_rope(defer_norm=True)`): q and this step's k then get their per-head norm and RoPE here,
-    and k is written at the slot, as `gemv.head_norm_reference` before `split_kv_reference` does."""
-    norm = q if isinstance(q, HeadNorm) else None
-    q = norm.q if norm is not None else q
-    if norm is not None and (mask_only or sinks is not None):
-        raise ValueError("the split kernel finishes q/k's norm and RoPE only for the fast step's own attention")
+    last, the mask alone says which slots attend): the kernel reads no key or value of a masked slot."""
     b, hq, d = q.shape
     hkv, c = k_cache.shape[1], k_cache.shape[2]
     g = hq // hkv
@@ -633,12 +583,9 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
     _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
-        *_head_norm_args(norm, q),
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
         EARLY=early_keys(chunk, d), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
-        SINKS=sinks is not None, MASK_ONLY=mask_only, HEAD_NORM=norm is not None,
-        QK_NORM=norm is not None and norm.q_weight is not None, PLUS_ONE=bool(norm is not None and norm.plus_one),
-        num_warps=4, **opts)
+        SINKS=sinks is not None, MASK_ONLY=mask_only, num_warps=4, **opts)
     if not fused and splits > 1:
         _attention_combine_kernel[(b * hq, d // block_d)](
             m, l, acc, out, slot, sink, HQ=hq, D=d, BLOCK_D=block_d, CHUNK=chunk, SPLITS=splits,

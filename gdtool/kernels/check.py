@@ -269,56 +269,6 @@ def check_attention(m, hq, hkv, d, cache_len, live, dtype, device, gen, pad=0, s
                   f"{splits} chunks of {chunk}" + (", combined in the split kernel" if fused or splits == 1 else ""))
 
 
-def check_attention_head_norm(m, hq, hkv, d, cache_len, live, dtype, device, gen, qk_norm=True, plus_one=False,
-                              pad=0) -> list[Result]:
-    """The split attention finishing q and this step's k (`qkv_rope(defer_norm=True)`'s `HeadNorm`: Qwen3's and
-    Gemma 3's per-head norm, RoPE; the norm off: RoPE alone): the output, and k at the slot, against float64
-    (norm, RoPE and attention with no rounding) beside `head_norm_reference` then `split_kv_reference`; every
-    other slot untouched."""
-    q_raw = torch.randn(m, hq, d, generator=gen, device=device).to(dtype)
-    k_raw = torch.randn(m, hkv, d, generator=gen, device=device).to(dtype)
-    caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
-    weights = tuple(_norm_weight(d, dtype, device, gen, plus_one) for _ in range(2)) if qk_norm else (None, None)
-    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-    scaling = 1.0 + 0.25 * float(torch.rand(1, generator=gen, device=device))
-    mask = torch.ones(m, cache_len, dtype=torch.long, device=device)
-    mask[:, live:] = 0
-    for r in range(m):
-        mask[r, : min(r * pad, live - 1)] = 0
-    slot = torch.tensor(live - 1, device=device)
-    scale = d ** -0.5
-    norm = gemv.HeadNorm(q_raw, k_raw, *weights, 1e-6, positions, inv_freq, scaling, plus_one)
-    mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
-    if _impl.triton:
-        out = attention.split_kv(norm, *mine, mask, slot, scale)
-    else:
-        out = attention.split_kv_reference(gemv.head_norm_reference(norm, mine[0], slot), *mine, mask, slot, scale)
-    ref = attention.split_kv_reference(gemv.head_norm_reference(norm, theirs[0], slot), *theirs, mask, slot, scale)
-    qe, ke = q_raw.double(), k_raw.double()
-    if qk_norm:
-        qe, ke = _exact_norm(qe, weights[0], 1e-6, plus_one), _exact_norm(ke, weights[1], 1e-6, plus_one)
-    freqs = (positions.float() * inv_freq[None, :]).double()
-    emb = torch.cat((freqs, freqs), -1)
-    c, s = (emb.cos() * scaling)[:, None], (emb.sin() * scaling)[:, None]
-    qe, ke = _rope_exact(qe, c, s), _rope_exact(ke, c, s)
-    i = live - 1
-    kc = caches[0].double().clone()
-    kc[:, :, i] = ke
-    exact = exact_attention(qe, kc, caches[1].double(), mask, scale)
-    others = torch.ones(cache_len, dtype=torch.bool, device=device)
-    others[i] = False
-    untouched = torch.equal(mine[0][:, :, others], caches[0][:, :, others]) and torch.equal(mine[1], caches[1])
-    name = "attention+" + ("qk_norm" if qk_norm else "rope") + ("(1+w)" if plus_one else "")
-    chunk, splits, fused = attention.attention_plan(m, hkv, hq // hkv, cache_len, d, q_raw.device)
-    shape = f"{m} rows, heads {hq}/{hkv}x{d}, live {live} of {cache_len}" + (f", left pad {pad}/row" if pad else "")
-    results = [judge(name, shape, dtype, out, ref, exact, f"{splits} chunks of {chunk}"),
-               judge(f"{name}: k at slot", shape, dtype, mine[0][:, :, i], theirs[0][:, :, i], ke)]
-    results[-1].ok = results[-1].ok and untouched
-    results[-1].note = "other slots untouched" if untouched else "OTHER SLOTS CHANGED"
-    return results
-
-
 def check_window_roll(b, hkv, w, d, dtype, device, gen, config=None) -> Result:
     """A full sliding window's update for one token: `roll_window`, then the new key and value at slot W - 1 (the
     write qkv_rope does), against HF's `StaticSlidingWindowLayer.update` itself (filled by one update of W
@@ -423,11 +373,6 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
     for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad, sinks=True))  # gpt-oss
-    # q/k's per-head norm and RoPE finished in the split kernel (Qwen3, Gemma 3: qkv_rope's defer_norm)
-    for m, hq, hkv, d, cache, live, plus_one, pad in ((1, 8, 2, 32, 40, 1, False, 0), (2, 8, 2, 32, 40, 37, False, 3),
-                                                      (3, 4, 1, 32, 90, 70, True, 5), (1, 8, 1, 16, 200, 150, False, 0)):
-        results += check_attention_head_norm(m, hq, hkv, d, cache, live, dtype, device, gen, plus_one=plus_one, pad=pad)
-    results += check_attention_head_norm(2, 8, 2, 32, 40, 20, dtype, device, gen, qk_norm=False)
     results.append(check_argmax(3, 5000, device, gen))
     if large:
         for m in (1, 4):
@@ -442,10 +387,6 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
                 cache = 384 if live < 384 else 4096
                 results.append(check_attention(m, 32, 8, 64, cache, live, dtype, device, gen, pad=7 * (m > 1)))
             results.append(check_attention(m, 32, 8, 128, 384, 200, dtype, device, gen))
-            for live in (1, 200, 384):   # Qwen3-8B's and Qwen3-30B-A3B's q/k norm in the split kernel
-                results += check_attention_head_norm(m, 32, 8, 128, 384, live, dtype, device, gen)
-                results += check_attention_head_norm(m, 32, 4, 128, 384, live, dtype, device, gen, pad=7 * (m > 1))
-            results += check_attention_head_norm(m, 4, 1, 256, 512, 300, dtype, device, gen, plus_one=True)  # Gemma 3
             results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)  # Qwen3-8B
             results += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True,
                                       config=gemv.whole_head_config(4096, 128, m))              # in one kernel

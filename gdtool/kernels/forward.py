@@ -332,7 +332,7 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         inv_freq, scaling, _ = _rope(rotary, attn)
         q = ops.qkv_rope(h, norm1.weight, _eps(norm1), attn.q_proj.weight, attn.k_proj.weight,
                          attn.v_proj.weight, positions, inv_freq, scaling,
-                         layer.keys, layer.values, slot, biases, qk_norm, plus_one, add=pending, defer_norm=True)
+                         layer.keys, layer.values, slot, biases, qk_norm, plus_one, add=pending)
         if pending is not None:
             q, h = q
         o = ops.decode_attention(q, layer.keys, layer.values, layer_mask, slot, attn.scaling)

@@ -40,8 +40,6 @@ sequences in torch: what runs where Triton does not (a CPU), and what the tests 
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -110,44 +108,22 @@ def qkv_rope_reference(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, sca
     the per-head RMSNorm before RoPE (Qwen3, Gemma 3), or None. plus_one: both norms are Gemma's."""
     b = x.shape[0]
     d = k_cache.shape[-1]
+    cos, sin = rope_angles_reference(positions, inv_freq, scaling, x.dtype)
     n = rms_norm_reference(x, norm_weight, eps, plus_one)
     bq, bk, bv = biases if biases is not None else (None, None, None)
     q = F.linear(n, wq, bq).view(b, -1, d)
     k = F.linear(n, wk, bk).view(b, -1, d)
     v = F.linear(n, wv, bv).view(b, -1, d)
-    v_cache.index_copy_(2, slot.reshape(1), v[:, :, None])
-    q_weight, k_weight, qk_eps = qk_norm if qk_norm is not None else (None, None, 0.0)
-    return head_norm_reference(HeadNorm(q, k, q_weight, k_weight, qk_eps, positions, inv_freq, scaling, plus_one),
-                               k_cache, slot)
-
-
-class HeadNorm(NamedTuple):
-    """q [B, Hq, D] and k [B, Hkv, D] as the q/k/v products left them, and what their per-head RMSNorm (Qwen3's,
-    Gemma 3's; none where q_weight is None) and RoPE take: `qkv_rope(defer_norm=True)` returns it for the split
-    attention kernel to finish them (`attention.split_kv`: q in registers, k there and at the cache slot), one
-    kernel fewer a layer."""
-    q: torch.Tensor
-    k: torch.Tensor
-    q_weight: torch.Tensor | None
-    k_weight: torch.Tensor | None
-    eps: float
-    positions: torch.Tensor
-    inv_freq: torch.Tensor
-    scaling: float
-    plus_one: bool
-
-
-def head_norm_reference(norm: HeadNorm, k_cache, slot):
-    """q after its norm and RoPE; k after them written at `slot` of the [B, Hkv, C, D] cache (eager's roundings)."""
-    q, k = norm.q, norm.k
-    if norm.q_weight is not None:
-        q = rms_norm_reference(q, norm.q_weight, norm.eps, norm.plus_one)
-        k = rms_norm_reference(k, norm.k_weight, norm.eps, norm.plus_one)
-    cos, sin = rope_angles_reference(norm.positions, norm.inv_freq, norm.scaling, q.dtype)
+    if qk_norm is not None:
+        q_weight, k_weight, qk_eps = qk_norm
+        q = rms_norm_reference(q, q_weight, qk_eps, plus_one)
+        k = rms_norm_reference(k, k_weight, qk_eps, plus_one)
     c, s = cos[:, None, :], sin[:, None, :]
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    k_cache.index_copy_(2, slot.reshape(1), k[:, :, None])
+    index = slot.reshape(1)
+    k_cache.index_copy_(2, index, k[:, :, None])
+    v_cache.index_copy_(2, index, v[:, :, None])
     return q
 
 
@@ -309,26 +285,6 @@ if HAVE_TRITON:
         return h, d1, rows, rows + (D // 2) * K
 
     @triton.jit
-    def _head_norm_rope(y1, y2, g1, g2, pos, inv, scaling, qk_eps, out_ty, D: tl.constexpr, QK_NORM: tl.constexpr,
-                        PLUS_ONE: tl.constexpr):
-        """Heads' two halves y1, y2 [R, D / 2] (float32 of the model-dtype products; each row one head's values)
-        after HF's per-head RMSNorm (QK_NORM: weights g1, g2 [1, D / 2] of the two halves) and RoPE at positions
-        pos (float32, [R, 1] or a scalar) with inv_freq inv [1, D / 2], each step rounded as eager rounds it: ->
-        (r1, r2) in the model dtype. HF's angles: position * inv_freq, cos and sin times the scaling, rounded to the
-        model dtype (the halves share them: emb = cat(freqs, freqs)); then y * cos + rotate_half(y) * sin, each
-        product and the sum rounded."""
-        if QK_NORM:
-            rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
-            y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
-            y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
-        freq = pos * inv
-        c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
-        s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
-        r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
-        r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
-        return r1, r2
-
-    @triton.jit
     def _qkv_finish(y1, y2, h, d1, live, r0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
                     q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
@@ -357,17 +313,25 @@ if HAVE_TRITON:
         r2 = y2.to(out_ty)
         if not RAW:
             if h < HQ + HKV:
-                g1, g2 = y1, y2   # no norm: unused
                 if QK_NORM:  # the tile is the whole head (HB = D / 2): HF's RMSNorm over its D values
+                    rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
                     if h < HQ:
                         g_base = gq_ptr
                     else:
                         g_base = gk_ptr
                     g1 = tl.load(g_base + d1)[None, :]
                     g2 = tl.load(g_base + d2)[None, :]
+                    y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
+                    y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
+                # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
+                # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
+                # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
                 pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
-                r1, r2 = _head_norm_rope(y1, y2, g1, g2, pos, tl.load(inv_ptr + d1).to(tl.float32)[None, :], scaling,
-                                         qk_eps, out_ty, D, QK_NORM, PLUS_ONE)
+                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+                c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
+                s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
+                r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
+                r2 = ((y2 * c).to(out_ty).to(tl.float32) + (y1 * s).to(out_ty).to(tl.float32)).to(out_ty)
         if h < HQ:  # q: its buffer, whether finished or (RAW) waiting for its norm and RoPE there
             base = q_ptr + (rm * HQ + h) * D
             tl.store(base + d1[None, :], r1, mask=rmask)
@@ -628,13 +592,11 @@ def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
-             biases=None, qk_norm=None, plus_one=False, config=None, add=None, defer_norm=False):
+             biases=None, qk_norm=None, plus_one=False, config=None, add=None):
     """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`. With a per-head norm and tiles
     smaller than a head (the default), two kernels: the products, RoPE-free for q and k (q in its buffer, k
-    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`); defer_norm: not
-    the second kernel, but a `HeadNorm` in place of q, for the split attention kernel to finish (k is not at
-    the cache slot until it has). add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s
-    add); returns (q, h) then."""
+    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`).
+    add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s add); returns (q, h) then."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
@@ -665,9 +627,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
         PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, num_warps=warps,
         **launch_options(x.device, _bytes(wq, wk, wv)))
-    if two and defer_norm:
-        q = HeadNorm(q, k_raw, gq, gk, float(qk_eps), positions, inv_freq, float(scaling), bool(plus_one))
-    elif two:
+    if two:
         norm_rows = next_pow2(m)
         _qk_norm_rope_kernel[(1, hq + hkv)](
             q, k_raw, gq, gk, positions, inv_freq, k_cache, v_cache, slot, m, c, positions.stride(0), float(scaling),

@@ -8,14 +8,13 @@ reference runs, with the same arguments and result. The fast decode forward call
     rms_gemv(x, norm_weight?, eps, weight, weight2?, residual?, out_f32, plus_one, act)  -> [M, N]
                                                                           (weight2: gate/up, act its activation)
     qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache!, v_cache!, slot,
-             biases?, qk_norm?, plus_one, defer_norm)                     -> q  (biases: Qwen2; qk_norm: Qwen3, Gemma 3;
-                                                                          defer_norm: a HeadNorm, for decode_attention)
+             biases?, qk_norm?, plus_one)                                 -> q  (biases: Qwen2; qk_norm: Qwen3, Gemma 3)
     rms_add(y, norm_weight, eps, residual, plus_one)                       -> residual + RMSNorm(y)  (Gemma 3)
     moe(x, block, norm_weight, eps)                                         -> x + the MoE block of RMSNorm(x)
                                                                             (`experts.block_args`: its weights)
     roll_window(k_cache!, v_cache!)                                         a full sliding window shifted left by
                                                                             one slot, for qkv_rope to write the last
-    decode_attention(q, k_cache!, v_cache, mask, slot, scale)              -> [M, Hq * D]  (q a HeadNorm: k written)
+    decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
 (`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.) rms_gemv and qkv_rope also take
 add=(a, weight, eps): their input becomes x + RMSNorm(a), rms_add folded into them (Gemma 3's post norms), and
@@ -59,12 +58,11 @@ def moe(x, block, norm_weight, eps):
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
-             qk_norm=None, plus_one=False, add=None, defer_norm=False):
-    """add: as rms_gemv's (returns (q, the input) then). defer_norm: q/k's per-head norm may be left to
-    decode_attention (q a `gemv.HeadNorm` then, k not yet in the cache)."""
+             qk_norm=None, plus_one=False, add=None):
+    """add: as rms_gemv's (returns (q, the input) then)."""
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                             slot, biases, qk_norm, plus_one, add=add, defer_norm=defer_norm)
+                             slot, biases, qk_norm, plus_one, add=add)
     h = x if add is None else gemv.rms_add_reference(add[0], add[1], add[2], x, plus_one)
     q = gemv.qkv_rope_reference(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
                                 v_cache, slot, biases, qk_norm, plus_one)
@@ -78,11 +76,8 @@ def roll_window(k_cache, v_cache):
 
 
 def decode_attention(q, k_cache, v_cache, mask, slot, scale):
-    """q: [B, Hq, D], or a `gemv.HeadNorm` (qkv_rope's defer_norm): its norm and RoPE finished here."""
-    if usable(k_cache):
+    if usable(q, k_cache):
         return attention.split_kv(q, k_cache, v_cache, mask, slot, scale)
-    if isinstance(q, gemv.HeadNorm):
-        q = gemv.head_norm_reference(q, k_cache, slot)
     return attention.split_kv_reference(q, k_cache, v_cache, mask, slot, scale)
 
 
