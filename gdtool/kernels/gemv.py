@@ -13,9 +13,9 @@ every multiprocessor's loads in flight, and fold in the small operations around 
     gate_up     a = act(n @ Wg.T) * (n @ Wu.T), n = RMSNorm(x)   (the whole MLP input side; act: SiLU,
                 or GELU's tanh form for Gemma)
     qkv_rope    q, k, v = n @ Wq.T, Wk.T, Wv.T [+ biases, Qwen2]; [per-head RMSNorm of q and k, Qwen3,
-                Gemma 3: in the last program of each head's tiles to finish (`norm_in_last_program`), or a
-                second kernel, `_qk_norm_rope_kernel`]; RoPE on q and k (angles computed in the kernel from the
-                positions, as HF's rotary embedding computes them); k and v written to the cache slot
+                Gemma 3: a second kernel, `_qk_norm_rope_kernel`]; RoPE on q and k (angles computed in the
+                kernel from the positions, as HF's rotary embedding computes them); k and v written to the
+                cache slot
     rms_add     h = residual + RMSNorm(y)                 (Gemma's norms after attention and the MLP: a
                                                            norm over a whole output row. In the forward it is
                                                            folded into the next kernel that reads h, `add=`:
@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, zero_counts
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
 
 MAX_ROWS = 16        # batch rows the kernels handle (forward.BATCH_PATHS says which batches use them)
 ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
@@ -357,48 +357,32 @@ if HAVE_TRITON:
         """The second of the two q/k-norm kernels: program (rows, head h of q's and k's): the head's D values
         as the first kernel left them, HF's per-head RMSNorm and RoPE (`_qkv_finish`, the same arithmetic
         as in one kernel); q rewritten in place, k written at the cache slot."""
+        r0 = tl.program_id(0) * ROWS
         h = tl.program_id(1)
         if PDL:  # everything read here is the first kernel's
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-        _norm_rope_head(h, q_ptr, kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, tl.load(slot_ptr), M, C,
-                        stride_pos, scaling, qk_eps, HQ, HKV, D, ROWS, PLUS_ONE, False)
-
-    @triton.jit
-    def _norm_rope_head(h, q_ptr, kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos,
-                        scaling, qk_eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                        PLUS_ONE: tl.constexpr, FROM_L2: tl.constexpr):
-        """Head h of q's and k's (every row): its D values as the products left them (q in q's buffer, k in kr),
-        HF's per-head RMSNorm and RoPE (`_qkv_finish`, the same arithmetic as in one kernel); q rewritten in
-        place, k written at the cache slot. FROM_L2: read past L1 (.cg), where other programs of the same kernel
-        stored them just before (the q/k/v kernel's last program of the head)."""
         d1 = tl.arange(0, D // 2)
-        rm = tl.arange(0, ROWS)[:, None]
+        rm = r0 + tl.arange(0, ROWS)[:, None]
         if h < HQ:
             base = q_ptr + (rm * HQ + h) * D
         else:
             base = kr_ptr + (rm * HKV + (h - HQ)) * D
-        if FROM_L2:
-            y1 = tl.load(base + d1[None, :], mask=rm < M, other=0.0, cache_modifier=".cg")
-            y2 = tl.load(base + D // 2 + d1[None, :], mask=rm < M, other=0.0, cache_modifier=".cg")
-        else:
-            y1 = tl.load(base + d1[None, :], mask=rm < M, other=0.0)
-            y2 = tl.load(base + D // 2 + d1[None, :], mask=rm < M, other=0.0)
-        _qkv_finish(y1.to(tl.float32), y2.to(tl.float32), h, d1, True, 0, q_ptr, q_ptr, q_ptr, q_ptr, gq_ptr, gk_ptr,
-                    pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
+        y1 = tl.load(base + d1[None, :], mask=rm < M, other=0.0).to(tl.float32)
+        y2 = tl.load(base + D // 2 + d1[None, :], mask=rm < M, other=0.0).to(tl.float32)
+        _qkv_finish(y1, y2, h, d1, r0 < M, r0, q_ptr, q_ptr, q_ptr, q_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
+                    q_ptr, kr_ptr, kc_ptr, vc_ptr, tl.load(slot_ptr), M, C, stride_pos, scaling, qk_eps,
                     HQ, HKV, D, ROWS, False, True, PLUS_ONE, False)
 
     @triton.jit
     def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                               pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot_ptr, a_ptr, ga_ptr, h_ptr,
-                              count_ptr,
                               M, C, stride_x, stride_pos, stride_a, stride_h, scaling, eps, qk_eps, eps_a, nprog,
                               ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
                               QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
-                              ADD: tl.constexpr, WRITE_H: tl.constexpr, NORM_LAST: tl.constexpr,
-                              NORM_ROWS: tl.constexpr, PDL: tl.constexpr):
+                              ADD: tl.constexpr, WRITE_H: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -438,17 +422,6 @@ if HAVE_TRITON:
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                                 pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling,
                                 qk_eps, HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW)
-                if NORM_LAST:
-                    # the per-head norm and RoPE in the last of a q or k head's tile programs to finish (no second
-                    # kernel): every thread's stores done (the barrier), one acq_rel count a head; the last sees the
-                    # others' raw values, finishes the head, and sets the count back to 0 for the next call
-                    if (t < tiles) & (h < HQ + HKV):
-                        tl.debug_barrier()
-                        done = tl.atomic_add(count_ptr + h, 1, sem="acq_rel")
-                        if done == (D // 2) // HB - 1:
-                            tl.store(count_ptr + h, 0)
-                            _norm_rope_head(h, q_ptr, kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot, M,
-                                            C, stride_pos, scaling, qk_eps, HQ, HKV, D, NORM_ROWS, PLUS_ONE, True)
                 h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
         else:
             # K in KSPLIT chunks of BLOCK_K (a whole head per tile, HB = D / 2, for the per-head norm: too
@@ -592,18 +565,6 @@ def rms_add(y, norm_weight, eps, residual, plus_one=False):
     return out
 
 
-# Qwen3's and Gemma 3's per-head q/k norm and RoPE in the last program of each head's q/k/v tiles (the tiles split
-# a head over programs: its norm needs all of it), not a second kernel. On unless GDTOOL_NORM_IN_LAST=0; on CUDA
-# only once its cuda tests have passed there (CUDA_TESTED), the second kernel until then.
-NORM_LAST_PATH = "q/k norm in the q/k/v kernel's last program"
-_NORM_IN_LAST = env_flag("GDTOOL_NORM_IN_LAST", default=True)
-
-
-def norm_in_last_program(device) -> bool:
-    """Whether qkv_rope finishes the per-head norm in each head's last tile program on `device`."""
-    return _NORM_IN_LAST and not untested_on_cuda(NORM_LAST_PATH, device)
-
-
 def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[int, int, int, int]:
     """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, ~16 KB, K in one tile.
 
@@ -633,9 +594,8 @@ def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
              biases=None, qk_norm=None, plus_one=False, config=None, add=None):
     """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`. With a per-head norm and tiles
-    smaller than a head (the default), the products leave q and k RoPE-free (q in its buffer, k in a scratch
-    row, v in the cache), and each head's norm and RoPE follow: in the last of the head's tile programs to
-    finish (`norm_in_last_program`), else in a second kernel (`_qk_norm_rope_kernel`).
+    smaller than a head (the default), two kernels: the products, RoPE-free for q and k (q in its buffer, k
+    in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`).
     add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s add); returns (q, h) then."""
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
@@ -648,8 +608,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
         return qkv_rope(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
                         biases, qk_norm, plus_one, config), h
     a, ga, eps_a, h, fold, write = _added(x, add, True)
-    two = qk_norm is not None and hb != d // 2   # the per-head norm needs the whole head: not in a tile's program
-    last = two and ksplit == 1 and norm_in_last_program(x.device)   # ... but in the head's last one, or a second kernel
+    two = qk_norm is not None and hb != d // 2   # the per-head norm needs the whole head: a second kernel
     rows, passes = _row_passes(m)
     if ksplit > 1:  # the chunked loop multiplies every row at once
         rows, passes = next_pow2(m), 1
@@ -661,14 +620,14 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_gemv_kernel[grid](
         x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_raw, k_cache, v_cache, slot,
-        a, ga, h if h is not None else x, zero_counts("qk_norm", hq + hkv, x.device) if last else q,
+        a, ga, h if h is not None else x,
         m, c, x.stride(0), positions.stride(0), a.stride(0), (h if h is not None else x).stride(0), float(scaling),
         float(eps), float(qk_eps), eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
-        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, NORM_LAST=last, NORM_ROWS=next_pow2(m),
-        num_warps=warps, **launch_options(x.device, _bytes(wq, wk, wv)))
-    if two and not last:
+        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, num_warps=warps,
+        **launch_options(x.device, _bytes(wq, wk, wv)))
+    if two:
         norm_rows = next_pow2(m)
         _qk_norm_rope_kernel[(1, hq + hkv)](
             q, k_raw, gq, gk, positions, inv_freq, k_cache, v_cache, slot, m, c, positions.stride(0), float(scaling),

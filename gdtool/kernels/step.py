@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import compat, feed, graphs, sampling
-from . import attention, experts, forward, fuse, gemv, linear, ops
+from . import attention, experts, forward, fuse, linear, ops
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.step import Step, new_state
@@ -327,8 +327,6 @@ def _kernels_note(step: CompiledStep) -> str:
     argmax = "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
-    if "q/k norm" in step.fast_plan.reason and gemv.norm_in_last_program(device):
-        combine += "q/k norm in the q/k/v kernel's last program of each head; "
     return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
 
 
