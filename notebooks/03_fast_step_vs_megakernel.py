@@ -293,7 +293,8 @@ else:
 # its window only, so its time should stay flat as the prompt grows; a full layer's grows with the live length.
 # Once a window is full, HF's cache layout rolls it left by one each step (`gdtool/kernels/window.py`): the roll
 # column is that kernel's own time per sliding layer (none at prompt 128, where no window fills). The row marked
-# "fused combine" ran with GDTOOL_FUSED_COMBINE=1 (the combine in the split kernel's last program): slower.
+# "fused combine" ran with GDTOOL_FUSED_COMBINE=1 at 39ace1a (the combine in the split kernel's last program, its
+# G heads one after another): slower. Its one-load form is the default since 48ede74 (`docs/fast.md`).
 # At prompt 4096 the full layers' combine read 259 chunks' partials as one tile and spilled (14cc799: 92 µs a
 # full layer); since 8104acb it reads them a block of chunks at a time, 64 outputs a program (12ffb80).
 
