@@ -115,7 +115,10 @@ def usable(*tensors) -> bool:
 # HF forward's split-KV attention (attention.SPLIT_PATH), on its assertion between two kernel variants (4 bf16 ulps
 # apart at 2 of 131072 outputs). That assertion is now against float64 (`check.judge`), and at 98b1af8 the test
 # passed, with the routed test and the captured fast MoE steps now that packed is experts_config's one-token default
-# (`tests-pick`, 10 passed: pytest-cuda-pick-98b1af8.log).
+# (`tests-pick`, 10 passed: pytest-cuda-pick-98b1af8.log). The fused combine's one-load form (the combine in the
+# split kernel by default where the cache is short; one chunk a head finished in the split kernel) passed its cuda
+# tests with the attention's and the fast step's at b4c1dcd (13 passed, pytest-cuda-pick-b4c1dcd.log) and with
+# every Triton kernel check, Gemma 3's and the captured MoE steps at dc1d9bc (33 passed).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
