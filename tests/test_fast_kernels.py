@@ -42,6 +42,42 @@ def test_triton_kernels_under_the_interpreter():
     run_interpreted(code, timeout=600)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_norm_weights_before_the_wait_under_the_interpreter_equal_the_late_loads():
+    """`gemv.early_norm`: the norms' weights (and the q/k norm kernel's positions and inverse frequencies, the MoE
+    router's first chunk of norm weights) loaded before the PDL wait give the bits of the loads after it: over a
+    seeded sweep of rows (one pass and several), sizes, Gemma's (1 + w) norms and folded add, q/k norms (two
+    kernels) and the MoE router, every output and cache bit for bit the same."""
+    code = ("import random, torch\nfrom gdtool.kernels import experts, gemv\n"
+            "gen = torch.Generator().manual_seed(4)\n"
+            "rng = random.Random(4)\n"
+            "def rand(*shape):\n"
+            "    return torch.randn(*shape, generator=gen).half()\n"
+            "for i in range(6):\n"
+            "    m, k, n, d, hkv = rng.choice((1, 3, 6)), rng.choice((64, 96)), rng.choice((40, 64)), rng.choice((16, 32)), 2\n"
+            "    plus_one = i % 2 == 1\n"
+            "    x, a, g, ga = rand(m, k), rand(m, k), 1 + 0.1 * rand(k), 0.1 * rand(k)\n"
+            "    w, w2, gq, gk = rand(n, k) / 8, rand(n, k) / 8, 1 + 0.1 * rand(d), 1 + 0.1 * rand(d)\n"
+            "    ws = [rand(h * d, k) / 8 for h in (4, hkv, hkv)]\n"
+            "    rope = (torch.randint(0, 5000, (m, 1), generator=gen), 1.0 / (1e4 ** (torch.arange(0, d, 2) / d)), 1.0)\n"
+            "    caches = [rand(m, hkv, 9, d) for _ in range(2)]\n"
+            "    e = 8\n"
+            "    rw, gu, dn = rand(e, k) / 8, rand(e, 2 * 16, k) / 8, rand(e, k, 16) / 4\n"
+            "    outs = []\n"
+            "    for early in (True, False):\n"
+            "        gemv.early_norm = experts.early_norm = (lambda device, on=early: on)\n"
+            "        mine = [c.clone() for c in caches]\n"
+            "        add = (a, ga, 1e-6) if plus_one else None\n"
+            "        y = gemv.rms_gemv(x, g, 1e-5, w, w2, None, False, config=(4, 4, 2), plus_one=plus_one, add=add)\n"
+            "        q = gemv.qkv_rope(x, g, 1e-5, *ws, *rope, *mine, torch.tensor(3), None, (gq, gk, 1e-6), plus_one,\n"
+            "                          config=(2, 4, 2), add=add)\n"
+            "        moe = experts.block_triton(x, rw, gu, dn, 2, True, False, residual=x, norm=(g, 1e-6))\n"
+            "        outs.append([*(y if add else (y,)), *(q if add else (q,)), *mine, moe])\n"
+            "    assert all(torch.equal(u, v) for u, v in zip(*outs)), i\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
 def _decode(model, prompt, **kw):
     kw = dict(dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, mode="step-graph", do_sample=False), **kw)
     return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)

@@ -82,6 +82,7 @@ import torch
 import torch.nn.functional as F
 
 from . import swap
+from .gemv import early_norm
 from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda, usable, zero_counts
 
 if HAVE_TRITON:
@@ -183,7 +184,8 @@ if HAVE_TRITON:
                        SHARED: tl.constexpr, BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        CHUNKS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, ROUTE: tl.constexpr,
                        TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr,
-                       W_F32: tl.constexpr, PACKED: tl.constexpr = False, EARLY: tl.constexpr = False):
+                       W_F32: tl.constexpr, PACKED: tl.constexpr = False, EARLY: tl.constexpr = False,
+                       EARLY_NORM: tl.constexpr = False):
         """logits[m, n] for a tile of n: rows of the router weight, and (SHARED) the shared-expert gate
         as row E; one x row per program (grid: tiles, rows). BIAS (gpt-oss): the bias added before the one
         rounding, as cuBLAS's bias epilogue of F.linear does. NORM (the fast forward): x is RMSNorm'd first
@@ -193,12 +195,14 @@ if HAVE_TRITON:
         row's rstd (NORM), so that the programs of gate/up read them instead of each routing the row. PACKED
         (`Config.packed`): that routing's top-k one reduction a round (`_top_packed`). EARLY
         (`Config.router_early`): the first chunk of the program's weight rows loaded before the PDL wait, as the
-        dense products load theirs (weights are never written during a step)."""
+        dense products load theirs (weights are never written during a step). EARLY_NORM (`gemv.early_norm`): the
+        norm's weights of the first chunk too."""
         t = tl.program_id(0)
         m = tl.program_id(1)
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
         if EARLY:
             first = _router_rows(w_ptr, ws_ptr, n, tl.arange(0, BLOCK_K), H, E, SHARED)
+        g0 = _first_norm_weights(g_ptr, H, BLOCK_K, NORM and EARLY_NORM)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
@@ -210,7 +214,7 @@ if HAVE_TRITON:
                 w = first
             else:
                 w = _router_rows(w_ptr, ws_ptr, n, k, H, E, SHARED)
-            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, NORM)
+            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, NORM, g0, EARLY_NORM and c == 0)
             acc += tl.sum(x[None, :].to(tl.float32) * w.to(tl.float32), axis=1)
         if BIAS:
             acc += tl.load(b_ptr + n, mask=n < E, other=0.0).to(tl.float32)
@@ -249,14 +253,27 @@ if HAVE_TRITON:
         return tl.rsqrt(total / H + eps) if NORM else 1.0
 
     @triton.jit
-    def _x_chunk(x_ptr, g_ptr, k, H, rstd, NORM: tl.constexpr):
+    def _x_chunk(x_ptr, g_ptr, k, H, rstd, NORM: tl.constexpr, g_pre, PRE: tl.constexpr):
         """The row's elements k as the block reads them: RMSNorm'd with weight g and Llama's roundings
-        (`gemv._scale_norm`) where NORM (the norm before the block, folded in), else as they are."""
+        (`gemv._scale_norm`) where NORM (the norm before the block, folded in), else as they are. PRE: the
+        norm's weights at k are g_pre (`_first_norm_weights`, loaded before the wait), not loaded here."""
         x = tl.load(x_ptr + k, mask=k < H, other=0.0)
         if NORM:
-            g = tl.load(g_ptr + k, mask=k < H, other=0.0)
+            if PRE:
+                g = g_pre
+            else:
+                g = tl.load(g_ptr + k, mask=k < H, other=0.0)
             x = _scale_norm(x.to(tl.float32), rstd, g, x.dtype, False)
         return x
+
+    @triton.jit
+    def _first_norm_weights(g_ptr, H, BLOCK_K: tl.constexpr, ON: tl.constexpr):
+        """The norm's weights of the first chunk of H (ON: for `_x_chunk`'s PRE, loaded before the PDL wait), else 0."""
+        g = 0.0
+        if ON:
+            k = tl.arange(0, BLOCK_K)
+            g = tl.load(g_ptr + k, mask=k < H, other=0.0)
+        return g
 
     @triton.jit
     def _route(logits_ptr, m, stride_l, E, TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr,
@@ -349,7 +366,8 @@ if HAVE_TRITON:
         one pair's tile. Pair p < M * TOPK is (row p // TOPK, its (p % TOPK)-th expert). NORM: the router's
         renormalization; X_NORM: x RMSNorm'd first, as the router kernel reads it. ROUTED: the router kernel
         routed the rows and stored their rstd (`Config.routed`): a program loads its expert id and the row's
-        rstd instead of computing them."""
+        rstd instead of computing them. The norm's weights load after the wait, beside the expert's weights that
+        depend on it (loaded before it, they cost registers: 80 -> 106 at one token, sm_90, ptxas)."""
         t = tl.program_id(0)
         p = tl.program_id(1)
         if PDL:   # which weights to read depends on the router's logits: nothing to load before the wait
@@ -387,7 +405,7 @@ if HAVE_TRITON:
             kmask = nmask[:, None] & (k[None, :] < H)
             wg = tl.load(gate + c * BLOCK_K, mask=kmask, other=0.0)
             wu = tl.load(up + c * BLOCK_K, mask=kmask, other=0.0)
-            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, X_NORM).to(tl.float32)[None, :]
+            x = _x_chunk(x_ptr + m * stride_x, g_ptr, k, H, rstd, X_NORM, 0.0, False).to(tl.float32)[None, :]
             g += tl.sum(x * wg.to(tl.float32), axis=1)
             u += tl.sum(x * wu.to(tl.float32), axis=1)
         g = g.to(out_ty).to(tl.float32)
@@ -773,7 +791,8 @@ def _logits(x, router_weight, shared_router, router_bias, e: int, cfg: Config, n
         float(eps), SHARED=shared, BIAS=router_bias is not None, BLOCK_N=cfg.router_rows, BLOCK_K=block_h,
         CHUNKS=chunks_h, NORM=norm is not None, ROUTE=route is not None, TOPK=r.top_k,
         BLOCK_TOPK=next_pow2(r.top_k), BLOCK_E=next_pow2(e), RENORM=r.norm_topk, W_F32=r.weights_f32,
-        PACKED=cfg.packed and route is not None, EARLY=cfg.router_early, num_warps=cfg.router_warps or cfg.warps,
+        PACKED=cfg.packed and route is not None, EARLY=cfg.router_early,
+        EARLY_NORM=norm is not None and early_norm(x.device), num_warps=cfg.router_warps or cfg.warps,
         **launch_options(x.device, _nbytes(router_weight)))
     return logits
 

@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
+from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda
 
 MAX_ROWS = 16        # batch rows the kernels handle (forward.BATCH_PATHS says which batches use them)
 ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
@@ -140,19 +140,35 @@ if HAVE_TRITON:
         return (g.to(tl.float32) * (xf * rstd).to(out_ty).to(tl.float32)).to(out_ty)
 
     @triton.jit
+    def _norm_weights(g_ptr, ga_ptr, k3, K: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr):
+        """The weights of `_input_rows`' norms, [1, 1, BLOCK_K] each (0.0 for a norm it does not apply): loaded
+        before the PDL wait where EARLY_NORM (weights are never written during a step)."""
+        g = 0.0
+        ga = 0.0
+        if NORM:
+            g = tl.load(g_ptr + k3, mask=k3 < K, other=0.0)
+        if ADD:
+            ga = tl.load(ga_ptr + k3, mask=k3 < K, other=0.0)
+        return g, ga
+
+    @triton.jit
     def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr,
                     PLUS_ONE: tl.constexpr, a_ptr, ga_ptr, stride_a, eps_a, h_ptr, stride_h, write_h,
-                    ADD: tl.constexpr, WRITE_H: tl.constexpr):
+                    ADD: tl.constexpr, WRITE_H: tl.constexpr, g_pre, ga_pre, PRE: tl.constexpr):
         """x [ROWS, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
         with HF's roundings where NORM (`_scale_norm`). ADD (Gemma's norm after attention or the MLP,
         folded in): x is first residual x + RMSNorm(a) with ga's weights, as `_rms_add_kernel` computes it,
-        and stored at h (WRITE_H) by the program where write_h (one: every program computes the same rows)."""
+        and stored at h (WRITE_H) by the program where write_h (one: every program computes the same rows).
+        PRE: the norms' weights are g_pre and ga_pre (`_norm_weights`, loaded before the wait), not loaded here."""
         x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
         if ADD:
             a = tl.load(a_ptr + rm3 * stride_a + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
             af = a.to(tl.float32)
             rstd_a = tl.rsqrt(tl.sum(af * af, axis=2, keep_dims=True) / K + eps_a)
-            ga = tl.load(ga_ptr + k3, mask=k3 < K, other=0.0)
+            if PRE:
+                ga = ga_pre
+            else:
+                ga = tl.load(ga_ptr + k3, mask=k3 < K, other=0.0)
             normed = _scale_norm(af, rstd_a, ga, a.dtype, PLUS_ONE)
             x = (x.to(tl.float32) + normed.to(tl.float32)).to(a.dtype)
             if WRITE_H:  # a scalar condition folded into the bound (the interpreter refuses tensor_mask & scalar_bool)
@@ -160,7 +176,10 @@ if HAVE_TRITON:
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
-            g = tl.load(g_ptr + k3, mask=k3 < K, other=0.0)
+            if PRE:
+                g = g_pre
+            else:
+                g = tl.load(g_ptr + k3, mask=k3 < K, other=0.0)
             x = _scale_norm(xf, rstd, g, x.dtype, PLUS_ONE)
         return x
 
@@ -225,7 +244,7 @@ if HAVE_TRITON:
                          BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
-                         WRITE_H: tl.constexpr, PDL: tl.constexpr):
+                         WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr, PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
         # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
         # normalized) once per program; more passes: each pass's rows are read again per tile (from
@@ -241,12 +260,15 @@ if HAVE_TRITON:
         w2 = w
         if GATE_UP:
             w2 = tl.load(w2_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
+        g, ga = 0.0, 0.0
+        if EARLY_NORM:   # the norms' weights too (`_norm_weights`)
+            g, ga = _norm_weights(g_ptr, ga_ptr, k3, K, NORM, ADD)
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
         if PASSES == 1:
             x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a, eps_a,
-                            h_ptr, stride_h, pid == 0, ADD, WRITE_H)
+                            h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
             n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
@@ -261,7 +283,8 @@ if HAVE_TRITON:
                 for p in tl.static_range(PASSES):
                     xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
                                      PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
-                                     h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H)
+                                     h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H, g, ga,
+                                     EARLY_NORM)
                     _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res,
                                    stride_y, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             w = w_next
@@ -288,12 +311,14 @@ if HAVE_TRITON:
     def _qkv_finish(y1, y2, h, d1, live, r0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
                     q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr,
-                    BIAS: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr):
+                    BIAS: tl.constexpr, QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
+                    pre_g1, pre_g2, pre_pos, pre_inv, PRE: tl.constexpr):
         """Rows r0 .. r0 + ROWS of one tile's float32 sums y1, y2 [ROWS, HB] (dims d1 and d1 + D/2 of head
         h; live: whether the tile exists): bias, per-head norm, RoPE, each rounded as eager rounds it;
         q stored, k and v written at the cache slot. RAW (the first of the two q/k-norm kernels): q and k
         stored as the products leave them (bias added, rounded), q in q's buffer, k in kr's [M, HKV, D]; v
-        written to the cache as always."""
+        written to the cache as always. PRE: the head's norm weights (its two halves), the rows' positions and the
+        tile's inverse frequencies are given (loaded before the PDL wait), not loaded here."""
         out_ty = x_ptr.dtype.element_ty
         rm = r0 + tl.arange(0, ROWS)[:, None]
         rmask = rm < tl.where(live, M, 0)
@@ -315,19 +340,20 @@ if HAVE_TRITON:
             if h < HQ + HKV:
                 if QK_NORM:  # the tile is the whole head (HB = D / 2): HF's RMSNorm over its D values
                     rstd = tl.rsqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / D + qk_eps)[:, None]
-                    if h < HQ:
-                        g_base = gq_ptr
+                    if PRE:
+                        g1, g2 = pre_g1, pre_g2
                     else:
-                        g_base = gk_ptr
-                    g1 = tl.load(g_base + d1)[None, :]
-                    g2 = tl.load(g_base + d2)[None, :]
+                        g1, g2 = _head_weights(gq_ptr, gk_ptr, h, d1, HQ, D)
                     y1 = _scale_norm(y1, rstd, g1, out_ty, PLUS_ONE).to(tl.float32)
                     y2 = _scale_norm(y2, rstd, g2, out_ty, PLUS_ONE).to(tl.float32)
                 # HF's angles: position (float32) * inv_freq, cos and sin times the scaling, rounded to the
                 # model dtype (the two halves share them: emb = cat(freqs, freqs)); then
                 # q * cos + rotate_half(q) * sin, each product and the sum rounded (eager)
-                pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
-                freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+                if PRE:
+                    freq = pre_pos * pre_inv
+                else:
+                    pos = tl.load(pos_ptr + rm * stride_pos, mask=rmask, other=0).to(tl.float32)
+                    freq = pos * tl.load(inv_ptr + d1).to(tl.float32)[None, :]
                 c = (tl.cos(freq) * scaling).to(out_ty).to(tl.float32)
                 s = (tl.sin(freq) * scaling).to(out_ty).to(tl.float32)
                 r1 = ((y1 * c).to(out_ty).to(tl.float32) + (-y2 * s).to(out_ty).to(tl.float32)).to(out_ty)
@@ -351,19 +377,36 @@ if HAVE_TRITON:
             tl.store(base + d2[None, :], r2, mask=keep)
 
     @triton.jit
+    def _head_weights(gq_ptr, gk_ptr, h, d1, HQ: tl.constexpr, D: tl.constexpr):
+        """The per-head norm's weights of head h (q's below HQ, else k's) at dims d1 and d1 + D / 2, [1, len(d1)]."""
+        if h < HQ:
+            g_base = gq_ptr
+        else:
+            g_base = gk_ptr
+        return tl.load(g_base + d1)[None, :], tl.load(g_base + D // 2 + d1)[None, :]
+
+    @triton.jit
     def _qk_norm_rope_kernel(q_ptr, kr_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr, kc_ptr, vc_ptr, slot_ptr,
                              M, C, stride_pos, scaling, qk_eps, HQ: tl.constexpr, HKV: tl.constexpr,
-                             D: tl.constexpr, ROWS: tl.constexpr, PLUS_ONE: tl.constexpr, PDL: tl.constexpr):
+                             D: tl.constexpr, ROWS: tl.constexpr, PLUS_ONE: tl.constexpr, EARLY_NORM: tl.constexpr,
+                             PDL: tl.constexpr):
         """The second of the two q/k-norm kernels: program (rows, head h of q's and k's): the head's D values
         as the first kernel left them, HF's per-head RMSNorm and RoPE (`_qkv_finish`, the same arithmetic
-        as in one kernel); q rewritten in place, k written at the cache slot."""
+        as in one kernel); q rewritten in place, k written at the cache slot. EARLY_NORM: the norm's weights,
+        the rows' positions (written before the kernel before this one) and the inverse frequencies loaded
+        before the PDL wait."""
         r0 = tl.program_id(0) * ROWS
         h = tl.program_id(1)
-        if PDL:  # everything read here is the first kernel's
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         d1 = tl.arange(0, D // 2)
         rm = r0 + tl.arange(0, ROWS)[:, None]
+        g1, g2, pos, inv = 0.0, 0.0, 0.0, 0.0
+        if EARLY_NORM:
+            g1, g2 = _head_weights(gq_ptr, gk_ptr, h, d1, HQ, D)
+            pos = tl.load(pos_ptr + rm * stride_pos, mask=rm < M, other=0).to(tl.float32)
+            inv = tl.load(inv_ptr + d1).to(tl.float32)[None, :]
+        if PDL:  # everything else read here is the first kernel's
+            tl.extra.cuda.gdc_wait()
+            tl.extra.cuda.gdc_launch_dependents()
         if h < HQ:
             base = q_ptr + (rm * HQ + h) * D
         else:
@@ -372,7 +415,7 @@ if HAVE_TRITON:
         y2 = tl.load(base + D // 2 + d1[None, :], mask=rm < M, other=0.0).to(tl.float32)
         _qkv_finish(y1, y2, h, d1, r0 < M, r0, q_ptr, q_ptr, q_ptr, q_ptr, gq_ptr, gk_ptr, pos_ptr, inv_ptr,
                     q_ptr, kr_ptr, kc_ptr, vc_ptr, tl.load(slot_ptr), M, C, stride_pos, scaling, qk_eps,
-                    HQ, HKV, D, ROWS, False, True, PLUS_ONE, False)
+                    HQ, HKV, D, ROWS, False, True, PLUS_ONE, False, g1, g2, pos, inv, EARLY_NORM)
 
     @triton.jit
     def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
@@ -382,7 +425,8 @@ if HAVE_TRITON:
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
                               QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
-                              ADD: tl.constexpr, WRITE_H: tl.constexpr, PDL: tl.constexpr):
+                              ADD: tl.constexpr, WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr,
+                              PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -393,12 +437,15 @@ if HAVE_TRITON:
             h, d1, p1, p2 = _qkv_tile(pid, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
             w1 = tl.load(p1, mask=kmask, other=0.0)   # weights first, then wait (PDL)
             w2 = tl.load(p2, mask=kmask, other=0.0)
+            g, ga = 0.0, 0.0
+            if EARLY_NORM:
+                g, ga = _norm_weights(g_ptr, ga_ptr, k3, K, True, ADD)
             if PDL:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             if PASSES == 1:
                 x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True, PLUS_ONE, a_ptr, ga_ptr, stride_a,
-                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H).to(tl.float32)
+                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM).to(tl.float32)
             slot = tl.load(slot_ptr)
             for i in range(ITERS):
                 t = pid + i * nprog
@@ -416,12 +463,12 @@ if HAVE_TRITON:
                         xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
                                          True, PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
                                          h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD,
-                                         WRITE_H).to(tl.float32)
+                                         WRITE_H, g, ga, EARLY_NORM).to(tl.float32)
                     y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
                     y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                                 pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling,
-                                qk_eps, HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW)
+                                qk_eps, HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW, 0.0, 0.0, 0.0, 0.0, False)
                 h, d1, w1, w2 = h_next, d1_next, w1_next, w2_next
         else:
             # K in KSPLIT chunks of BLOCK_K (a whole head per tile, HB = D / 2, for the per-head norm: too
@@ -454,7 +501,7 @@ if HAVE_TRITON:
                     y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
                 _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                             pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
-                            HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW)
+                            HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW, 0.0, 0.0, 0.0, 0.0, False)
 
 
 # -- launch configurations ------------------------------------------------------------------------
@@ -493,6 +540,18 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
     while block_n > 1 and -(-n // block_n) < 2 * 132:
         block_n //= 2
     return block_n, warps, per_sm
+
+
+# The norms' weights (and the q/k norm kernel's positions and inverse frequencies) loaded before the PDL wait, as the
+# weight tiles are: after it they came from HBM on the critical path (a step streams far more than L2 holds, so a
+# layer's norm weights are evicted between steps). The same values, the same bits. On CUDA once its cuda tests have
+# passed there (CUDA_TESTED); the loads after the wait until then.
+EARLY_NORM_PATH = "norm weights before the PDL wait"
+
+
+def early_norm(device) -> bool:
+    """Whether the kernels load their norms' weights before the PDL wait on `device`."""
+    return not untested_on_cuda(EARLY_NORM_PATH, device)
 
 
 def _bytes(*weights) -> int:
@@ -549,7 +608,7 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None,
         BIAS=bias is not None, RESIDUAL=residual is not None,
         OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
-        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, num_warps=warps,
+        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device), num_warps=warps,
         **launch_options(x.device, _bytes(weight, weight2)))
     return (y, h) if fold and keep else y
 
@@ -625,12 +684,12 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
         float(eps), float(qk_eps), eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
-        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, num_warps=warps,
+        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device), num_warps=warps,
         **launch_options(x.device, _bytes(wq, wk, wv)))
     if two:
         norm_rows = next_pow2(m)
         _qk_norm_rope_kernel[(1, hq + hkv)](
             q, k_raw, gq, gk, positions, inv_freq, k_cache, v_cache, slot, m, c, positions.stride(0), float(scaling),
             float(qk_eps), HQ=hq, HKV=hkv, D=d, ROWS=norm_rows, PLUS_ONE=bool(plus_one),
-            num_warps=4 if norm_rows * d <= 4096 else 8, **launch_options(x.device))
+            EARLY_NORM=early_norm(x.device), num_warps=4 if norm_rows * d <= 4096 else 8, **launch_options(x.device))
     return (q, h) if fold else q
