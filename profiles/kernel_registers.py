@@ -1,0 +1,120 @@
+"""Registers and spills of gdtool's decode kernels compiled for an H100/H200 (sm_90) on any machine, no GPU:
+each launch of a kernel call is caught (its arguments, on CPU tensors), compiled by Triton for sm_90 with the
+ptxas Triton ships, and read back from the cubin (`cuobjdump -res-usage`).
+
+    python profiles/kernel_registers.py [--early-norm on|off|both] [--fused on|off|both]
+
+Prints one line per (case, kernel): registers a thread, stack and local bytes (spills), shared memory. The
+cases are llama-1b's and Qwen3-30B-A3B's batch-1 shapes (random weights; only the launches matter).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+         torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
+
+
+def _usage(fn, args, kwargs) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = fn.arg_names
+    warps = kwargs.pop("num_warps", 4)
+    kwargs.pop("launch_pdl", None)
+    signature, constants = {}, {}
+    for i, name in enumerate(names):
+        if name in kwargs:
+            signature[name], constants[(i,)] = "constexpr", kwargs[name]
+        elif isinstance(args[i], torch.Tensor):
+            signature[name] = TYPES[args[i].dtype]
+        elif isinstance(args[i], bool):
+            signature[name] = "i1"
+        else:
+            signature[name] = "i32" if isinstance(args[i], int) else "fp32"
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+        out = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
+    return dict(zip(("registers", "stack", "shared", "local"), map(int, found.groups()))) | {"warps": warps}
+
+
+def launches(call) -> list:
+    """The (kernel, args, kwargs) of every Triton launch `call` makes, none of them run."""
+    from triton.runtime.jit import JITFunction
+
+    caught, run = [], JITFunction.run
+    JITFunction.run = lambda self, *args, grid, warmup, **kwargs: caught.append((self, args, dict(kwargs)))
+    try:
+        call()
+    finally:
+        JITFunction.run = run
+    return caught
+
+
+def cases():
+    from gdtool.kernels import attention, experts, gemv
+    bf = torch.bfloat16
+    x, g = torch.randn(1, 2048, dtype=bf), torch.ones(2048, dtype=bf)
+    pos, slot = torch.zeros(1, 1, dtype=torch.long), torch.tensor(200)
+    mask = torch.ones(1, 384, dtype=torch.long)
+    w = {n: torch.randn(n, 2048, dtype=bf) for n in (512, 2048, 4096, 8192)}
+    yield "llama-1b q/k/v", lambda: gemv.qkv_rope(x, g, 1e-5, w[2048], w[512], w[512], pos, torch.ones(32), 1.0,
+                                                  *(torch.zeros(1, 8, 384, 64, dtype=bf) for _ in range(2)), slot)
+    yield "llama-1b attention", lambda: attention.split_kv(torch.randn(1, 32, 64, dtype=bf),
+                                                           *(torch.randn(1, 8, 384, 64, dtype=bf) for _ in range(2)),
+                                                           mask, slot, 0.125)
+    yield "llama-1b o", lambda: gemv.rms_gemv(x, None, 1e-5, w[2048], None, x, False)
+    yield "llama-1b gate/up", lambda: gemv.rms_gemv(x, g, 1e-5, w[8192], w[8192], None, False)
+    yield "qwen3-30b-a3b q/k/v", lambda: gemv.qkv_rope(x, g, 1e-5, w[4096], w[512], w[512], pos, torch.ones(64), 1.0,
+                                                       *(torch.zeros(1, 4, 384, 128, dtype=bf) for _ in range(2)), slot,
+                                                       None, (torch.ones(128, dtype=bf), torch.ones(128, dtype=bf), 1e-6))
+    yield "qwen3-30b-a3b attention", lambda: attention.split_kv(torch.randn(1, 32, 128, dtype=bf),
+                                                                *(torch.randn(1, 4, 384, 128, dtype=bf) for _ in range(2)),
+                                                                mask, slot, 128 ** -0.5)
+    e, i = 128, 768
+    yield "qwen3-30b-a3b experts", lambda: experts.block_triton(x, torch.randn(e, 2048, dtype=bf),
+                                                                torch.randn(e, 2 * i, 2048, dtype=bf),
+                                                                torch.randn(e, 2048, i, dtype=bf), 8, True, False,
+                                                                residual=x, norm=(g, 1e-6))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--early-norm", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)
+    from gdtool.kernels import attention, experts, gemv, triton as fast_triton
+    fast_triton.pdl_supported = lambda device: True   # the kernels as they run on an H200: PDL on
+    pick = {"on": (True,), "off": (False,), "both": (True, False)}
+    print("case | kernel | early norm | fused combine | registers | stack | local | shared | warps")
+    for early in pick[args.early_norm]:
+        for fused in pick[args.fused]:
+            gemv.early_norm = experts.early_norm = (lambda device, on=early: on)
+            attention.fused_combine = (lambda device, on=fused: on)
+            for name, call in cases():
+                for fn, a, kw in launches(call):
+                    u = _usage(fn, list(a), kw)
+                    print(f"{name} | {fn.__name__} | {'on' if early else 'off'} | {'on' if fused else 'off'} | "
+                          f"{u['registers']} | {u['stack']} | {u['local']} | {u['shared']} | {u['warps']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
