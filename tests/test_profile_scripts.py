@@ -2,6 +2,8 @@
 export, the README's result tables; the fast probe's names, gpu_run.sh's parts and its failures."""
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -425,3 +427,24 @@ def test_zoo_sweep_names_the_cases_in_flight_when_a_worker_dies(monkeypatch, cap
     assert "with one of these in flight: mistral; run again with --skip" in capsys.readouterr().out
     assert zoo_sweep.main(["--shapes", "1", "--arch", "mistral", "gemma2", "--skip", "mistral", "--jobs", "2"]) == 1
     assert "in flight: gemma2;" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="Triton is not installed, or its interpreter defines the kernels (nothing to compile)")
+def test_kernel_registers_catches_every_launch_and_runs_none():
+    """profiles/kernel_registers.py compiles what a call launches: it catches each launch's kernel and arguments
+    (q/k/v with Qwen3's q/k norm: the products, then the norm kernel) without running any."""
+    import torch
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import kernel_registers
+    from gdtool.kernels import gemv
+    bf = torch.bfloat16
+    x, g = torch.randn(1, 64, dtype=bf), torch.ones(64, dtype=bf)
+    w, wk = torch.randn(64, 64, dtype=bf), torch.randn(32, 64, dtype=bf)
+    caches = [torch.zeros(1, 2, 8, 16, dtype=bf) for _ in range(2)]
+    caught = kernel_registers.launches(lambda: gemv.qkv_rope(
+        x, g, 1e-5, w, wk, wk, torch.zeros(1, 1, dtype=torch.long), torch.ones(8), 1.0, *caches, torch.tensor(3),
+        None, (torch.ones(16, dtype=bf), torch.ones(16, dtype=bf), 1e-6), config=(2, 4, 2)))
+    assert [fn.__name__ for fn, _, _ in caught] == ["_qkv_rope_gemv_kernel", "_qk_norm_rope_kernel"]
+    assert all(not c.any() for c in caches)   # nothing ran
+    assert caught[0][2]["HQ"] == 4 and "num_warps" in caught[0][2]
