@@ -379,10 +379,11 @@ if HAVE_TRITON:
         b = bh // HKV
         hk = bh % HKV
         # Before the PDL wait: the slot counter, the mask and the chunk's first EARLY keys and values (the whole
-        # chunk where it is short: `early_keys`), all but this step's slot. The kernel just before this one (q/k/v + RoPE, or the norm and RoPE after its products)
-        # writes the cache at `slot` only; the counter, the mask and the earlier slots were written before it, and
-        # under PDL this kernel starts only once every block of that kernel has passed its own wait, so once
-        # every kernel before it has ended (window.py says the same of the roll). Loaded early, they overlap that
+        # chunk where it is short: `early_keys`), all but this step's slot. The kernel just before this one (q/k/v
+        # + RoPE, or the norm and RoPE after its products) writes the cache at `slot` only; the counter, the mask and
+        # the earlier slots were written before it, and under PDL this kernel starts only once every block of that
+        # kernel has passed its own wait, so once every kernel before it has ended (window.py says the same of the
+        # roll). Loaded early, they overlap that
         # kernel's tail; this step's slot is read after the wait. HF's forward (`mask_attention`,
         # `sinks_attention`) launches no PDL kernel before this one: there it starts after the one before ends.
         live = tl.load(slot_ptr) + 1
