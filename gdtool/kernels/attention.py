@@ -383,9 +383,9 @@ if HAVE_TRITON:
         # + RoPE, or the norm and RoPE after its products) writes the cache at `slot` only; the counter, the mask and
         # the earlier slots were written before it, and under PDL this kernel starts only once every block of that
         # kernel has passed its own wait, so once every kernel before it has ended (window.py says the same of the
-        # roll). Loaded early, they overlap that
-        # kernel's tail; this step's slot is read after the wait. HF's forward (`mask_attention`,
-        # `sinks_attention`) launches no PDL kernel before this one: there it starts after the one before ends.
+        # roll). Loaded early, they overlap that kernel's tail; this step's slot is read after the wait. HF's forward
+        # (`mask_attention`, `sinks_attention`) launches no PDL kernel before this one: there it starts after the one
+        # before ends.
         live = tl.load(slot_ptr) + 1
         start = s * CHUNK
         end = tl.minimum(start + CHUNK, live)
