@@ -37,7 +37,7 @@ returns at once:
              PDL the chunk's first keys and values (all but this step's slot) load before the wait
     combine  per (row, query head, 64 of its outputs): the live chunks' partial results, rescaled to
              the common max, read a block of chunks at a time (`combine_plan`). Where a cache is short
-             (`split_plan`'s fused plan: each chunk loaded whole before the wait, a (row, key/value head)'s
+             (`fused_plan`: each chunk loaded whole before the wait, a (row, key/value head)'s
              partials one [G, chunks, D] tile) the last of its programs to finish combines them instead, in
              one load (GDTOOL_FUSED_COMBINE=0: never); one chunk a (row, key/value head) (large batches)
              finishes in the split kernel itself. One launch instead of two either way
