@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .triton import HAVE_TRITON, launch_options, next_pow2, tl, triton, untested_on_cuda
+from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda
 
 MAX_ROWS = 16        # batch rows the kernels handle (forward.BATCH_PATHS says which batches use them)
 ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
@@ -545,13 +545,15 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
 # The norms' weights (and the q/k norm kernel's positions and inverse frequencies) loaded before the PDL wait, as the
 # weight tiles are: after it they came from HBM on the critical path (a step streams far more than L2 holds, so a
 # layer's norm weights are evicted between steps). The same values, the same bits. On CUDA once its cuda tests have
-# passed there (CUDA_TESTED); the loads after the wait until then.
+# passed there (CUDA_TESTED); the loads after the wait until then. GDTOOL_EARLY_NORM=0: after the wait everywhere.
 EARLY_NORM_PATH = "norm weights before the PDL wait"
+_EARLY_NORM = env_flag("GDTOOL_EARLY_NORM", default=True)
 
 
 def early_norm(device) -> bool:
-    """Whether the kernels load their norms' weights before the PDL wait on `device`."""
-    return not untested_on_cuda(EARLY_NORM_PATH, device)
+    """Whether the kernels load their norms' weights before the PDL wait on `device`: asked for (GDTOOL_EARLY_NORM,
+    on by default) and, on CUDA, tested there."""
+    return _EARLY_NORM and not untested_on_cuda(EARLY_NORM_PATH, device)
 
 
 def _bytes(*weights) -> int:
