@@ -118,7 +118,9 @@ def usable(*tensors) -> bool:
 # (`tests-pick`, 10 passed: pytest-cuda-pick-98b1af8.log). The fused combine's one-load form (the combine in the
 # split kernel by default where the cache is short; one chunk a head finished in the split kernel) passed its cuda
 # tests with the attention's and the fast step's at b4c1dcd (13 passed, pytest-cuda-pick-b4c1dcd.log) and with
-# every Triton kernel check, Gemma 3's and the captured MoE steps at dc1d9bc (33 passed).
+# every Triton kernel check, Gemma 3's and the captured MoE steps at dc1d9bc (33 passed). The norms' weights before
+# the PDL wait (gemv.early_norm) passed every cuda test of test_fast_kernels.py, test_fast_gemma3.py and
+# test_experts.py at 66ff0c5 (62 passed, none failed: pytest-early-norm-66ff0c5.log).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -139,6 +141,7 @@ CUDA_TESTED = frozenset({
     "linear, <= 4 rows",
     "linear, bias, <= 4 rows",
     "mixtral experts",
+    "norm weights before the PDL wait",
     "mixtral experts, grouped",
     "olmoe experts",
     "olmoe experts, grouped",
