@@ -67,8 +67,19 @@ def launches(call) -> list:
     return caught
 
 
+def _step():
+    """A greedy step over a batch-1 state (EOS on, the repetition penalty's mask): the tail kernel's arguments."""
+    from gdtool.core.settings import Settings
+    from gdtool.core.step import Step, new_state
+    settings = Settings(max_new_tokens=256, do_sample=False, temperature=None, top_k=None, top_p=None,
+                        repetition_penalty=1.1, eos_token_id=(128001, 128009), pad_token_id=0)
+    state = new_state(torch.zeros(1, 128, dtype=torch.long), torch.ones(1, 128, dtype=torch.long), settings, 384,
+                      128256, return_scores=False, targets=None)
+    return Step(None, None, state, settings, 128, feed=object())
+
+
 def cases():
-    from gdtool.kernels import attention, experts, gemv
+    from gdtool.kernels import attention, experts, gemv, tail
     bf = torch.bfloat16
     x, g = torch.randn(1, 2048, dtype=bf), torch.ones(2048, dtype=bf)
     pos, slot = torch.zeros(1, 1, dtype=torch.long), torch.tensor(200)
@@ -87,6 +98,8 @@ def cases():
     yield "qwen3-30b-a3b attention", lambda: attention.split_kv(torch.randn(1, 32, 128, dtype=bf),
                                                                 *(torch.randn(1, 4, 384, 128, dtype=bf) for _ in range(2)),
                                                                 mask, slot, 128 ** -0.5)
+    yield "llama-1b greedy tail", lambda: tail.update(torch.randn(1, 128256), _step(), [torch.zeros((), dtype=torch.long)
+                                                                                      for _ in range(16)])
     e, i = 128, 768
     yield "qwen3-30b-a3b experts", lambda: experts.block_triton(x, torch.randn(e, 2048, dtype=bf),
                                                                 torch.randn(e, 2 * i, 2048, dtype=bf),

@@ -1,8 +1,8 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: TARGET_PROGRAMS (`attention.split_plan`,
-which the fused combine's plan starts from), GDTOOL_FUSED_COMBINE's and GDTOOL_EARLY_NORM's switches, for an A/B
-of plans in the step.
+which the fused combine's plan starts from), GDTOOL_FUSED_COMBINE's, GDTOOL_EARLY_NORM's and GDTOOL_ONE_KERNEL_TAIL's
+switches, for an A/B of plans in the step.
 
-    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] -- --model llama-1b --batch 1 ...
+    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdtool import __main__ as cli  # noqa: E402
-from gdtool.kernels import attention, gemv  # noqa: E402
+from gdtool.kernels import attention, gemv, tail  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -27,14 +27,19 @@ def main(argv=None) -> int:
     parser.add_argument("--fused", type=int, choices=(0, 1), default=None, help="the fused combine off (0) or on (1)")
     parser.add_argument("--early-norm", type=int, choices=(0, 1), default=None,
                         help="the norms' weights loaded before the PDL wait (1) or after it (0)")
+    parser.add_argument("--tail", type=int, choices=(0, 1), default=None,
+                        help="the greedy step's tail in one kernel (1) or the argmax's two and the compiled update (0)")
     args = parser.parse_args(ours)
     attention.TARGET_PROGRAMS = args.target
     if args.fused is not None:
         attention._FUSED_COMBINE = bool(args.fused)
     if args.early_norm is not None:
         gemv._EARLY_NORM = bool(args.early_norm)
+    if args.tail is not None:
+        tail._ON = bool(args.tail)
     print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
-          f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}",
+          f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
+          f"one-kernel tail {'on' if tail._ON else 'off'}",
           flush=True)
     return cli.main(["bench", *bench])
 

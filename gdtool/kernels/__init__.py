@@ -14,6 +14,8 @@
     linear.py     any other model's linear layers at 1-4 rows in gemv.py's kernel (bias epilogue), swapped in too
     swap.py       the swap: modules' forwards replaced for the length of a compiled call
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
+    tail.py       the greedy fast step's tail in one kernel: the argmax's second stage, the state's update and
+                  the caches' counters (Triton)
     fuse.py       q/k/v and gate/up as one weight each
     ops.py        each kernel behind one call: Triton where it runs, the torch reference elsewhere
     triton.py     what the kernels need from Triton, and whether it is there; the PDL switch

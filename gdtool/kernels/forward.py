@@ -298,10 +298,11 @@ def _last_slot(layer) -> torch.Tensor:
 
 
 def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
-            window_masks: dict | None = None) -> torch.Tensor:
+            window_masks: dict | None = None, advance: bool = True):
     """float32 logits [B, V] of one decode step (tokens, positions [B, 1]; mask [B, C] over the cache slots;
     window_masks {layer index: [B, W]} for the sliding layers, `core.feed.Windows.layer_masks`), writing each
-    layer's key and value where HF's update writes them and advancing the counters as it does.
+    layer's key and value where HF's update writes them and advancing the counters as it does; advance=False
+    returns (logits, the counters to advance by 1) and leaves them to the caller (`tail.update`).
     Runs eagerly: every line below is one kernel (the embedding, the counters' update, a full window's
     roll) or a call of gdtool's kernels."""
     inner = model.model
@@ -353,8 +354,12 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
             a = ops.rms_gemv(h, norm2.weight, _eps(norm2), mlp.gate_proj.weight, mlp.up_proj.weight, None, False,
                              plus_one, act)
             h = ops.rms_gemv(a, None, 0.0, mlp.down_proj.weight, None, h, False)
+    norm = inner.norm
+    logits = ops.rms_gemv(h, norm.weight, _eps(norm), model.lm_head.weight, None, None, True,
+                          type(norm).__name__ in PLUS_ONE_NORMS, add=pending, keep=False)
+    if not advance:
+        return logits, counters
+    # after the lm_head: between the last layer and it, the add's kernel would cut their PDL link
     if counters:  # none when every layer slides and every window is full
         torch._foreach_add_(counters, 1)  # a full window's counter stays (HF's update leaves it)
-    norm = inner.norm
-    return ops.rms_gemv(h, norm.weight, _eps(norm), model.lm_head.weight, None, None, True,
-                        type(norm).__name__ in PLUS_ONE_NORMS, add=pending, keep=False)
+    return logits

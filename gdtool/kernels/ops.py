@@ -16,13 +16,15 @@ reference runs, with the same arguments and result. The fast decode forward call
                                                                             one slot, for qkv_rope to write the last
     decode_attention(q, k_cache, v_cache, mask, slot, scale)               -> [M, Hq * D]
     argmax(x)                                                               -> [M] int64
+    greedy_tail(scores, step!, counters!)                                   the argmax as the next token, step's
+                                                                            state updated, counters + 1 (`tail`)
 (`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.) rms_gemv and qkv_rope also take
 add=(a, weight, eps): their input becomes x + RMSNorm(a), rms_add folded into them (Gemma 3's post norms), and
 they return it beside their result.
 """
 from __future__ import annotations
 
-from . import attention, experts, gemv, sampling, window
+from . import attention, experts, gemv, sampling, tail, window
 from .triton import usable
 
 
@@ -85,3 +87,9 @@ def argmax(x):
     if usable(x):
         return sampling.argmax(x)
     return sampling.argmax_reference(x)
+
+
+def greedy_tail(scores, step, counters):
+    if usable(scores):
+        return tail.update(scores, step, counters)
+    return tail.update_reference(scores, step, counters)

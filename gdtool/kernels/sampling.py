@@ -163,6 +163,17 @@ if HAVE_TRITON:
         tl.store(i_ptr + b * BLOCKS + c, tl.where(found_nan, nan_at, at))
 
     @triton.jit
+    def _best(x, idx, inside, AXIS: tl.constexpr):
+        """The index (from idx) of the largest x along AXIS where inside: the first NaN's if any (NaN wins), else
+        the smallest index among the ties, as torch.argmax picks."""
+        big = 2147483647
+        isnan = (x != x) & inside
+        nan_at = tl.min(tl.where(isnan, idx, big), axis=AXIS)
+        top = tl.max(tl.where(isnan, float("-inf"), x), axis=AXIS)
+        at = tl.min(tl.where((x == tl.expand_dims(top, AXIS)) & inside, idx, big), axis=AXIS)
+        return tl.where(nan_at < big, nan_at, at)
+
+    @triton.jit
     def _argmax_final(v_ptr, i_ptr, out_ptr, BLOCKS, BLOCK: tl.constexpr, PDL: tl.constexpr):
         b = tl.program_id(0)
         if PDL:
@@ -172,22 +183,25 @@ if HAVE_TRITON:
         inside = c < BLOCKS
         x = tl.load(v_ptr + b * BLOCKS + c, mask=inside, other=float("-inf"))
         idx = tl.load(i_ptr + b * BLOCKS + c, mask=inside, other=2147483647)
-        big = 2147483647
-        isnan = (x != x) & inside
-        nan_at = tl.min(tl.where(isnan, idx, big), axis=0)
-        top = tl.max(tl.where(isnan, float("-inf"), x), axis=0)
-        at = tl.min(tl.where((x == top) & inside, idx, big), axis=0)
-        tl.store(out_ptr + b, tl.where(nan_at < big, nan_at, at).to(tl.int64))
+        tl.store(out_ptr + b, _best(x, idx, inside, 0).to(tl.int64))
 
 
-def argmax(x: torch.Tensor) -> torch.Tensor:
-    """Triton two-stage argmax over the last dim of a [B, V] float tensor -> [B] int64."""
+def argmax_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first stage: each row's best value and its index in every ARGMAX_BLOCK-entry block, [B, blocks]."""
     b, v = x.shape
     blocks = cdiv(v, ARGMAX_BLOCK)
     values = torch.empty(b, blocks, device=x.device, dtype=torch.float32)
     index = torch.empty(b, blocks, device=x.device, dtype=torch.int32)
+    _argmax_blocks[(b, blocks)](x, values, index, v, x.stride(0), blocks, BLOCK=ARGMAX_BLOCK, num_warps=8,
+                                **launch_options(x.device))
+    return values, index
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Triton two-stage argmax over the last dim of a [B, V] float tensor -> [B] int64."""
+    values, index = argmax_blocks(x)
+    b, blocks = values.shape
     out = torch.empty(b, device=x.device, dtype=torch.int64)
-    opts = launch_options(x.device)
-    _argmax_blocks[(b, blocks)](x, values, index, v, x.stride(0), blocks, BLOCK=ARGMAX_BLOCK, num_warps=8, **opts)
-    _argmax_final[(b,)](values, index, out, blocks, BLOCK=max(2, next_pow2(blocks)), num_warps=4, **opts)
+    _argmax_final[(b,)](values, index, out, blocks, BLOCK=max(2, next_pow2(blocks)), num_warps=4,
+                        **launch_options(x.device))
     return out

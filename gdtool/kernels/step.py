@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import compat, feed, graphs, sampling
-from . import attention, experts, forward, fuse, linear, ops
+from . import attention, experts, forward, fuse, linear, ops, tail
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.step import Step, new_state
@@ -211,8 +211,9 @@ class CompiledStep(Step):
     def _eager_argmax(self) -> bool:
         return self.fast_forward and not self.settings.do_sample and not self._recorded()
 
-    def decode_logits(self) -> torch.Tensor:
-        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`forward`)."""
+    def decode_logits(self, advance: bool = True):
+        """kernels="fast": the decode forward in gdtool's kernels, run eagerly (`forward`); advance=False: (logits,
+        the caches' counters left for the caller to advance), or the logits alone where the fast path declined."""
         if self._compiled is None and not self._cache_checked:
             # the cache's tensors exist once the prefill has run: check their layout on first use
             self._cache_checked = True
@@ -222,7 +223,7 @@ class CompiledStep(Step):
                 return self.forward()
         s = self.state
         windows = self.feed.windows.layer_masks(s.mask, s.index) if self.feed.windows else None
-        return forward.forward(self.model, self.cache, s.tokens, s.positions, s.mask, windows)
+        return forward.forward(self.model, self.cache, s.tokens, s.positions, s.mask, windows, advance=advance)
 
     def forward(self) -> torch.Tensor:
         if self.fast_forward:
@@ -240,12 +241,23 @@ class CompiledStep(Step):
             return super().__call__()
         if not self.fast_forward:
             return self._run(_whole_step)
-        logits = self.decode_logits()
+        one_tail = self._one_kernel_tail()
+        logits = self.decode_logits(advance=not one_tail)
         if not self.fast_forward:  # the cache check declined it: decode_logits ran the compiled HF forward
             return self._run(_select_update, logits)
+        if one_tail:  # greedy: argmax, update and the counters' add in gdtool's kernels, nothing compiled
+            logits, counters = logits
+            self._compiled = _compiled_for(self, None)
+            self._compiled.calls += 1
+            return ops.greedy_tail(sampling.process(logits, self.state.seen, self.settings), self, counters)
         if self._eager_argmax():
             return self._run(_update_only, self.select(logits))
         self._run(_select_update, logits)
+
+    def _one_kernel_tail(self) -> bool:
+        """Greedy after the fast forward, nothing recorded, no forced lengths, tested on this device: the step's
+        tail in one kernel (`tail`)."""
+        return self._eager_argmax() and not tail.applies(self.state, self.state.mask.device)
 
     @contextmanager
     def _scopes(self):
@@ -324,7 +336,8 @@ def _kernels_note(step: CompiledStep) -> str:
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
     device = next(step.model.parameters()).device
     pdl = fast_triton.pdl_label() if fast_triton.pdl_supported(device) else "off"
-    argmax = "two-stage argmax; " if step._eager_argmax() else ""
+    argmax = "argmax, update and counters in one kernel after the argmax's first stage; " \
+        if step._one_kernel_tail() else "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
     return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
