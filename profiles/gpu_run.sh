@@ -13,7 +13,7 @@
 #   nsys-graph     llama-1b, batch 1 and 16, graph trace; nsys-node1 / nsys-node16: node trace, graph modes
 #   nsys-compiled  graph trace, kernels=compiled; nsys-compiled-node: node trace of the compiled, fused
 #                  step at batch 1, and its kernel breakdown (profiles/kernel_breakdown.py)
-#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, Gemma 3, MoE experts, the linear layers of other models, attention
+#   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, the greedy tail, Gemma 3, MoE experts, the linear layers of other models, attention
 #                  (the fused combine), the window sweep with them), and which kernel paths passed them
 #                  (profiles/kernel_paths.py)
 #   tests-pick     the cuda tests TESTS_PICK names (pytest's arguments: files, node ids, -k "..."), -n none
