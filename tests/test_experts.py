@@ -505,7 +505,9 @@ def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family, batch):
                        _decode(model, prompt, kernels="fast", capture=False, **sampled).tokens)
     assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
     table = fast.compiles(model)
-    assert (table.compiles == 1).all(), table
+    tail = table.kernels.str.contains("argmax, update and counters in one kernel")  # greedy: nothing compiled
+    assert (table.compiles == (~tail).astype(int)).all(), table
+    assert tail.any() == fast_forward.plan(model, batch, 64).applies, table
     if fast_forward.plan(model, batch, 64).applies:
         assert all(note.startswith("fast: fast decode forward") and "experts" in note and "Triton kernels" in note
                    for note in table.kernels), table

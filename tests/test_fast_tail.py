@@ -140,3 +140,21 @@ def test_fast_greedy_decode_with_the_one_kernel_tail_under_the_interpreter_equal
 def test_one_kernel_tail_on_cuda_equals_the_reference():
     """The same 200 seeded cases on the GPU, with PDL as the step launches it."""
     assert check(range(200), "cuda") == 200
+
+
+def test_the_bench_expects_no_dynamo_graph_of_a_step_that_compiles_nothing():
+    """kernels="fast", greedy: the forward and the tail are gdtool's kernels and nothing is compiled, so the bench
+    must not call the run an eager fallback (`compiled_nothing`); sampling compiles its select and update."""
+    from gdtool.frontends import bench
+    from gdtool.kernels import step as fast
+    model = gdtool.load_model("tiny-llama", seed=0)
+    prompt = gdtool.random_prompts(model, batch=2, lengths=(3, 6), seed=0)
+    expects = bench._expects_graphs(model)
+    gdtool.decode(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=4, mode="step-graph", kernels="fast",
+                  do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert fast.compiled_nothing(model) and not expects()
+    gdtool.decode(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=4, mode="step-graph", kernels="fast",
+                  do_sample=True, top_k=5, seed=0, eos_token_id=None, pad_token_id=0)
+    assert not fast.compiled_nothing(model) and expects()
+    fast.forget(model)
+    assert not fast.compiled_nothing(model)

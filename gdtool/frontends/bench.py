@@ -329,7 +329,7 @@ def _gptfast_runner(model, prompt, max_new_tokens: int, compile_kwargs: dict | N
     return once
 
 
-def _measure(result: RunnerResult, once, cfg: BenchConfig, warmup_tokens: int, compiled: bool) -> RunnerResult:
+def _measure(result: RunnerResult, once, cfg: BenchConfig, warmup_tokens: int, compiled) -> RunnerResult:
     """Warm-up run, then cfg.repeats timed runs; checks token counts and compile counters."""
     _dynamo_fresh()
     t0 = time.perf_counter()
@@ -349,7 +349,7 @@ def _measure(result: RunnerResult, once, cfg: BenchConfig, warmup_tokens: int, c
     stats["graphs_in_timed_runs"] = stats["graphs"] - after_warmup["graphs"]
     result.compile = stats
     notes = []
-    if compiled and stats["graphs"] == 0:
+    if (compiled() if callable(compiled) else compiled) and stats["graphs"] == 0:
         result.status = "eager-fallback"
         notes.append("torch.compile produced no graph: this peer ran eager")
     if stats["graphs_in_timed_runs"]:
@@ -378,7 +378,16 @@ class _Planned:
     result: RunnerResult
     make_once: object = None        # () -> once(new_tokens) -> Sample; None: not run (n/a)
     warmup_tokens: int = 0
-    expects_graphs: bool = False    # torch.compile must have produced graphs, else "eager-fallback"
+    expects_graphs: object = False  # torch.compile must have produced graphs, else "eager-fallback" (a callable:
+                                    # asked after the runs)
+
+
+def _expects_graphs(model):
+    """kernels other than HF's: graphs are expected unless the step compiled nothing by design (`compiled_nothing`)."""
+    def expects() -> bool:
+        from ..kernels.step import compiled_nothing
+        return not compiled_nothing(model)
+    return expects
 
 
 def runners(modes: tuple[str, ...], kernels: tuple[str, ...]) -> list[tuple[str, str]]:
@@ -401,7 +410,7 @@ def _plan(model, prompt, cfg: BenchConfig, device: torch.device) -> list[_Planne
             # compiled kernels key on the cache length: warm them with the timed length
             min(cfg.max_new_tokens, SHORT_WARMUP_TOKENS) if mode == "eager" and kernels == DEFAULT_KERNELS
             else cfg.max_new_tokens,
-            expects_graphs=kernels != DEFAULT_KERNELS and device.type == "cuda"))
+            expects_graphs=_expects_graphs(model) if kernels != DEFAULT_KERNELS and device.type == "cuda" else False))
     for peer in cfg.peers:
         result = RunnerResult(peer, "peer", PEER_LABELS[peer])
         if peer in COMPILED_PEERS and device.type != "cuda":

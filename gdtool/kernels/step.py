@@ -411,6 +411,13 @@ def compiles(model) -> "pandas.DataFrame":
                          for e in getattr(model, _ATTR, {}).values()], columns=columns)
 
 
+def compiled_nothing(model) -> bool:
+    """Whether every step kept on `model` ran without torch.compile by design (kernels="fast": gdtool's forward and,
+    greedy, its one-kernel tail; the fast forward alone in forward-graph): no dynamo graph is then expected of it."""
+    entries = list(getattr(model, _ATTR, {}).values())
+    return bool(entries) and all(entry.fn is None for entry in entries)
+
+
 def forget(model) -> None:
     """Drop the compiled steps kept on `model` (they hold inductor's code, not device memory)."""
     model.__dict__.pop(_ATTR, None)
