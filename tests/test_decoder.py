@@ -408,14 +408,14 @@ def test_bucketed_call_equals_generate_on_the_padded_prompt(load, dtype, case):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_bucketed_call_against_generate_on_the_unpadded_prompt(load, name, dtype):
-    """What holds on a CPU (docs/decoder.md): extra left pads change the prefill's shapes and shift the
-    cache slots every step sums over, so scores differ from generate() on the unpadded prompt in the last
-    bits (one extra pad, width 8 -> bucket 9: some differ in fp32), by rounding only; greedy tokens here
-    are equal (a near-tie could flip one)."""
+    """What holds on any CPU (docs/decoder.md): extra left pads change the prefill's shapes and shift the
+    cache slots every step sums over, so scores may differ from generate() on the unpadded prompt, by rounding
+    only; greedy tokens here are equal (a near-tie could flip one). Whether the last bits move depends on the
+    CPU's kernels: one extra pad (width 8 -> bucket 9) moved some fp32 scores on an AVX2 CPU and none on an
+    AVX-512 one, so bit equality is neither asserted nor refused."""
     model = load(name, dtype, "cpu")
     settings = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     dec = Decoder(model, max_new_tokens=6, buckets=(9,), return_scores=True, **settings)
-    bits_equal = []
     tolerance = 1e-6 if dtype == torch.float32 else 2 ** -7  # a few ulps of scores of size ~1
     for seed in range(3):
         prompt = _prompt(model, batch=4, seed=seed)
@@ -426,9 +426,6 @@ def test_bucketed_call_against_generate_on_the_unpadded_prompt(load, name, dtype
         assert torch.equal(out.tokens, tokens)
         for ours, theirs in zip(out.scores, scores):
             assert torch.allclose(ours, theirs, rtol=0, atol=tolerance)
-            bits_equal.append(torch.equal(ours, theirs))
-    if dtype == torch.float32:
-        assert not all(bits_equal), "bucketing became bit-neutral on this CPU: update docs/decoder.md"
 
 
 def test_bucket_pads_meet_the_repetition_penalty_as_this_transformers_does(model):
