@@ -54,14 +54,13 @@ _TABLES: dict = {}
 
 def _addresses(counters: list):
     """A device table of the counters' addresses (int64), one per set of counters; None where a set is first met
-    during a capture (a table made there would be a copy the graph replays)."""
+    during a capture (a table made there would be a copy the graph replays). Kept for the process: a captured graph
+    reads its table at every replay, so none is ever freed (a few bytes a cache layer)."""
     key = tuple(c.data_ptr() for c in counters)
     if key not in _TABLES:
         device = counters[0].device
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
-        if len(_TABLES) > 256:
-            _TABLES.clear()
         _TABLES[key] = torch.tensor(key, dtype=torch.int64, device=device)
     return _TABLES[key]
 
