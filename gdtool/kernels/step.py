@@ -247,8 +247,7 @@ class CompiledStep(Step):
             return self._run(_select_update, logits)
         if one_tail:  # greedy: argmax, update and the counters' add in gdtool's kernels, nothing compiled
             logits, counters = logits
-            self._compiled = _compiled_for(self, None)
-            self._compiled.calls += 1
+            self._entry(None, None).calls += 1  # listed in compiles(), with nothing compiled
             return ops.greedy_tail(sampling.process(logits, self.state.seen, self.settings), self, counters)
         if self._eager_argmax():
             return self._run(_update_only, self.select(logits))
@@ -275,11 +274,16 @@ class CompiledStep(Step):
         with pinned as phase:
             return self._run_in_phase(body, phase, *args)
 
-    def _run_in_phase(self, body, phase, *args):
-        which = (body.__name__, self.fast_forward, phase)  # a step runs one body per path, but the fast path
-        if which not in self._by_phase:                    # declined at first use changes body mid-decode
+    def _entry(self, body, phase) -> _Compiled:
+        """This step's entry for `body` (None: nothing to compile) in the model's table, looked up once."""
+        which = (getattr(body, "__name__", None), self.fast_forward, phase)  # a step runs one body per path, but
+        if which not in self._by_phase:                    # the fast path declined at first use changes body mid-decode
             self._by_phase[which] = _compiled_for(self, body, phase)
-        entry = self._compiled = self._by_phase[which]
+        self._compiled = self._by_phase[which]
+        return self._compiled
+
+    def _run_in_phase(self, body, phase, *args):
+        entry = self._entry(body, phase)
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
