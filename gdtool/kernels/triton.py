@@ -120,7 +120,9 @@ def usable(*tensors) -> bool:
 # tests with the attention's and the fast step's at b4c1dcd (13 passed, pytest-cuda-pick-b4c1dcd.log) and with
 # every Triton kernel check, Gemma 3's and the captured MoE steps at dc1d9bc (33 passed). The norms' weights before
 # the PDL wait (gemv.early_norm) passed every cuda test of test_fast_kernels.py, test_fast_gemma3.py and
-# test_experts.py at 66ff0c5 (62 passed, none failed: pytest-early-norm-66ff0c5.log).
+# test_experts.py at 66ff0c5 (62 passed, none failed: pytest-early-norm-66ff0c5.log). The greedy tail in one kernel
+# (tail.py) passed every test of tests-kernels at bc5ac8a (52 passed, none failed: pytest-cuda-kernels-bc5ac8a.log), its
+# 200-case check against the reference and the captured fast steps, dense and MoE, greedy and sampled, among them.
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -138,6 +140,7 @@ CUDA_TESTED = frozenset({
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
     "gpt_oss experts, grouped",
+    "greedy tail in one kernel",
     "linear, <= 4 rows",
     "linear, bias, <= 4 rows",
     "mixtral experts",
