@@ -77,7 +77,10 @@
 # failed or timed out (or was not a part), after running the others, and names them last.
 # GPU_RUN_SECONDS: the whole run's limit, where a command around it has one (a lent machine's): each part is cut
 # to the time left, less 20 s to keep its files, and a part with less than 10 s left is not begun. Set it below
-# the outer limit: a part the outer limit cuts loses its files.
+# the outer limit: a part the outer limit cuts loses its files. GPU_RUN_DEADLINE: the same as a moment (Unix seconds),
+# for a command that runs this script several times, each with its own settings: set it once, before the first
+# (`export GPU_RUN_DEADLINE=$(( $(date +%s) + 540 ))`), and every part of every run ends 20 s before it. Those runs
+# may share OUT_DIR: each appends to its log and results.tar (two files for the whole command).
 # PYTHON picks the interpreter (default python3; e.g. PYTHON=.venv/bin/python). Where the checkout
 # has no .git folder, set GDTOOL_COMMIT=<commit> so that every sidecar names the code that ran.
 # Needs gdtool importable, plus the notebook / nvtx wheels and nsys where those parts run
@@ -86,6 +89,10 @@ set -uo pipefail
 out=${1:?usage: bash profiles/gpu_run.sh OUT_DIR PART...}
 if [ -n "${GPU_RUN_SECONDS:-}" ] && ! [[ $GPU_RUN_SECONDS =~ ^[0-9]+$ ]]; then
   echo "GPU_RUN_SECONDS=$GPU_RUN_SECONDS: give the whole run's limit in whole seconds (e.g. 570)" >&2
+  exit 2
+fi
+if [ -n "${GPU_RUN_DEADLINE:-}" ] && ! [[ $GPU_RUN_DEADLINE =~ ^[0-9]+$ ]]; then
+  echo "GPU_RUN_DEADLINE=$GPU_RUN_DEADLINE: give the end of the whole command as Unix seconds (e.g. \$(( \$(date +%s) + 560 )))" >&2
   exit 2
 fi
 shift
@@ -109,12 +116,16 @@ part() {  # part NAME SECONDS COMMAND...
   local name=$1 seconds=$2 rc
   shift 2
   mkdir -p "$work/$name"
-  if [ -n "${GPU_RUN_SECONDS:-}" ]; then
+  if [ -n "${GPU_RUN_SECONDS:-}${GPU_RUN_DEADLINE:-}" ]; then
     # the whole run's limit: a part gets what is left, less a margin to keep its files; one that cannot start
     # is named, not begun (a command around the run that cuts it first loses the part it cut, files and all)
-    local left=$((GPU_RUN_SECONDS - SECONDS - 20))
+    local left=999999 why=""
+    [ -n "${GPU_RUN_SECONDS:-}" ] && left=$((GPU_RUN_SECONDS - SECONDS - 20)) why="${GPU_RUN_SECONDS} s run limit"
+    if [ -n "${GPU_RUN_DEADLINE:-}" ] && [ $((GPU_RUN_DEADLINE - $(date +%s) - 20)) -lt "$left" ]; then
+      left=$((GPU_RUN_DEADLINE - $(date +%s) - 20)) why="GPU_RUN_DEADLINE"
+    fi
     if [ "$left" -lt 10 ]; then
-      echo "=== $name: not run, ${GPU_RUN_SECONDS} s run limit reached" | tee -a "$log"
+      echo "=== $name: not run, $why reached" | tee -a "$log"
       failed+=("$name")
       return
     fi

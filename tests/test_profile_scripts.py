@@ -187,6 +187,24 @@ def test_gpu_run_cuts_its_parts_to_the_whole_runs_limit(tmp_path):
     assert rc == 1 and "=== fast: not run, 25 s run limit reached" in log and "=== failed: fast" in log
 
 
+def test_gpu_run_deadline_cuts_parts_across_runs_that_share_a_folder(tmp_path):
+    """GPU_RUN_DEADLINE (Unix seconds): one end for several runs of the script in one command, each part cut to
+    it less the margin; runs sharing OUT_DIR append to its log and results.tar."""
+    import re
+    import tarfile
+    import time
+    rc, log = _gpu_run(tmp_path, "fast", GPU_RUN_DEADLINE=str(int(time.time()) + 100))
+    limit = int(re.search(r"=== fast \(\d\d:\d\d:\d\d, at most (\d+) s\)", log).group(1))
+    assert 50 <= limit <= 80, log
+    rc, log = _gpu_run(tmp_path, "fast", GPU_RUN_DEADLINE=str(int(time.time()) + 25))
+    assert rc == 1 and "=== fast: not run, GPU_RUN_DEADLINE reached" in log, log
+    assert log.count("=== fast (") == 1 and log.count("=== fast: not run") == 1  # both runs in one log
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        assert tar.getnames().count("fast/log") == 1 and tar.getnames().count("env.json") == 2
+    rc, log = _gpu_run(tmp_path / "again", "fast", GPU_RUN_SECONDS="100", GPU_RUN_DEADLINE=str(int(time.time()) + 25))
+    assert rc == 1 and "=== fast: not run, GPU_RUN_DEADLINE reached" in log, log  # the earlier of the two
+
+
 def test_gpu_run_refuses_a_run_limit_that_is_not_whole_seconds(tmp_path):
     import os
     import subprocess
