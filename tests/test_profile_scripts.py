@@ -211,6 +211,10 @@ def test_gpu_run_refuses_a_run_limit_that_is_not_whole_seconds(tmp_path):
     done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), "fast"], cwd=ROOT,
                           env=dict(os.environ, GPU_RUN_SECONDS="9m"), capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "GPU_RUN_SECONDS=9m: give the whole run's limit in whole seconds" in done.stderr
+    done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), "fast"], cwd=ROOT,
+                          env=dict(os.environ, GPU_RUN_DEADLINE="+540"), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "GPU_RUN_DEADLINE=+540: give the end of the whole command as Unix seconds" \
+        in done.stderr
 
 
 def test_agreement_table_from_the_committed_profile_and_sessions(capsys):
