@@ -49,20 +49,21 @@ def outcome(model_type: str, overrides: dict, device: str = "cpu", image_text: b
 
 def render_cuda(path: Path) -> str:
     """The section of a GPU run, from the outcomes the cuda zoo test kept (`ZOO_OUTCOMES=FILE pytest -m cuda
-    tests/test_zoo.py`): its counts, and every architecture a graph mode refused there, with the cause."""
+    tests/test_zoo.py`): its counts, and every architecture a graph mode refused there, with the cause, by name (the
+    file's order is the order its parallel workers finished in)."""
     import json
     lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     lines = [x for x in lines if x["device"] == "cuda"]
     if not lines:
         raise SystemExit(f"{path}: no cuda outcomes (write them with ZOO_OUTCOMES={path} pytest -m cuda tests/test_zoo.py)")
     ran = [x for x in lines if x["status"] == "ran"]
-    refused = [x for x in ran if any(v != "pass" for v in x["modes"].values())]
+    refused = sorted((x for x in ran if any(v != "pass" for v in x["modes"].values())), key=lambda x: x["name"])
     odd = [x for x in lines if x["status"] not in ("ran", "not built", "generate failed")]
     graph = MODES[1:]
     versions = sorted({f"torch {x['torch']}, transformers {x['transformers']}" for x in lines})
     out = ["", "## Captured on a GPU", "",
            f"From `ZOO_OUTCOMES=FILE pytest -m cuda tests/test_zoo.py` on a GPU ({'; '.join(versions)}; the GPU "
-           f"and the commit are in the `env-<commit>.txt` beside `{path.as_posix()}`), the same cases captured: "
+           f"and the commit are in the `env-<commit>` file beside `{path.as_posix()}`), the same cases captured: "
            f"{len(lines)} cases; {len(ran)} ran, {len(ran) - len(refused)} of them passing in every mode and "
            f"{len(refused)} refused in a mode (below, with the cause); {len(lines) - len(ran) - len(odd)} not in "
            f"the zoo there (as above, or a package installed there); {len(odd)} mismatched or crashed"

@@ -276,15 +276,19 @@ def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_pa
         ["greedy", "eager", 1, "pass"], ["greedy", "step-graph", 1, "pass"], ["sample", "step-graph", 4, "pass"]]})
     zoo.keep_outcome(str(path), "beta", "cuda", {"status": "ran", "results": [
         ["greedy", "eager", 1, "pass"], ["greedy", "step-graph", 1, refusal], ["sample", "step-graph", 4, refusal]]})
+    zoo.keep_outcome(str(path), "aleph", "cuda", {"status": "ran", "results": [  # finished last, listed first
+        ["greedy", "eager", 1, "pass"], ["greedy", "step-graph", 1, refusal]]})
     zoo.keep_outcome(str(path), "gamma", "cuda", {"status": "not built", "error": "ImportError: needs timm"})
     zoo.keep_outcome(str(path), "delta", "cuda", {"status": "crashed", "error": "exit -6: CUDA error"})
     zoo.keep_outcome(str(path), "alpha", "cpu", {"status": "ran", "results": []})  # a CPU line: not this section's
     text = zoo_table.render_cuda(path)
-    assert "4 cases; 2 ran, 1 of them passing in every mode and 1 refused in a mode" in text
+    assert "5 cases; 3 ran, 1 of them passing in every mode and 2 refused in a mode" in text
     assert "1 not in the zoo there" in text and "1 mismatched or crashed: delta (crashed)" in text
     row = next(line for line in text.splitlines() if line.startswith("| beta |"))
     assert row.split(" | ")[1] == "pass" and "nonzero reads a device value on the host, at m.py:3" in row
     assert "| alpha |" not in text
+    assert [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| ") and "---" not in line][1:] == \
+        ["| aleph", "| beta"]  # by name, not by the order the workers finished in
     with pytest.raises(SystemExit):
         zoo_table.main(["--cuda-outcomes", str(tmp_path / "missing.jsonl"), "--out", str(tmp_path / "zoo.md")])
     assert "--cuda-outcomes" in capsys.readouterr().err
