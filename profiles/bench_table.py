@@ -1,9 +1,15 @@
 """Markdown table of `python -m gdtool bench` results, from the JSON files it writes.
 
     python profiles/bench_table.py profiles/h200/bench/llama-1b/*.json profiles/h200/bench/llama-8b/*.json
+    python profiles/bench_table.py --curve FILES...   # tok/s against batch per runner, and where it falls
+
+Given the runs of two settings (one folder each), `--curve` keeps the faster at each batch: the curve the better
+choice per batch would give, its file naming the setting that won.
 """
 import json
+import re
 import sys
+from pathlib import Path
 
 
 def rows(path):
@@ -27,7 +33,8 @@ def frame(paths):
             out.append(dict(model=doc["config"]["model"], batch=r["batch"], runner=r["label"],
                             family=r.get("family"), status=r["status"], tok_s=r.get("tok_s"),
                             ms_per_step=r.get("ms_per_step"), floor_pct=pct, floor_ms=floor,
-                            commit=env.get("git_commit"), gpu=env.get("device_name"), file=str(path)))
+                            commit=env.get("git_commit"), gpu=env.get("device_name"), note=r.get("note"),
+                            file=str(path)))
     return pd.DataFrame(out)
 
 
@@ -53,11 +60,53 @@ def fastest(runs):
     return summary
 
 
+def path_of(note):
+    """The step's path from a runner's note, its first clause ("fast: fast decode forward", "fast: HF forward
+    compiled"): which code ran at that batch."""
+    return re.split(r"[,(]", note or "")[0].strip()
+
+
+def curve(runs):
+    """Per model and runner of `frame(...)`'s rows that ran, ordered by batch: tok/s, its ratio to the batch
+    before (`ratio`), and `cliff` where tokens per second fall as the batch grows (a larger batch must never decode
+    fewer tokens a second: where it does, the path chosen at that batch is the wrong one). Two runs of one
+    runner at one batch (a setting tried apart, in its own file) keep the faster."""
+    import pandas as pd
+    ok = runs[runs.status == "ok"].sort_values("tok_s", ascending=False)
+    ok = ok.drop_duplicates(["model", "runner", "batch"]).sort_values(["model", "runner", "batch"])
+    out = []
+    for (model, runner), group in ok.groupby(["model", "runner"], sort=False):
+        before = None
+        for r in group.itertuples():
+            ratio = r.tok_s / before if before else float("nan")
+            out.append({"model": model, "runner": runner, "batch": r.batch, "path": path_of(getattr(r, "note", "")),
+                        "tok_s": r.tok_s, "ms_per_step": r.ms_per_step, "ratio": ratio,
+                        "cliff": bool(before) and r.tok_s < before, "file": r.file})
+            before = r.tok_s
+    return pd.DataFrame(out)
+
+
 def fmt(value, spec):
     return "-" if value is None or value != value else format(value, spec)
 
 
+def print_curve(paths):
+    table = curve(frame(paths))
+    print("| model | runner | batch | path | tok/s | ms/step | x batch before | file |")
+    print("|---|---|---:|---|---:|---:|---:|---|")
+    for r in table.itertuples():
+        where = "/".join(Path(r.file).parts[-2:])  # the setting's folder and the file
+        print(f"| {r.model} | {r.runner} | {r.batch} | {r.path} | {r.tok_s:.1f} | {r.ms_per_step:.3f} | {fmt(r.ratio, '.2f')}"
+              f"{' **cliff**' if r.cliff else ''} | {where} |")
+    falls = table[table.cliff]
+    print(f"\n{len(falls)} cliff(s)" + "".join(f"; {r.model} {r.runner} at batch {r.batch}" for r in falls.itertuples()))
+    return len(falls)
+
+
 def main(paths):
+    if paths[:1] == ["--curve"]:
+        print_curve(paths[1:])
+        return
     print("| model | batch | runner | tok/s | ms/step | % of floor | x gpt-fast | x generate static | status |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|")
     everything = [row for path in paths for row in rows(path)]

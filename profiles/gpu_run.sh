@@ -235,6 +235,13 @@ for p in "$@"; do
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers ${BENCH_PEERS:-none} \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
+    bench-batches) part bench-batches ${BENCH_SECONDS:-540} bash -c "m=${BATCH_MODEL:-llama-1b}; d=$work/bench-batches/\$m; \
+           $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1,2,4,8,9,12,16,32,64} --repeats 2 --modes step-graph \
+           --kernels fast --fuse-projections --peers none --no-progress --out \$d/line-8 && \
+           GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --gemv-rows 16 -- --model \$m \
+           --batch ${LINE_BATCHES:-9,12,16} --repeats 2 --modes step-graph --kernels fast --fuse-projections --peers none \
+           --no-progress --out \$d/line-16 && { $py profiles/bench_table.py --curve \$d/line-8/*.json; echo; \
+           $py profiles/bench_table.py --curve \$d/*/*.json; } | tee \$d/curve.md" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;

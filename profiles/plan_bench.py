@@ -1,8 +1,10 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: TARGET_PROGRAMS (`attention.split_plan`,
 which the fused combine's plan starts from), GDTOOL_FUSED_COMBINE's, GDTOOL_EARLY_NORM's and GDTOOL_ONE_KERNEL_TAIL's
-switches, for an A/B of plans in the step.
+switches, and the largest batch the matrix-vector kernels take (`forward.BATCH_PATHS`), for an A/B of plans in
+the step.
 
-    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] -- --model llama-1b ...
+    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--gemv-rows N] \
+        -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -15,7 +17,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdtool import __main__ as cli  # noqa: E402
-from gdtool.kernels import attention, gemv, tail  # noqa: E402
+from gdtool.kernels import attention, forward, gemv, tail  # noqa: E402
+
+
+def gemv_rows(rows: int) -> tuple:
+    """`forward.BATCH_PATHS` with the matrix-vector kernels' passes of rows taking every batch up to `rows`
+    (ROWS_PER_PASS < rows <= gemv.MAX_ROWS; 8 is the default line), the compiled matmuls past it."""
+    if not gemv.ROWS_PER_PASS < rows <= gemv.MAX_ROWS:
+        raise ValueError(f"--gemv-rows {rows}: the passes of {gemv.ROWS_PER_PASS} rows take {gemv.ROWS_PER_PASS + 1} to "
+                         f"{gemv.MAX_ROWS} rows (gemv.MAX_ROWS); give a number in that range")
+    one, passes, rest = forward.BATCH_PATHS
+    return one, (rows, *passes[1:]), rest
 
 
 def main(argv=None) -> int:
@@ -29,7 +41,15 @@ def main(argv=None) -> int:
                         help="the norms' weights loaded before the PDL wait (1) or after it (0)")
     parser.add_argument("--tail", type=int, choices=(0, 1), default=None,
                         help="the greedy step's tail in one kernel (1) or the argmax's two and the compiled update (0)")
+    parser.add_argument("--gemv-rows", type=int, default=None,
+                        help=f"the largest batch of the matrix-vector kernels (default 8; {gemv.ROWS_PER_PASS + 1} to "
+                             f"{gemv.MAX_ROWS}); past it the compiled matmuls")
     args = parser.parse_args(ours)
+    if args.gemv_rows is not None:
+        try:
+            forward.BATCH_PATHS = gemv_rows(args.gemv_rows)
+        except ValueError as e:
+            parser.error(str(e))
     attention.TARGET_PROGRAMS = args.target
     if args.fused is not None:
         attention._FUSED_COMBINE = bool(args.fused)
@@ -39,7 +59,7 @@ def main(argv=None) -> int:
         tail._ON = bool(args.tail)
     print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
           f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
-          f"one-kernel tail {'on' if tail._ON else 'off'}",
+          f"one-kernel tail {'on' if tail._ON else 'off'}, matrix-vector kernels to batch {forward.BATCH_PATHS[1][0]}",
           flush=True)
     return cli.main(["bench", *bench])
 

@@ -107,6 +107,24 @@ def test_fast_step_on_cpu_decodes_hf_tokens_and_says_what_ran():
     assert "HF forward compiled" in note and "(batch 9: matrix products" in note
 
 
+def test_matrix_vector_line_moved_to_16_rows_decodes_hf_tokens_at_12(monkeypatch):
+    """`profiles/plan_bench.py --gemv-rows N` (gpu_run.sh's bench-batches: the GPU sweep that places the line
+    between the matrix-vector kernels and the compiled matmuls): with the line at 16 the fast forward takes batch 12
+    in passes of 4 rows and gives HF's tokens; a line outside 5-16 rows is refused with the range."""
+    sys.path.insert(0, os.path.join(ROOT, "profiles"))
+    import plan_bench
+    for rows in (4, 17):
+        with pytest.raises(ValueError, match=f"--gemv-rows {rows}: .* 5 to 16 rows"):
+            plan_bench.gemv_rows(rows)
+    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", plan_bench.gemv_rows(16))
+    model = gdtool.load_model("tiny-llama", seed=0)
+    assert fast_decoder.plan(model, 16, 40).applies and not fast_decoder.plan(model, 17, 40).applies
+    prompt = gdtool.random_prompts(model, batch=12, lengths=(4, 9), seed=2)
+    assert torch.equal(_decode(model, prompt, kernels="fast").tokens, _decode(model, prompt).tokens)
+    note = fast.compiles(model).kernels.iloc[-1]
+    assert note.startswith("fast: fast decode forward, 2 layers") and "batch 12" in note and "passes of 4 rows" in note
+
+
 def _tiny_mistral(window):
     from transformers import AutoModelForCausalLM, MistralConfig
     config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

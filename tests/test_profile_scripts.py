@@ -310,6 +310,28 @@ def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     assert one["% of floor"] == 40.0 and pd.isna(two["peer, fastest"]) and pd.isna(two["peer ms/step"])
 
 
+def test_bench_curve_flags_a_batch_that_decodes_fewer_tokens_a_second():
+    """bench_table.curve: per runner, tok/s against batch, its ratio to the batch before, and a cliff where a larger
+    batch decodes fewer tokens a second; two files of one runner at one batch keep the faster; the path is the note's
+    first clause."""
+    import pandas as pd
+    import bench_table
+    rows = [(1, 1000.0, "fast: fast decode forward, 2 layers", "a.json"), (8, 6000.0, "fast: fast decode forward, x", "a.json"),
+            (9, 5000.0, "fast: HF forward compiled (batch 9: ...)", "a.json"), (9, 7000.0, "fast: fast decode forward, y",
+                                                                              "b.json"),
+            (16, 9000.0, "fast: HF forward compiled (batch 16: ...)", "a.json")]
+    runs = pd.DataFrame([dict(model="m", runner="gdtool step-graph+fast", batch=b, status="ok", tok_s=t, ms_per_step=b / t * 1e3,
+                              note=n, file=f) for b, t, n, f in rows] +
+                        [dict(model="m", runner="peer", batch=9, status="failed", tok_s=None, ms_per_step=None, note=None,
+                              file="a.json")])
+    table = bench_table.curve(runs)
+    assert list(table.batch) == [1, 8, 9, 16] and list(table.cliff) == [False, False, False, False]
+    assert table.path.tolist()[2:] == ["fast: fast decode forward", "fast: HF forward compiled"]
+    assert table.ratio.iloc[1] == 6.0 and table.file.iloc[2] == "b.json"
+    table = bench_table.curve(runs[runs.file == "a.json"])
+    assert list(table.cliff) == [False, False, True, False] and round(table.ratio.iloc[2], 3) == 0.833
+
+
 def test_breakdown_counts_the_experts_a_step_reads():
     """kernel_breakdown: gdtool's MoE kernels are their own class (the experts' combine apart from the attention's);
     a MoE step's weight bytes are the bench's (the experts its tokens hit on average, from 8 of 128 at one row to

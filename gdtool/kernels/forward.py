@@ -79,7 +79,8 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # multiply-add per row; the matrix-vector kernels multiply on the CUDA cores, which on an H200 (~67 TFLOP/s
 # float32, ~4.8 TB/s) keep up with the weight stream to ~14 multiply-adds per weight pair of bytes, i.e.
 # ~8 rows of bf16 weights. Past that the tensor cores of a matmul win. `gemv.MAX_ROWS` (16) lets a GPU
-# sweep move the line (profiles/fast_probe.py); the numbers here are the roofline's until it does.
+# sweep move the line (`profiles/plan_bench.py --gemv-rows N`, gpu_run.sh's `bench-batches`); the numbers here
+# are the roofline's until it does.
 BATCH_PATHS = (
     (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile"),
     (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile "
