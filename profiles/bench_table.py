@@ -96,8 +96,8 @@ def print_curve(paths):
     print("|---|---|---:|---|---:|---:|---:|---|")
     for r in table.itertuples():
         where = "/".join(Path(r.file).parts[-2:])  # the setting's folder and the file
-        print(f"| {r.model} | {r.runner} | {r.batch} | {r.path} | {r.tok_s:.1f} | {r.ms_per_step:.3f} | {fmt(r.ratio, '.2f')}"
-              f"{' **cliff**' if r.cliff else ''} | {where} |")
+        print(f"| {r.model} | {r.runner} | {r.batch} | {r.path} | {r.tok_s:.1f} | {r.ms_per_step:.3f} "
+              f"| {fmt(r.ratio, '.2f')}{' **cliff**' if r.cliff else ''} | {where} |")
     falls = table[table.cliff]
     print(f"\n{len(falls)} cliff(s)" + "".join(f"; {r.model} {r.runner} at batch {r.batch}" for r in falls.itertuples()))
     return len(falls)

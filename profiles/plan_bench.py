@@ -20,16 +20,6 @@ from gdtool import __main__ as cli  # noqa: E402
 from gdtool.kernels import attention, forward, gemv, tail  # noqa: E402
 
 
-def gemv_rows(rows: int) -> tuple:
-    """`forward.BATCH_PATHS` with the matrix-vector kernels' passes of rows taking every batch up to `rows`
-    (ROWS_PER_PASS < rows <= gemv.MAX_ROWS; 8 is the default line), the compiled matmuls past it."""
-    if not gemv.ROWS_PER_PASS < rows <= gemv.MAX_ROWS:
-        raise ValueError(f"--gemv-rows {rows}: the passes of {gemv.ROWS_PER_PASS} rows take {gemv.ROWS_PER_PASS + 1} to "
-                         f"{gemv.MAX_ROWS} rows (gemv.MAX_ROWS); give a number in that range")
-    one, passes, rest = forward.BATCH_PATHS
-    return one, (rows, *passes[1:]), rest
-
-
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, bench = (argv[: argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
@@ -47,7 +37,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(ours)
     if args.gemv_rows is not None:
         try:
-            forward.BATCH_PATHS = gemv_rows(args.gemv_rows)
+            forward.BATCH_PATHS = forward.gemv_line(args.gemv_rows)
         except ValueError as e:
             parser.error(str(e))
     attention.TARGET_PROGRAMS = args.target

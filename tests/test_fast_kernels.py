@@ -108,15 +108,14 @@ def test_fast_step_on_cpu_decodes_hf_tokens_and_says_what_ran():
 
 
 def test_matrix_vector_line_moved_to_16_rows_decodes_hf_tokens_at_12(monkeypatch):
-    """`profiles/plan_bench.py --gemv-rows N` (gpu_run.sh's bench-batches: the GPU sweep that places the line
-    between the matrix-vector kernels and the compiled matmuls): with the line at 16 the fast forward takes batch 12
-    in passes of 4 rows and gives HF's tokens; a line outside 5-16 rows is refused with the range."""
-    sys.path.insert(0, os.path.join(ROOT, "profiles"))
-    import plan_bench
+    """`forward.gemv_line` (`profiles/plan_bench.py --gemv-rows N`, in gpu_run.sh's bench-batches: the GPU sweep
+    that places the line between the matrix-vector kernels and the compiled matmuls): with the line at 16 the fast
+    forward takes batch 12 in passes of 4 rows and gives HF's tokens; a line outside 5-16 rows is refused with the
+    range."""
     for rows in (4, 17):
         with pytest.raises(ValueError, match=f"--gemv-rows {rows}: .* 5 to 16 rows"):
-            plan_bench.gemv_rows(rows)
-    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", plan_bench.gemv_rows(16))
+            fast_decoder.gemv_line(rows)
+    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(16))
     model = gdtool.load_model("tiny-llama", seed=0)
     assert fast_decoder.plan(model, 16, 40).applies and not fast_decoder.plan(model, 17, 40).applies
     prompt = gdtool.random_prompts(model, batch=12, lengths=(4, 9), seed=2)
@@ -290,9 +289,11 @@ def test_triton_kernels_on_cuda(dtype, pdl):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("batch", [2, 8], ids=["one-pass", "two-passes"])
+@pytest.mark.parametrize("batch", [2, 8, 16], ids=["one-pass", "two-passes", "four-passes-line-at-16"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
-def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch):
+def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
+    if batch > 8:  # past the default line: the passes that bench-batches measures with the line moved to 16
+        monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(16))
     model = (_tiny_mistral(4096).to("cuda", torch.bfloat16) if name == "tiny-mistral"
              else gdtool.load_model(name, seed=0, device="cuda"))  # bf16
     prompt = gdtool.random_prompts(model, batch=batch, lengths=(5, 12), seed=0)

@@ -316,14 +316,13 @@ def test_bench_curve_flags_a_batch_that_decodes_fewer_tokens_a_second():
     first clause."""
     import pandas as pd
     import bench_table
-    rows = [(1, 1000.0, "fast: fast decode forward, 2 layers", "a.json"), (8, 6000.0, "fast: fast decode forward, x", "a.json"),
-            (9, 5000.0, "fast: HF forward compiled (batch 9: ...)", "a.json"), (9, 7000.0, "fast: fast decode forward, y",
-                                                                              "b.json"),
-            (16, 9000.0, "fast: HF forward compiled (batch 16: ...)", "a.json")]
-    runs = pd.DataFrame([dict(model="m", runner="gdtool step-graph+fast", batch=b, status="ok", tok_s=t, ms_per_step=b / t * 1e3,
-                              note=n, file=f) for b, t, n, f in rows] +
-                        [dict(model="m", runner="peer", batch=9, status="failed", tok_s=None, ms_per_step=None, note=None,
-                              file="a.json")])
+    fast, compiled = "fast: fast decode forward, 2 layers", "fast: HF forward compiled (batch 9: ...)"
+    rows = [(1, 1000.0, fast, "a.json"), (8, 6000.0, fast, "a.json"), (9, 5000.0, compiled, "a.json"),
+            (9, 7000.0, fast, "b.json"), (16, 9000.0, compiled, "a.json")]
+    runs = pd.DataFrame([dict(model="m", runner="gdtool step-graph+fast", batch=b, status="ok", tok_s=t,
+                              ms_per_step=b / t * 1e3, note=n, file=f) for b, t, n, f in rows] +
+                        [dict(model="m", runner="peer", batch=9, status="failed", tok_s=None, ms_per_step=None,
+                              note=None, file="a.json")])
     table = bench_table.curve(runs)
     assert list(table.batch) == [1, 8, 9, 16] and list(table.cliff) == [False, False, False, False]
     assert table.path.tolist()[2:] == ["fast: fast decode forward", "fast: HF forward compiled"]

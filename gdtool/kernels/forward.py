@@ -90,6 +90,17 @@ BATCH_PATHS = (
 )
 
 
+def gemv_line(rows: int) -> tuple:
+    """`BATCH_PATHS` with the matrix-vector kernels' passes of rows taking every batch up to `rows`
+    (ROWS_PER_PASS < rows <= gemv.MAX_ROWS; 8 is the default line), the compiled matmuls past it: the setting a
+    GPU sweep tries (`profiles/plan_bench.py --gemv-rows`)."""
+    if not gemv.ROWS_PER_PASS < rows <= gemv.MAX_ROWS:
+        raise ValueError(f"--gemv-rows {rows}: the passes of {gemv.ROWS_PER_PASS} rows take {gemv.ROWS_PER_PASS + 1} to "
+                         f"{gemv.MAX_ROWS} rows (gemv.MAX_ROWS); give a number in that range")
+    one, passes, rest = BATCH_PATHS[0], BATCH_PATHS[1], BATCH_PATHS[-1]
+    return one, (rows, *passes[1:]), rest
+
+
 def batch_path(batch: int) -> tuple[str, str]:
     """("gemv" | "compiled", why) for a decode step of `batch` rows (`BATCH_PATHS`)."""
     for largest, path, why in BATCH_PATHS:
