@@ -242,6 +242,10 @@ for p in "$@"; do
            --batch ${LINE_BATCHES:-9,12,16} --repeats 2 --modes step-graph --kernels fast --fuse-projections --peers none \
            --no-progress --out \$d/line-16 && { $py profiles/bench_table.py --curve \$d/line-8/*.json; echo; \
            $py profiles/bench_table.py --curve \$d/*/*.json; } | tee \$d/curve.md" ;;
+    bench-trigger) part bench-trigger ${BENCH_SECONDS:-400} bash -c "for m in ${PDL_MODELS:-llama-8b}; do for t in 0 1; do \
+           GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \
+           --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
+           --kernels fast --no-progress --out $work/bench-trigger/\$m-late-\$t || exit 1; done; done" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;

@@ -25,16 +25,18 @@ TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32"
          torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
 
 
-def _usage(fn, args, kwargs) -> dict:
+def compile_sm90(fn, args, kwargs):
+    """Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`) of one caught launch (`launches`), for sm_90:
+    its constexprs as launched, its other arguments typed from the CPU values given."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    names = fn.arg_names
+    kwargs = dict(kwargs)
     warps = kwargs.pop("num_warps", 4)
     kwargs.pop("launch_pdl", None)
     signature, constants = {}, {}
-    for i, name in enumerate(names):
+    for i, name in enumerate(fn.arg_names):
         if name in kwargs:
             signature[name], constants[(i,)] = "constexpr", kwargs[name]
         elif isinstance(args[i], torch.Tensor):
@@ -43,15 +45,22 @@ def _usage(fn, args, kwargs) -> dict:
             signature[name] = "i1"
         else:
             signature[name] = "i32" if isinstance(args[i], int) else "fp32"
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def _usage(fn, args, kwargs) -> dict:
+    import triton
+
+    compiled = compile_sm90(fn, args, kwargs)
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
         out = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
     found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    return dict(zip(("registers", "stack", "shared", "local"), map(int, found.groups()))) | {"warps": warps}
+    return dict(zip(("registers", "stack", "shared", "local"), map(int, found.groups()))) | \
+        {"warps": kwargs.get("num_warps", 4)}
 
 
 def launches(call) -> list:

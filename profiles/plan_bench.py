@@ -1,10 +1,10 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: TARGET_PROGRAMS (`attention.split_plan`,
-which the fused combine's plan starts from), GDTOOL_FUSED_COMBINE's, GDTOOL_EARLY_NORM's and GDTOOL_ONE_KERNEL_TAIL's
-switches, and the largest batch the matrix-vector kernels take (`forward.BATCH_PATHS`), for an A/B of plans in
-the step.
+which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
+GDTOOL_ONE_KERNEL_TAIL and GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round), and the largest
+batch the matrix-vector kernels take (`forward.BATCH_PATHS`), for an A/B of plans in the step.
 
-    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--gemv-rows N] \
-        -- --model llama-1b ...
+    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
+        [--gemv-rows N] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -31,6 +31,9 @@ def main(argv=None) -> int:
                         help="the norms' weights loaded before the PDL wait (1) or after it (0)")
     parser.add_argument("--tail", type=int, choices=(0, 1), default=None,
                         help="the greedy step's tail in one kernel (1) or the argmax's two and the compiled update (0)")
+    parser.add_argument("--late-trigger", type=int, choices=(0, 1), default=None,
+                        help="the matrix-vector products let the next kernel launch after their PDL wait (0) or as "
+                             "their last tile round starts (1; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--gemv-rows", type=int, default=None,
                         help=f"the largest batch of the matrix-vector kernels (default 8; {gemv.ROWS_PER_PASS + 1} to "
                              f"{gemv.MAX_ROWS}); past it the compiled matmuls")
@@ -47,9 +50,12 @@ def main(argv=None) -> int:
         gemv._EARLY_NORM = bool(args.early_norm)
     if args.tail is not None:
         tail._ON = bool(args.tail)
+    if args.late_trigger is not None:
+        gemv._LATE_TRIGGER = bool(args.late_trigger)
     print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
           f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
-          f"one-kernel tail {'on' if tail._ON else 'off'}, matrix-vector kernels to batch {forward.BATCH_PATHS[1][0]}",
+          f"one-kernel tail {'on' if tail._ON else 'off'}, PDL trigger {'late' if gemv._LATE_TRIGGER else 'early'}, "
+          f"matrix-vector kernels to batch {forward.BATCH_PATHS[1][0]}",
           flush=True)
     return cli.main(["bench", *bench])
 

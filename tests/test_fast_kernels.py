@@ -18,7 +18,7 @@ import torch
 
 import gdtool
 import gdtool.loops.devloop
-from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, triton as fast_triton
+from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, gemv, triton as fast_triton
 from interpreter import run_interpreted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -276,6 +276,56 @@ def test_pdl_setting_off_on_or_auto_by_the_weights_a_kernel_reads(monkeypatch):
         fast_triton.env_flag("GDTOOL_FUSED_COMBINE")
 
 
+def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
+    """GDTOOL_LATE_TRIGGER=1 (`gemv.late_trigger`: the products let the next kernel launch in their last tile round):
+    off by default; asked for on CUDA before its cuda tests passed there, refused with the reason and the override
+    (an A/B must not time the default twice, silently); off CUDA, or with GDTOOL_UNTESTED_KERNELS=1, taken. Its bits
+    against the early trigger: the captured cuda test below."""
+    cuda = torch.device("cuda")   # a device type only: nothing is allocated on it
+    monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
+    monkeypatch.setattr(gemv, "_LATE_TRIGGER", False)
+    assert not gemv.late_trigger(cuda) and not gemv.late_trigger(torch.device("cpu"))
+    monkeypatch.setattr(gemv, "_LATE_TRIGGER", True)
+    assert gemv.late_trigger(torch.device("cpu"))
+    if gemv.LATE_TRIGGER_PATH in fast_triton.CUDA_TESTED:
+        assert gemv.late_trigger(cuda)
+    else:
+        with pytest.raises(RuntimeError, match="GDTOOL_LATE_TRIGGER=1: gdtool's kernels for PDL trigger in the last "
+                                               "tile round have not passed .* GDTOOL_UNTESTED_KERNELS=1 runs them"):
+            gemv.late_trigger(cuda)
+    monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+    assert gemv.late_trigger(cuda)
+    monkeypatch.setattr(fast_triton, "pdl_supported", lambda device: True)  # the note as it reads on a Hopper GPU
+    model = gdtool.load_model("tiny-llama", seed=0)
+    with fast_triton.pdl("auto"):
+        _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
+    note = fast.compiles(model).kernels.iloc[-1]
+    assert "; PDL on kernels reading <= 64 MB of weights, the products triggering the next kernel in their last tile " \
+           "round at first use" in note, note
+
+
+@pytest.mark.parametrize("late", [False, True], ids=["early-trigger", "late-trigger"])
+def test_matrix_vector_kernel_compiles_for_hopper_with_pdl(late, monkeypatch):
+    """The kernel's PDL branches never run under the interpreter (no PDL on a CPU): a gate/up launch of
+    `gemv.rms_gemv`, caught as it would launch on an H200 (PDL on), compiles here for sm_90 down to the device code
+    (`profiles/kernel_registers.py`), with its launch trigger where the setting puts it: after the wait, or in
+    the tile loop's last round (a branch inside the loop)."""
+    if not fast_triton.HAVE_TRITON:
+        pytest.skip("no Triton")
+    sys.path.insert(0, os.path.join(ROOT, "profiles"))
+    import kernel_registers
+    monkeypatch.setattr(fast_triton, "pdl_supported", lambda device: True)
+    monkeypatch.setattr(gemv, "late_trigger", lambda device: late)
+    x, g, w = torch.randn(1, 256, dtype=torch.bfloat16), torch.ones(256, dtype=torch.bfloat16), \
+        torch.randn(256, 256, dtype=torch.bfloat16)
+    (fn, args, kwargs), = kernel_registers.launches(lambda: gemv.rms_gemv(x, g, 1e-5, w, w, config=(8, 4, 2)))
+    assert kwargs["PDL"] and kwargs["LATE_TRIGGER"] is late and kwargs["ITERS"] > 1
+    ptx = kernel_registers.compile_sm90(fn, list(args), kwargs).asm["ptx"]
+    wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 and wait < trigger
+    assert (trigger > ptx.index("Loop Header")) is late, "the trigger is inside the tile loop exactly where it is late"
+
+
 # -- CUDA ---------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
@@ -303,9 +353,13 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
         plain = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     with fast_triton.pdl("auto"):
         auto = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+    with fast_triton.pdl(True), monkeypatch.context() as late_trigger:  # every product, triggering in its last round
+        late_trigger.setattr(gemv, "_LATE_TRIGGER", True)
+        late_trigger.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+        late = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     assert captured.replays == captured.steps > 0
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
-    assert torch.equal(auto.tokens, plain.tokens)
+    assert torch.equal(auto.tokens, plain.tokens) and torch.equal(late.tokens, plain.tokens)
     table = fast.compiles(model)
     # greedy: the forward and the tail (argmax, update, counters) in gdtool's kernels, nothing compiled
     assert table.compiles.sum() == 0 and table.kernels.iloc[0].startswith("fast: fast decode forward"), table

@@ -244,7 +244,8 @@ if HAVE_TRITON:
                          BIAS: tl.constexpr, RESIDUAL: tl.constexpr,
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
-                         WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr, PDL: tl.constexpr):
+                         WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr, LATE_TRIGGER: tl.constexpr,
+                         PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
         # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
         # normalized) once per program; more passes: each pass's rows are read again per tile (from
@@ -265,12 +266,16 @@ if HAVE_TRITON:
             g, ga = _norm_weights(g_ptr, ga_ptr, k3, K, NORM, ADD)
         if PDL:
             tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+            if not LATE_TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
         if PASSES == 1:
             x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a, eps_a,
                             h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
+            if PDL and LATE_TRIGGER:  # the next kernel launches as this one's last tile round starts (`late_trigger`)
+                if i == ITERS - 1:
+                    tl.extra.cuda.gdc_launch_dependents()
             n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
             w_next = tl.load(w_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
             w2_next = w_next
@@ -556,6 +561,28 @@ def early_norm(device) -> bool:
     return _EARLY_NORM and not untested_on_cuda(EARLY_NORM_PATH, device)
 
 
+# Where the matrix-vector products (`_rms_gemv_kernel`: o, gate/up, down, the lm_head) let the next kernel launch
+# under PDL: right after their wait (the default), or as their last round of tiles starts (GDTOOL_LATE_TRIGGER=1).
+# With PDL on every kernel the 8B presets' gate/up went from 59 to 68 µs and down from 30 to 38 (decode-kernels/run2),
+# which is why `auto` leaves PDL off on products over 64 MB. The suspect is the early trigger: the next kernel's
+# programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
+# either way (the next kernel still waits for this one to finish); on CUDA once its cuda tests pass (CUDA_TESTED).
+LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
+_LATE_TRIGGER = env_flag("GDTOOL_LATE_TRIGGER", default=False)
+
+
+def late_trigger(device) -> bool:
+    """Whether the matrix-vector products trigger the next kernel's launch in their last tile round on `device`:
+    asked for (GDTOOL_LATE_TRIGGER, off by default) and, on CUDA, tested there or GDTOOL_UNTESTED_KERNELS=1. Asked
+    for and untested is refused with the reason, not ignored: an A/B must not time the default twice."""
+    if not _LATE_TRIGGER:
+        return False
+    refused = untested_on_cuda(LATE_TRIGGER_PATH, device)
+    if refused:
+        raise RuntimeError(f"GDTOOL_LATE_TRIGGER=1: {refused}")
+    return True
+
+
 def _bytes(*weights) -> int:
     """The weight bytes a kernel streams (the PDL setting "auto" decides by them)."""
     return sum(w.numel() * w.element_size() for w in weights if w is not None)
@@ -610,8 +637,8 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None,
         BIAS=bias is not None, RESIDUAL=residual is not None,
         OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
-        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device), num_warps=warps,
-        **launch_options(x.device, _bytes(weight, weight2)))
+        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device),
+        LATE_TRIGGER=late_trigger(x.device), num_warps=warps, **launch_options(x.device, _bytes(weight, weight2)))
     return (y, h) if fold and keep else y
 
 

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core import compat, feed, graphs, sampling
-from . import attention, experts, forward, fuse, linear, ops, tail
+from . import attention, experts, forward, fuse, gemv, linear, ops, tail
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.step import Step, new_state
@@ -340,6 +340,8 @@ def _kernels_note(step: CompiledStep) -> str:
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
     device = next(step.model.parameters()).device
     pdl = fast_triton.pdl_label() if fast_triton.pdl_supported(device) else "off"
+    if pdl != "off" and gemv.late_trigger(device):
+        pdl += ", the products triggering the next kernel in their last tile round"
     argmax = "argmax, update and counters in one kernel after the argmax's first stage; " \
         if step._one_kernel_tail() else "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
