@@ -221,6 +221,32 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
     run_interpreted(code, timeout=600)
 
 
+def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
+    """The kernels at 12 and 16 rows (three and four passes of 4, what bench-batches runs with the line moved to 16)
+    under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""
+    code = ("import torch, gdtool\n"
+            "from gdtool.kernels import forward, triton as ft\n"
+            "from gdtool.core import compat\n"
+            "forward.BATCH_PATHS = forward.gemv_line(16)\n"
+            "def once(model, batch):\n"
+            "    torch.manual_seed(batch)\n"
+            "    c = compat.static_cache(model, 12)\n"
+            "    ids = torch.randint(3, 4096, (batch, 5))\n"
+            "    model(input_ids=ids, past_key_values=c, use_cache=True)\n"
+            "    return forward.forward(model, c, ids[:, -1:], torch.full((batch, 1), 5), torch.ones(batch, 12).long())\n"
+            "for name, batch in (('tiny-llama', 12), ('tiny-qwen3', 16)):\n"
+            "    model = gdtool.load_model(name, seed=0)\n"
+            "    assert forward.plan(model, batch, 12).applies\n"
+            "    mine = once(model, batch)\n"
+            "    ft.HAVE_TRITON = False\n"
+            "    ref = once(model, batch)\n"
+            "    ft.HAVE_TRITON = True\n"
+            "    assert torch.equal(mine.argmax(-1), ref.argmax(-1)), (name, batch)\n"
+            "    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (name, batch, (mine - ref).abs().max())\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
 @pytest.mark.parametrize("model, sweep", [("gemma-3-1b", "sweep-6e765ba"), ("llama-1b", "sweep-14cc799"),
                                           ("llama-8b", "sweep-fa2489e")])
 def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
