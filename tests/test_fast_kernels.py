@@ -180,70 +180,65 @@ def test_fast_forward_agrees_with_hf_teacher_forced_on_cpu():
     assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-3 * df.max_abs_logit + 1e-4).all(), df
 
 
+# One decode forward at `batch` rows with the Triton kernels (under the interpreter) and again with their torch
+# references (HAVE_TRITON off), float32: the same top-1 token per row, logits close.
+_KERNELS_AGAINST_REFERENCES = (
+    "import torch, gdtool\n"
+    "from gdtool.kernels import forward, triton as ft\n"
+    "from gdtool.core import compat\n"
+    "def once(model, batch):\n"
+    "    torch.manual_seed(batch)\n"
+    "    c = compat.static_cache(model, 12)\n"
+    "    ids = torch.randint(3, 4096, (batch, 5))\n"
+    "    model(input_ids=ids, past_key_values=c, use_cache=True)\n"
+    "    return forward.forward(model, c, ids[:, -1:], torch.full((batch, 1), 5), torch.ones(batch, 12).long())\n"
+    "def compare(model, name, batch):\n"
+    "    assert ft.usable(next(model.parameters()))\n"
+    "    mine = once(model, batch)\n"
+    "    ft.HAVE_TRITON = False\n"
+    "    ref = once(model, batch)\n"
+    "    ft.HAVE_TRITON = True\n"
+    "    assert torch.equal(mine.argmax(-1), ref.argmax(-1)), (name, batch)\n"
+    "    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (name, batch, (mine - ref).abs().max())\n")
+
+
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references():
     """One decode forward of each family with the Triton kernels themselves (Triton's CPU interpreter)
     against the same forward in the torch references, float32: same top-1 token per row, logits close. The
     MoE families' layers: the norm kernel, the experts kernels and the residual add in their down kernel."""
-    code = ("import sys, torch, gdtool\n"
-            "sys.path.insert(0, 'tests')\n"
-            "import moe\n"
-            "from gdtool.kernels import forward, triton as ft\n"
-            "from gdtool.core import compat\n"
-            "def once(model, batch):\n"
-            "    torch.manual_seed(batch)\n"
-            "    c = compat.static_cache(model, 12)\n"
-            "    ids = torch.randint(3, 4096, (batch, 5))\n"
-            "    model(input_ids=ids, past_key_values=c, use_cache=True)\n"
-            "    pos = torch.full((batch, 1), 5)\n"
-            "    mask = torch.ones(batch, 12, dtype=torch.long)\n"
-            "    return forward.forward(model, c, ids[:, -1:], pos, mask)\n"
-            "from gdtool.kernels import gemv\n"
-            "whole = gemv.qkv_rope_config\n"
-            "# tiny-qwen3 again with tiles of 2 dims per head half, as at real sizes: the q/k norm's second kernel\n"
-            "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3 split', 'qwen3_moe', 'mixtral', 'qwen2_moe'):\n"
-            "    gemv.qkv_rope_config = whole if 'split' not in name else (lambda k, d, m=1, qk_norm=False: (2, 4, 2, ft.next_pow2(k)))\n"
-            "    model = gdtool.load_model(name.split()[0], seed=0) if name.startswith('tiny') else moe.build(name)\n"
-            "    with torch.no_grad():  # norm weights other than HF's ones: the MoE kernels fold the norm in\n"
-            "        for n, p in model.named_parameters():\n"
-            "            if 'norm' in n and not name.startswith('tiny'):\n"
-            "                p.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(7))\n"
-            "    assert forward.plan(model, 2, 12).applies, forward.plan(model, 2, 12).reason\n"
-            "    for batch in (2, 6):\n"
-            "        assert ft.usable(next(model.parameters()))\n"
-            "        mine = once(model, batch)\n"
-            "        ft.HAVE_TRITON = False\n"
-            "        ref = once(model, batch)\n"
-            "        ft.HAVE_TRITON = True\n"
-            "        assert torch.equal(mine.argmax(-1), ref.argmax(-1)), (name, batch)\n"
-            "        assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (name, batch, (mine - ref).abs().max())\n"
-            "print('ok')\n")
+    code = _KERNELS_AGAINST_REFERENCES + (
+        "import sys\n"
+        "sys.path.insert(0, 'tests')\n"
+        "import moe\n"
+        "from gdtool.kernels import gemv\n"
+        "whole = gemv.qkv_rope_config\n"
+        "# tiny-qwen3 again with tiles of 2 dims per head half, as at real sizes: the q/k norm's second kernel\n"
+        "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3 split', 'qwen3_moe', 'mixtral', 'qwen2_moe'):\n"
+        "    gemv.qkv_rope_config = whole if 'split' not in name else (lambda k, d, m=1, qk_norm=False: (2, 4, 2, ft.next_pow2(k)))\n"
+        "    model = gdtool.load_model(name.split()[0], seed=0) if name.startswith('tiny') else moe.build(name)\n"
+        "    with torch.no_grad():  # norm weights other than HF's ones: the MoE kernels fold the norm in\n"
+        "        for n, p in model.named_parameters():\n"
+        "            if 'norm' in n and not name.startswith('tiny'):\n"
+        "                p.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(7))\n"
+        "    assert forward.plan(model, 2, 12).applies, forward.plan(model, 2, 12).reason\n"
+        "    for batch in (2, 6):\n"
+        "        compare(model, name, batch)\n"
+        "print('ok')\n")
     run_interpreted(code, timeout=600)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
     """The kernels at 12 and 16 rows (three and four passes of 4, what bench-batches runs with the line moved to 16)
     under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""
-    code = ("import torch, gdtool\n"
-            "from gdtool.kernels import forward, triton as ft\n"
-            "from gdtool.core import compat\n"
-            "forward.BATCH_PATHS = forward.gemv_line(16)\n"
-            "def once(model, batch):\n"
-            "    torch.manual_seed(batch)\n"
-            "    c = compat.static_cache(model, 12)\n"
-            "    ids = torch.randint(3, 4096, (batch, 5))\n"
-            "    model(input_ids=ids, past_key_values=c, use_cache=True)\n"
-            "    return forward.forward(model, c, ids[:, -1:], torch.full((batch, 1), 5), torch.ones(batch, 12).long())\n"
-            "for name, batch in (('tiny-llama', 12), ('tiny-qwen3', 16)):\n"
-            "    model = gdtool.load_model(name, seed=0)\n"
-            "    assert forward.plan(model, batch, 12).applies\n"
-            "    mine = once(model, batch)\n"
-            "    ft.HAVE_TRITON = False\n"
-            "    ref = once(model, batch)\n"
-            "    ft.HAVE_TRITON = True\n"
-            "    assert torch.equal(mine.argmax(-1), ref.argmax(-1)), (name, batch)\n"
-            "    assert torch.allclose(mine, ref, atol=1e-4, rtol=1e-4), (name, batch, (mine - ref).abs().max())\n"
-            "print('ok')\n")
+    code = _KERNELS_AGAINST_REFERENCES + (
+        "forward.BATCH_PATHS = forward.gemv_line(16)\n"
+        "for name, batch in (('tiny-llama', 12), ('tiny-qwen3', 16)):\n"
+        "    model = gdtool.load_model(name, seed=0)\n"
+        "    assert forward.plan(model, batch, 12).applies\n"
+        "    compare(model, name, batch)\n"
+        "print('ok')\n")
     run_interpreted(code, timeout=600)
 
 
