@@ -104,6 +104,9 @@ def print_curve(paths):
 
 
 def main(paths):
+    if not [p for p in paths if p != "--curve"]:
+        raise SystemExit("give the bench's JSON files: python profiles/bench_table.py [--curve] "
+                         "profiles/h200/bench/<preset>/*.json")
     if paths[:1] == ["--curve"]:
         print_curve(paths[1:])
         return

@@ -329,6 +329,9 @@ def test_bench_curve_flags_a_batch_that_decodes_fewer_tokens_a_second():
     assert table.ratio.iloc[1] == 6.0 and table.file.iloc[2] == "b.json"
     table = bench_table.curve(runs[runs.file == "a.json"])
     assert list(table.cliff) == [False, False, True, False] and round(table.ratio.iloc[2], 3) == 0.833
+    for argv in ([], ["--curve"]):  # no files: the usage, not a traceback from pandas
+        with pytest.raises(SystemExit, match="give the bench's JSON files"):
+            bench_table.main(argv)
 
 
 def test_breakdown_counts_the_experts_a_step_reads():
