@@ -35,8 +35,8 @@ def main(argv=None) -> int:
                         help="the matrix-vector products let the next kernel launch after their PDL wait (0) or as "
                              "their last tile round starts (1; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--gemv-rows", type=int, default=None,
-                        help=f"the largest batch of the matrix-vector kernels (default 8; {gemv.ROWS_PER_PASS + 1} to "
-                             f"{gemv.MAX_ROWS}); past it the compiled matmuls")
+                        help=f"the largest batch of the matrix-vector kernels (default 8; 0 to {gemv.MAX_ROWS}, 0: none); "
+                             "past it the compiled matmuls")
     args = parser.parse_args(ours)
     if args.gemv_rows is not None:
         try:
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
     print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
           f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
           f"one-kernel tail {'on' if tail._ON else 'off'}, PDL trigger {'late' if gemv._LATE_TRIGGER else 'early'}, "
-          f"matrix-vector kernels to batch {forward.BATCH_PATHS[1][0]}",
+          f"matrix-vector kernels to batch {forward.gemv_rows()}",
           flush=True)
     return cli.main(["bench", *bench])
 

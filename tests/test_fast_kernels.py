@@ -110,12 +110,18 @@ def test_fast_step_on_cpu_decodes_hf_tokens_and_says_what_ran():
 def test_matrix_vector_line_moved_to_16_rows_decodes_hf_tokens_at_12(monkeypatch):
     """`forward.gemv_line` (`profiles/plan_bench.py --gemv-rows N`, in gpu_run.sh's bench-batches: the GPU sweep
     that places the line between the matrix-vector kernels and the compiled matmuls): with the line at 16 the fast
-    forward takes batch 12 in passes of 4 rows and gives HF's tokens; a line outside 5-16 rows is refused with the
-    range."""
-    for rows in (4, 17):
-        with pytest.raises(ValueError, match=f"--gemv-rows {rows}: .* 5 to 16 rows"):
+    forward takes batch 12 in passes of 4 rows and gives HF's tokens; a line outside 0-16 rows is refused with the
+    range; at 0 every batch takes the compiled matmuls, at 2 one pass takes 1-2 rows."""
+    for rows in (-1, 17):
+        with pytest.raises(ValueError, match=f"--gemv-rows {rows}: .* 0 to 16 rows"):
             fast_decoder.gemv_line(rows)
+    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(0))
+    assert fast_decoder.gemv_rows() == 0 and fast_decoder.batch_path(1)[0] == "compiled"
+    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(2))
+    assert fast_decoder.gemv_rows() == 2 and [fast_decoder.batch_path(b)[0] for b in (1, 2, 3)] == \
+        ["gemv", "gemv", "compiled"]
     monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(16))
+    assert fast_decoder.gemv_rows() == 16
     model = gdtool.load_model("tiny-llama", seed=0)
     assert fast_decoder.plan(model, 16, 40).applies and not fast_decoder.plan(model, 17, 40).applies
     prompt = gdtool.random_prompts(model, batch=12, lengths=(4, 9), seed=2)
@@ -140,20 +146,23 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
     for name, feature in (("tiny-llama", "Llama, batch"), ("tiny-qwen2", "Qwen2 (q/k/v biases)"),
                           ("tiny-qwen3", "Qwen3 (q/k norm)")):
         model = gdtool.load_model(name, seed=0)
-        for batch in (1, 4, 8):
+        for batch in (1, 3, 4):
             p = fast_decoder.plan(model, batch, 40)
             assert p.applies and feature in p.reason, (name, batch, p.reason)
-        assert "passes of 4 rows" in fast_decoder.plan(model, 8, 40).reason
-        assert not fast_decoder.plan(model, 9, 40).applies and "matrix products" in fast_decoder.plan(model, 9).reason
+        for batch in (5, 8, 9):
+            p = fast_decoder.plan(model, batch, 40)
+            assert not p.applies and "matrix products: past one pass" in p.reason, (name, batch, p.reason)
     moe = gdtool.load_model("tiny-qwen3-moe", seed=0)
     assert "Qwen3Moe (experts, q/k norm), batch 1" in fast_decoder.plan(moe, 1, 40).reason
+    assert "passes of 4 rows" in fast_decoder.plan(moe, 8, 40).reason and not fast_decoder.plan(moe, 9, 40).applies
     assert "is not one of LlamaForCausalLM" in fast_decoder.plan(gdtool.load_model("tiny-gpt-oss", seed=0), 1).reason
     mistral = _tiny_mistral(64)
     assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
     assert not refused.applies and "sliding window 64 shorter than the cache (65 slots)" in refused.reason
     assert [row[1] for row in fast_decoder.BATCH_PATHS][-1] == "compiled"
-    assert [fast_decoder.batch_path(b)[0] for b in (1, 4, 5, 8, 9, 16, 64)] == ["gemv"] * 4 + ["compiled"] * 3
+    assert [fast_decoder.batch_path(b)[0] for b in (1, 4, 5, 8, 9, 16, 64)] == ["gemv"] * 2 + ["compiled"] * 5
+    assert [fast_decoder.batch_path(b, moe=True)[0] for b in (1, 4, 5, 8, 9)] == ["gemv"] * 4 + ["compiled"]
     llama = gdtool.load_model("tiny-llama", seed=0)
     llama.model.layers[0].mlp.act_fn = torch.nn.GELU()
     llama.config.hidden_act = "gelu"

@@ -76,37 +76,47 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 
 # Which forward runs at which batch, in one place: (largest batch, path, why). Read top to bottom, the
 # first row whose batch covers the step's wins. At one row a decode step reads every weight byte for one
-# multiply-add per row; the matrix-vector kernels multiply on the CUDA cores, which on an H200 (~67 TFLOP/s
-# float32, ~4.8 TB/s) keep up with the weight stream to ~14 multiply-adds per weight pair of bytes, i.e.
-# ~8 rows of bf16 weights. Past that the tensor cores of a matmul win. `gemv.MAX_ROWS` (16) lets a GPU
-# sweep move the line (`profiles/plan_bench.py --gemv-rows N`, gpu_run.sh's `bench-batches`); the numbers here
-# are the roofline's until it does.
-BATCH_PATHS = (
-    (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile"),
-    (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile "
-                "(CUDA-core multiply-adds still under the weight stream)"),
-    (None, "compiled", "matrix products: past ~8 rows the CUDA-core multiply-adds outrun the weight stream, "
-                       "inductor's / cuBLAS's tensor-core matmuls win"),
-)
+# multiply-add per row; the matrix-vector kernels multiply on the CUDA cores. The roofline (~67 TFLOP/s float32,
+# ~4.8 TB/s on an H200) put the line at ~8 rows; the GPU's batch curve (`profiles/plan_bench.py --gemv-rows N`,
+# gpu_run.sh's `bench-batches`; profiles/h200/bench/<preset>/batches-5a2de9b) put it at one pass of 4 rows for the
+# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): there the kernels beat or tie the compiled matmuls
+# (at 2 rows by 3-24%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the compiled matmuls at 9.
+# Models with experts keep the passes to 8 rows: their step at 5-8 rows has not been measured against the
+# compiled matmuls.
+_ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")
+_PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
+_MATMULS = (None, "compiled", "matrix products: past one pass of the matrix-vector kernels (4 rows; 8 with experts) "
+                              "inductor's / cuBLAS's tensor-core matmuls win")
+BATCH_PATHS = (_ONE_PASS, _MATMULS)            # dense models
+EXPERT_PATHS = (_ONE_PASS, _PASSES, _MATMULS)  # models with an MoE block
 
 
 def gemv_line(rows: int) -> tuple:
-    """`BATCH_PATHS` with the matrix-vector kernels' passes of rows taking every batch up to `rows`
-    (ROWS_PER_PASS < rows <= gemv.MAX_ROWS; 8 is the default line), the compiled matmuls past it: the setting a
-    GPU sweep tries (`profiles/plan_bench.py --gemv-rows`)."""
-    if not gemv.ROWS_PER_PASS < rows <= gemv.MAX_ROWS:
-        raise ValueError(f"--gemv-rows {rows}: the passes of {gemv.ROWS_PER_PASS} rows take {gemv.ROWS_PER_PASS + 1} to "
-                         f"{gemv.MAX_ROWS} rows (gemv.MAX_ROWS); give a number in that range")
-    one, passes, rest = BATCH_PATHS[0], BATCH_PATHS[1], BATCH_PATHS[-1]
-    return one, (rows, *passes[1:]), rest
+    """`BATCH_PATHS` with the matrix-vector kernels taking every batch up to `rows` (0 to gemv.MAX_ROWS: 0 gives the
+    compiled matmuls every batch, up to ROWS_PER_PASS one pass, past it passes of rows), the compiled matmuls past
+    it: the setting a GPU sweep tries (`profiles/plan_bench.py --gemv-rows`)."""
+    if not 0 <= rows <= gemv.MAX_ROWS:
+        raise ValueError(f"--gemv-rows {rows}: the matrix-vector kernels take 0 to {gemv.MAX_ROWS} rows "
+                         f"(gemv.MAX_ROWS; 0: the compiled matmuls at every batch); give a number in that range")
+    if rows == 0:
+        return (_MATMULS,)
+    if rows <= gemv.ROWS_PER_PASS:
+        return (rows, *_ONE_PASS[1:]), _MATMULS
+    return _ONE_PASS, (rows, *_PASSES[1:]), _MATMULS
 
 
-def batch_path(batch: int) -> tuple[str, str]:
-    """("gemv" | "compiled", why) for a decode step of `batch` rows (`BATCH_PATHS`)."""
-    for largest, path, why in BATCH_PATHS:
+def gemv_rows() -> int:
+    """The largest batch `BATCH_PATHS` gives the matrix-vector kernels (0: none)."""
+    return max((largest for largest, path, _ in BATCH_PATHS if path == "gemv"), default=0)
+
+
+def batch_path(batch: int, moe: bool = False) -> tuple[str, str]:
+    """("gemv" | "compiled", why) for a decode step of `batch` rows (`BATCH_PATHS`, or `EXPERT_PATHS` for a model
+    with an MoE block)."""
+    for largest, path, why in (EXPERT_PATHS if moe else BATCH_PATHS):
         if largest is None or batch <= largest:
             return path, why
-    raise AssertionError("BATCH_PATHS ends with a catch-all row")  # pragma: no cover
+    raise AssertionError("the batch paths end with a catch-all row")  # pragma: no cover
 
 
 @dataclass
@@ -178,7 +188,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    path, why = batch_path(batch)
+    path, why = batch_path(batch, moe=any(experts.is_moe_block(layer.mlp) for layer in inner.layers))
     if path != "gemv":
         return Plan(False, f"batch {batch}: {why}")
     if param.device.type == "cuda":
