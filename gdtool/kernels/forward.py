@@ -81,14 +81,14 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # gpu_run.sh's `bench-batches`; profiles/h200/bench/<preset>/batches-5a2de9b) put it at one pass of 4 rows for the
 # three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): there the kernels beat or tie the compiled matmuls
 # (at 2 rows by 3-24%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the compiled matmuls at 9.
-# Models with experts keep the passes to 8 rows: their step at 5-8 rows has not been measured against the
-# compiled matmuls.
+# Gemma 3 and models with experts keep the passes to 8 rows, as before the curve: their steps at 5-8 rows
+# have not been measured against the compiled matmuls.
 _ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")
 _PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
-_MATMULS = (None, "compiled", "matrix products: past one pass of the matrix-vector kernels (4 rows; 8 with experts) "
+_MATMULS = (None, "compiled", "matrix products: past one pass of the matrix-vector kernels (4 rows; 8 for Gemma 3 and experts) "
                               "inductor's / cuBLAS's tensor-core matmuls win")
-BATCH_PATHS = (_ONE_PASS, _MATMULS)            # dense models
-EXPERT_PATHS = (_ONE_PASS, _PASSES, _MATMULS)  # models with an MoE block
+BATCH_PATHS = (_ONE_PASS, _MATMULS)                 # Llama, Mistral, Qwen2, Qwen3 (measured)
+UNMEASURED_PATHS = (_ONE_PASS, _PASSES, _MATMULS)   # Gemma 3, models with an MoE block
 
 
 def gemv_line(rows: int) -> tuple:
@@ -110,10 +110,10 @@ def gemv_rows() -> int:
     return max((largest for largest, path, _ in BATCH_PATHS if path == "gemv"), default=0)
 
 
-def batch_path(batch: int, moe: bool = False) -> tuple[str, str]:
-    """("gemv" | "compiled", why) for a decode step of `batch` rows (`BATCH_PATHS`, or `EXPERT_PATHS` for a model
-    with an MoE block)."""
-    for largest, path, why in (EXPERT_PATHS if moe else BATCH_PATHS):
+def batch_path(batch: int, measured: bool = True) -> tuple[str, str]:
+    """("gemv" | "compiled", why) for a decode step of `batch` rows: `BATCH_PATHS`, or `UNMEASURED_PATHS` for a
+    model whose line has not been measured (Gemma 3, experts)."""
+    for largest, path, why in (BATCH_PATHS if measured else UNMEASURED_PATHS):
         if largest is None or batch <= largest:
             return path, why
     raise AssertionError("the batch paths end with a catch-all row")  # pragma: no cover
@@ -188,7 +188,8 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    path, why = batch_path(batch, moe=any(experts.is_moe_block(layer.mlp) for layer in inner.layers))
+    measured = prefix != "Gemma3" and not any(experts.is_moe_block(layer.mlp) for layer in inner.layers)
+    path, why = batch_path(batch, measured)
     if path != "gemv":
         return Plan(False, f"batch {batch}: {why}")
     if param.device.type == "cuda":
