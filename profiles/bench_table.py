@@ -2,6 +2,7 @@
 
     python profiles/bench_table.py profiles/h200/bench/llama-1b/*.json profiles/h200/bench/llama-8b/*.json
     python profiles/bench_table.py --curve FILES...   # tok/s against batch per runner, and where it falls
+    python profiles/bench_table.py --paths FILES...   # ms/step of each path the step took at each batch
 
 Given the runs of two settings (one folder each), `--curve` keeps the faster at each batch: the curve the better
 choice per batch would give, its file naming the setting that won.
@@ -86,6 +87,25 @@ def curve(runs):
     return pd.DataFrame(out)
 
 
+def paths(runs):
+    """Per model and batch of `frame(...)`'s gdtool rows that ran: ms/step of each path the step took (`path_of`;
+    two settings tried apart, e.g. `plan_bench.py --gemv-rows`), the fastest of each, and which path was faster."""
+    ok = runs[(runs.status == "ok") & (runs.family == "gdtool")].copy()
+    ok["path"] = [path_of(note) for note in ok.note]
+    table = ok.pivot_table(index=["model", "batch"], columns="path", values="ms_per_step", aggfunc="min")
+    table["faster"] = table.idxmin(axis=1)
+    return table
+
+
+def print_paths(files):
+    table = paths(frame(files))
+    names = [c for c in table.columns if c != "faster"]
+    print("| model | batch | " + " | ".join(f"{n} ms/step" for n in names) + " | faster |")
+    print("|---|---:|" + "---:|" * len(names) + "---|")
+    for (model, batch), r in table.iterrows():
+        print(f"| {model} | {batch} | " + " | ".join(fmt(r[n], ".3f") for n in names) + f" | {r.faster} |")
+
+
 def fmt(value, spec):
     return "-" if value is None or value != value else format(value, spec)
 
@@ -104,11 +124,14 @@ def print_curve(paths):
 
 
 def main(paths):
-    if not [p for p in paths if p != "--curve"]:
-        raise SystemExit("give the bench's JSON files: python profiles/bench_table.py [--curve] "
+    if not [p for p in paths if p not in ("--curve", "--paths")]:
+        raise SystemExit("give the bench's JSON files: python profiles/bench_table.py [--curve | --paths] "
                          "profiles/h200/bench/<preset>/*.json")
     if paths[:1] == ["--curve"]:
         print_curve(paths[1:])
+        return
+    if paths[:1] == ["--paths"]:
+        print_paths(paths[1:])
         return
     print("| model | batch | runner | tok/s | ms/step | % of floor | x gpt-fast | x generate static | status |")
     print("|---|---:|---|---:|---:|---:|---:|---:|---|")

@@ -329,9 +329,15 @@ def test_bench_curve_flags_a_batch_that_decodes_fewer_tokens_a_second():
     assert table.ratio.iloc[1] == 6.0 and table.file.iloc[2] == "b.json"
     table = bench_table.curve(runs[runs.file == "a.json"])
     assert list(table.cliff) == [False, False, True, False] and round(table.ratio.iloc[2], 3) == 0.833
-    for argv in ([], ["--curve"]):  # no files: the usage, not a traceback from pandas
+    for argv in ([], ["--curve"], ["--paths"]):  # no files: the usage, not a traceback from pandas
         with pytest.raises(SystemExit, match="give the bench's JSON files"):
             bench_table.main(argv)
+    runs["family"] = ["gdtool"] * len(rows) + ["peer"]
+    by_path = bench_table.paths(runs)  # ms/step per path at each batch, the faster named; the failed peer left out
+    assert list(by_path.index.get_level_values("batch")) == [1, 8, 9, 16]
+    assert by_path.loc[("m", 9), "faster"] == "fast: fast decode forward"
+    assert by_path.loc[("m", 9), "fast: HF forward compiled"] == 9 / 5000.0 * 1e3
+    assert by_path.loc[("m", 16), "faster"] == "fast: HF forward compiled"
 
 
 def test_breakdown_counts_the_experts_a_step_reads():

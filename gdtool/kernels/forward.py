@@ -78,9 +78,10 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # first row whose batch covers the step's wins. At one row a decode step reads every weight byte for one
 # multiply-add per row; the matrix-vector kernels multiply on the CUDA cores. The roofline (~67 TFLOP/s float32,
 # ~4.8 TB/s on an H200) put the line at ~8 rows; the GPU's batch curve (`profiles/plan_bench.py --gemv-rows N`,
-# gpu_run.sh's `bench-batches`; profiles/h200/bench/<preset>/batches-5a2de9b) put it at one pass of 4 rows for the
-# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): there the kernels beat or tie the compiled matmuls
-# (at 2 rows by 3-24%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the compiled matmuls at 9.
+# gpu_run.sh's `bench-batches`; profiles/h200/bench/batches/curves.md) put it at one pass of 4 rows for the
+# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): at 1-2 rows the kernels beat the compiled matmuls
+# by 3-35%, at 3-4 rows they tie them (-1.4% to +4%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the
+# compiled matmuls at 9. (One pass of 2-4 rows still costs 24-60% more than one row: the next lever.)
 # Gemma 3 and models with experts keep the passes to 8 rows, as before the curve: their steps at 5-8 rows
 # have not been measured against the compiled matmuls.
 _ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")
