@@ -154,8 +154,8 @@ def part_gemv(args, rows):
             if qk_norm is not None:  # the per-head norm in one kernel: a tile per head (the default before d506703)
                 configs.append(fast_gemv.whole_head_config(hidden, d, m))
             for config in configs:
-                if config is not None and m > 1 and not (qk_norm is not None and config[0] == d // 2):
-                    continue
+                if config is not None and m > 1 and args.sweep != "full" and not (qk_norm is not None and config[0] == d // 2):
+                    continue  # past one row the small sweep times the defaults only; the full one every config
                 for pdl in ((False, True) if config is None else (False,)):
                     label = "whole-head, one kernel " + str(config) if config and config[0] == d // 2 else config
                     variants.append((f"triton qkv_rope {label or 'default'}", config, pdl,
@@ -188,7 +188,7 @@ def part_gemv(args, rows):
                     base = [lambda w=w: F.linear(x, w[0]) for w in weights]
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
                 for config in gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none"):
-                    if config is not None and m > 1:
+                    if config is not None and m > 1 and args.sweep != "full":
                         continue
                     for pdl in ((False, True) if config is None else (False,)):
                         variants.append((f"triton {config or 'default ' + str(fast_gemv.gemv_config(m, n, k, count))}",

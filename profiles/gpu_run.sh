@@ -55,7 +55,8 @@
 #                  error, top-1 share): whether fast rounds more than HF's kernels where `agree` finds them apart
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4
 #                  rows, qkv_rope's two q/k-norm kernels against the one whole-head kernel they replaced
-#   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at 1 row over the probe's full sweep of tile
+#   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at SWEEP_ROWS (1; e.g. 2,4: gemv_config is tuned at
+#                  one row, and one pass of 2-4 rows costs 24-83% more on the H200) over the probe's full sweep of tile
 #                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
 #   bench-pdl      the fast step of each of PDL_MODELS (space-separated; gemma-3-1b) at BENCH_BATCHES (1) with GDTOOL_PDL=0, auto, 1
 #                  (no peers): which PDL setting each preset's step wants
@@ -277,7 +278,7 @@ for p in "$@"; do
     kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
     kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \
-           --models ${SWEEP_MODELS:-gemma-3-1b} --sweep-models ${SWEEP_MODELS:-gemma-3-1b} --gemv-rows 1 --sweep full \
+           --models ${SWEEP_MODELS:-gemma-3-1b} --sweep-models ${SWEEP_MODELS:-gemma-3-1b} --gemv-rows ${SWEEP_ROWS:-1} --sweep full \
            --budget-s $(( ${KERNELS_SWEEP_SECONDS:-150} - 30 )) --out "$work/kernels-sweep" ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
        failed+=("$p") ;;

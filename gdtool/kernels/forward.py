@@ -81,7 +81,7 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # gpu_run.sh's `bench-batches`; profiles/h200/bench/batches/curves.md) put it at one pass of 4 rows for the
 # three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): at 1-2 rows the kernels beat the compiled matmuls
 # by 3-35%, at 3-4 rows they tie them (-1.4% to +4%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the
-# compiled matmuls at 9. (One pass of 2-4 rows still costs 24-60% more than one row: the next lever.)
+# compiled matmuls at 9. (One pass of 2-4 rows still costs 24-83% more than one row: the next lever.)
 # Gemma 3 and models with experts keep the passes to 8 rows, as before the curve: their steps at 5-8 rows
 # have not been measured against the compiled matmuls.
 _ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")

@@ -31,7 +31,9 @@ above takes either, a flag of the kernel, not a kernel of its own.
 Rows: a weight tile, once loaded, serves every batch row; the rows are multiplied in passes of
 `ROWS_PER_PASS` (the x rows of a pass re-read from L1/L2, the weights not), so that 8 or 16 rows
 cost registers of 4 and extra multiply-adds, not extra weight traffic. How far that pays before a
-tensor-core matmul wins is `forward.BATCH_PATHS`'s question (measured on the GPU).
+tensor-core matmul wins is `forward.BATCH_PATHS`'s question: on the H200 the passes past the first ran
+2.7-4x slower than the compiled matmuls (profiles/h200/bench/batches/curves.md), so the measured
+families stop at one pass.
 
 Each kernel keeps the rounding points of HF's eager module sequence (the product rounded to the
 model dtype, then the norm, SiLU, residual add, RoPE each rounded as eager PyTorch rounds them), so
