@@ -3,9 +3,12 @@ each launch of a kernel call is caught (its arguments, on CPU tensors), compiled
 ptxas Triton ships, and read back from the cubin (`cuobjdump -res-usage`).
 
     python profiles/kernel_registers.py [--early-norm on|off|both] [--fused on|off|both]
+    python profiles/kernel_registers.py --rows 1,2,4     # the dense products of llama-1b and llama-8b at those rows
 
 Prints one line per (case, kernel): registers a thread, stack and local bytes (spills), shared memory. The
-cases are llama-1b's and Qwen3-30B-A3B's batch-1 shapes (random weights; only the launches matter).
+cases are llama-1b's and Qwen3-30B-A3B's batch-1 shapes (random weights; only the launches matter); with --rows,
+the matrix-vector products of a Llama layer (q/k/v, o, gate/up, down) at each row count, with their tile constexprs:
+what one pass of 2-4 rows costs in registers, where the H200's batch curve found it 24-83% slower than one row.
 """
 from __future__ import annotations
 
@@ -116,14 +119,51 @@ def cases():
                                                                 residual=x, norm=(g, 1e-6))
 
 
+# hidden, intermediate, q heads, kv heads, head dim
+LLAMA_SHAPES = {"llama-1b": (2048, 8192, 32, 8, 64), "llama-8b": (4096, 14336, 32, 8, 128)}
+
+
+def row_cases(rows):
+    """(name, call) for each Llama layer product of LLAMA_SHAPES at `rows` rows (the fast forward's calls)."""
+    from gdtool.kernels import gemv
+    bf = torch.bfloat16
+    for model, (hidden, inter, hq, hkv, d) in LLAMA_SHAPES.items():
+        x, g, xd = torch.randn(rows, hidden, dtype=bf), torch.ones(hidden, dtype=bf), torch.randn(rows, inter, dtype=bf)
+        wq, wkv = torch.randn(hq * d, hidden, dtype=bf), torch.randn(hkv * d, hidden, dtype=bf)
+        w_o, w_gu, w_d = torch.randn(hidden, hq * d, dtype=bf), torch.randn(inter, hidden, dtype=bf), \
+            torch.randn(hidden, inter, dtype=bf)
+        pos, slot = torch.zeros(rows, 1, dtype=torch.long), torch.tensor(200)
+        cache = [torch.zeros(rows, hkv, 384, d, dtype=bf) for _ in range(2)]
+        yield f"{model} q/k/v, {rows} rows", lambda: gemv.qkv_rope(x, g, 1e-5, wq, wkv, wkv, pos, torch.ones(d // 2),
+                                                                  1.0, *cache, slot)
+        yield f"{model} o, {rows} rows", lambda: gemv.rms_gemv(x, None, 1e-5, w_o, None, x, False)
+        yield f"{model} gate/up, {rows} rows", lambda: gemv.rms_gemv(x, g, 1e-5, w_gu, w_gu, None, False)
+        yield f"{model} down, {rows} rows", lambda: gemv.rms_gemv(xd, None, 1e-5, w_d, None, x, False)
+
+
+def tiles(kwargs) -> str:
+    """A launch's tile constexprs, as the --rows table shows them."""
+    return " ".join(f"{k}={kwargs[k]}" for k in ("ROWS", "PASSES", "BLOCK_N", "HB", "BLOCK_K") if k in kwargs)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--early-norm", choices=("on", "off", "both"), default="both")
     parser.add_argument("--fused", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--rows", default="", help="e.g. 1,2,4: the Llama layer products at those rows instead")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     from gdtool.kernels import attention, experts, gemv, triton as fast_triton
     fast_triton.pdl_supported = lambda device: True   # the kernels as they run on an H200: PDL on
+    if args.rows:
+        print("case | kernel | tiles | registers | stack | local | shared | warps")
+        for rows in (int(r) for r in args.rows.split(",")):
+            for name, call in row_cases(rows):
+                for fn, a, kw in launches(call):
+                    u = _usage(fn, list(a), kw)
+                    print(f"{name} | {fn.__name__} | {tiles(kw)} | {u['registers']} | {u['stack']} | {u['local']} | "
+                          f"{u['shared']} | {u['warps']}", flush=True)
+        return 0
     pick = {"on": (True,), "off": (False,), "both": (True, False)}
     print("case | kernel | early norm | fused combine | registers | stack | local | shared | warps")
     for early in pick[args.early_norm]:

@@ -504,3 +504,21 @@ def test_kernel_registers_catches_every_launch_and_runs_none():
     assert [fn.__name__ for fn, _, _ in caught] == ["_qkv_rope_gemv_kernel", "_qk_norm_rope_kernel"]
     assert all(not c.any() for c in caches)   # nothing ran
     assert caught[0][2]["HQ"] == 4 and "num_warps" in caught[0][2]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+                    reason="Triton is not installed, or its interpreter defines the kernels (nothing to compile)")
+def test_kernel_registers_row_cases_launch_one_pass_of_each_row_count():
+    """kernel_registers.py --rows: each Llama layer product of both shapes at each row count, launched (not run) in
+    one pass of that many rows, its tiles named."""
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import kernel_registers
+    for rows in (1, 3):
+        cases = list(kernel_registers.row_cases(rows))
+        assert [name.split(" ", 1)[1] for name, _ in cases[:4]] == [f"{p}, {rows} rows" for p in
+                                                                     ("q/k/v", "o", "gate/up", "down")]
+        assert len(cases) == 8
+        for name, call in cases:
+            (fn, _, kwargs), = kernel_registers.launches(call)
+            assert kwargs["ROWS"] == (4 if rows == 3 else 1) and kwargs["PASSES"] == 1, (name, kwargs["ROWS"])
+            assert kernel_registers.tiles(kwargs).startswith(f"ROWS={kwargs['ROWS']} PASSES=1 ")
