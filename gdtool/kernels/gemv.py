@@ -568,7 +568,7 @@ def early_norm(device) -> bool:
 # With PDL on every kernel the 8B presets' gate/up went from 59 to 68 µs and down from 30 to 38 (decode-kernels/run2),
 # which is why `auto` leaves PDL off on products over 64 MB. The suspect is the early trigger: the next kernel's
 # programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
-# either way (the next kernel still waits for this one to finish); on CUDA once its cuda tests pass (CUDA_TESTED).
+# either way (the next kernel still waits for this one to finish); in CUDA_TESTED since its cuda tests passed at edef802.
 LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
 _LATE_TRIGGER = env_flag("GDTOOL_LATE_TRIGGER", default=False)
 
