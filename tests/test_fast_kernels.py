@@ -256,6 +256,45 @@ def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
     run_interpreted(code, timeout=600)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+def test_fast_forward_with_k_in_chunks_under_the_interpreter():
+    """GDTOOL_GEMV_CHUNK (`gemv.chunked`): the decode forward at 2 and 3 rows with the products' K in chunks of 16
+    (tiny models: 4 chunks of the hidden size, 8 of the MLP's) under Triton's interpreter against the torch
+    references, float32: same top-1 per row, logits close. The kernels alone are in check_all (`check_chunked`)."""
+    code = _KERNELS_AGAINST_REFERENCES + (
+        "from gdtool.kernels import gemv\n"
+        "with gemv.chunked(16):\n"
+        "    for name, batch in (('tiny-llama', 2), ('tiny-qwen3', 3)):\n"
+        "        compare(gdtool.load_model(name, seed=0), name, batch)\n"
+        "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+def test_k_chunks_are_an_experiment_asked_for_at_2_to_4_rows(monkeypatch):
+    """GDTOOL_GEMV_CHUNK=W: a power of two from 16, else refused with the fix; taken at 2-4 rows where K is wider than
+    W and no residual add is folded in (else whole rows); asked for on CUDA before its cuda tests pass, refused with
+    the override named; the step's note says it where the kernels run (on CUDA: the captured cuda test), not where
+    the torch references do."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")   # device types only: nothing is allocated
+    for bad in ("48", "8", "wide"):
+        with pytest.raises(ValueError, match=f"GDTOOL_GEMV_CHUNK='{bad}': give the chunk width, a power of two"):
+            gemv._chunk_width(bad)
+    assert gemv._chunk_width("") == gemv._chunk_width("0") == 0
+    monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
+    with gemv.chunked(64):
+        assert [gemv.gemv_chunk(m, 300, False, cpu) for m in (1, 2, 4, 5)] == [0, 64, 64, 0]
+        assert gemv.gemv_chunk(2, 64, False, cpu) == 0 and gemv.gemv_chunk(2, 300, True, cpu) == 0
+        if gemv.CHUNK_PATH not in fast_triton.CUDA_TESTED:
+            with pytest.raises(RuntimeError, match="GDTOOL_GEMV_CHUNK=64: gdtool's kernels for matrix-vector products, "
+                                                   "K in chunks have not passed .* GDTOOL_UNTESTED_KERNELS=1"):
+                gemv.gemv_chunk(2, 300, False, cuda)
+        assert gemv.gemv_chunk(1, 300, False, cuda) == 0   # one row: never asked
+        model = gdtool.load_model("tiny-llama", seed=0)
+        _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
+        assert "K in chunks" not in fast.compiles(model).kernels.iloc[-1]   # a CPU: the torch references ran
+    assert gemv._CHUNK == 0
+
+
 @pytest.mark.parametrize("model, sweep", [("gemma-3-1b", "sweep-6e765ba"), ("llama-1b", "sweep-14cc799"),
                                           ("llama-8b", "sweep-fa2489e")])
 def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
@@ -392,6 +431,13 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
         late_trigger.setattr(gemv, "_LATE_TRIGGER", True)
         late_trigger.setenv("GDTOOL_UNTESTED_KERNELS", "1")
         late = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+    if batch <= gemv.ROWS_PER_PASS:  # one pass: the products' K in chunks of 16, captured = uncaptured
+        with gemv.chunked(16), monkeypatch.context() as chunks:
+            chunks.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+            chunked = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+            chunked_direct = _decode(model, prompt, kernels="fast", max_new_tokens=24, capture=False)
+        assert torch.equal(chunked.tokens, chunked_direct.tokens) and chunked.replays == chunked.steps
+        assert "K in chunks of 16" in fast.compiles(model).kernels.iloc[-1]
     assert captured.replays == captured.steps > 0
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
     assert torch.equal(auto.tokens, plain.tokens) and torch.equal(late.tokens, plain.tokens)

@@ -346,7 +346,9 @@ def _kernels_note(step: CompiledStep) -> str:
         if step._one_kernel_tail() else "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
-    return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
+    width = gemv.chunk_width(step.state.mask.shape[0]) if fast_triton.usable(next(step.model.parameters())) else 0
+    chunks = f"the products' K in chunks of {width} where wider; " if width else ""
+    return f"fast: {step.fast_plan.reason}; {argmax}{combine}{chunks}PDL {pdl} at first use"
 
 
 def _fresh(fn):
