@@ -319,8 +319,9 @@ def _begin(device, large, seed: int, impl: str):
 
 def check_chunked(device, dtype, gen, large: bool) -> list[Result]:
     """The products with K in chunks at 2-4 rows (`gemv.chunked`, GDTOOL_GEMV_CHUNK): K not a multiple of the chunk,
-    the norm's rstd summed over chunks, the bias, the residual, gate/up with either activation and norm; on CUDA also
-    llama-8b's products at 2 and 4 rows (the spills the chunks are for) and an lm_head."""
+    the norm's rstd summed over chunks, the bias, the residual, gate/up with either activation and norm, q/k/v (with
+    biases; with the per-head norm in its second kernel); on CUDA also llama-8b's and Qwen3-8B's products at 2 and 4
+    rows (the spills the chunks are for) and an lm_head."""
     out = []
     with gemv.chunked(64):
         for m in (2, 3, 4):
@@ -329,6 +330,8 @@ def check_chunked(device, dtype, gen, large: bool) -> list[Result]:
             out.append(check_gemv(m, 64, 200, dtype, device, gen, False, False, False, bias=True))
             out.append(check_gate_up(m, 40, 300, dtype, device, gen, config=(4, 4, 2)))
             out.append(check_gate_up(m, 40, 130, dtype, device, gen, plus_one=True, act="gelu_tanh"))
+            out += check_qkv_rope(m, 512, 4, 2, 32, 9, dtype, device, gen, bias=True)       # q/k/v: its chunked loop
+            out += check_qkv_rope(m, 512, 4, 2, 32, 9, dtype, device, gen, qk_norm=True)    # and the norm's kernel
     if large:
         with gemv.chunked(1024):
             for m in (2, 4):
@@ -336,6 +339,8 @@ def check_chunked(device, dtype, gen, large: bool) -> list[Result]:
                     out.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))
                 out.append(check_gate_up(m, 14336, 4096, dtype, device, gen))
                 out.append(check_gemv(m, 128256, 2048, dtype, device, gen, True, False, True))
+                out += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen)
+                out += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)   # Qwen3-8B
     return [replace(r, note=(r.note + "; " if r.note else "") + "K in chunks") for r in out]
 
 

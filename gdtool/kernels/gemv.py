@@ -653,7 +653,8 @@ def late_trigger(device) -> bool:
 
 
 # The products' K in chunks at 2-4 rows (GDTOOL_GEMV_CHUNK=W, W a power of two from 16: chunks of W elements; off
-# by default, an experiment): one pass holds whole x rows (K wide) in registers beside its weight tiles, and at 4 rows
+# by default, an experiment; q/k/v through its kernel's own chunked loop, `qkv_rope`'s config with a BLOCK_K):
+# one pass holds whole x rows (K wide) in registers beside its weight tiles, and at 4 rows
 # llama-8b's down spills (255 registers, 464 bytes of stack; profiles/cpu/kernel-registers-rows-d163cbd.txt), where
 # the H200's batch curve found one pass of 2-4 rows 24-83% slower than one row. In chunks x is read again for each
 # tile (from L1/L2) and the registers stay small. Other float32 sums than whole rows: close to them, not the same
@@ -808,8 +809,10 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
+    chunk = 0 if config else gemv_chunk(m, k, add is not None, x.device)   # GDTOOL_GEMV_CHUNK, at 2-4 rows
     config = config or qkv_rope_config(k, d, m, qk_norm is not None)
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
+    block_k = chunk or block_k
     ksplit = triton.cdiv(k, block_k)
     if add is not None and ksplit > 1:  # K in chunks never holds a whole row: the add runs as its own kernel first
         h = rms_add(add[0], add[1], add[2], x, plus_one)
