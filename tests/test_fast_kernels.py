@@ -416,7 +416,7 @@ def test_triton_kernels_on_cuda(dtype, pdl):
 @pytest.mark.parametrize("batch", [2, 8, 16], ids=["one-pass", "two-passes", "four-passes-line-at-16"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
 def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
-    if batch > 4:  # past the default line: the passes (Gemma 3's and MoE's to 8; the line moved to 16 as the curve ran it)
+    if batch > 4:  # past the default line: the passes (Gemma 3's and MoE's to 8; the line at 16 as the curve ran it)
         monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(max(8, batch)))
     model = (_tiny_mistral(4096).to("cuda", torch.bfloat16) if name == "tiny-mistral"
              else gdtool.load_model(name, seed=0, device="cuda"))  # bf16

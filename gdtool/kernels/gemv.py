@@ -657,8 +657,9 @@ def late_trigger(device) -> bool:
 # one pass holds whole x rows (K wide) in registers beside its weight tiles, and at 4 rows
 # llama-8b's down spills (255 registers, 464 bytes of stack; profiles/cpu/kernel-registers-rows-d163cbd.txt), where
 # the H200's batch curve found one pass of 2-4 rows 24-83% slower than one row. In chunks x is read again for each
-# tile (from L1/L2) and the registers stay small. Other float32 sums than whole rows: close to them, not the same
-# bits. Not with the folded residual add (Gemma 3's post norms: whole rows). On CUDA once its cuda tests pass.
+# tile (from L1/L2) and the registers stay small (48-117 at 4 rows with chunks of 1024; profiles/cpu/
+# kernel-registers-chunks-f23d83d.txt). Other float32 sums than whole rows: close to them, not the same bits. Not
+# with the folded residual add (Gemma 3's post norms: whole rows). On CUDA once its cuda tests pass.
 CHUNK_PATH = "matrix-vector products, K in chunks"
 
 
