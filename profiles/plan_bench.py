@@ -39,8 +39,8 @@ def main(argv=None) -> int:
                         help="the products' K in chunks of this width at 2-4 rows (GDTOOL_GEMV_CHUNK; 0: whole rows, "
                              "the default; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--gemv-rows", type=int, default=None,
-                        help=f"the largest batch of the matrix-vector kernels (default 4, Gemma 3's and MoE's 8; "
-                             f"0 to {gemv.MAX_ROWS}, 0: none); "
+                        help=f"the largest batch of the matrix-vector kernels for Llama, Mistral, Qwen2, Qwen3 "
+                             f"(forward.BATCH_PATHS; default 4; 0 to {gemv.MAX_ROWS}, 0: none); "
                              "past it the compiled matmuls")
     args = parser.parse_args(ours)
     if args.gemv_rows is not None:
