@@ -254,6 +254,28 @@ if HAVE_TRITON:
             tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
 
     @triton.jit
+    def _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                      KSPLIT: tl.constexpr, ROWS: tl.constexpr):
+        """The RMSNorm's rstd [ROWS, 1, 1] of x rows read in KSPLIT chunks of BLOCK_K (squares summed per chunk)."""
+        sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
+        for j in range(KSPLIT):
+            kj = j * BLOCK_K + k3
+            xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
+            sq += tl.sum(xf * xf, axis=2, keep_dims=True)
+        return tl.rsqrt(sq / K + eps)
+
+    @triton.jit
+    def _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K: tl.constexpr, NORM: tl.constexpr,
+                    PLUS_ONE: tl.constexpr):
+        """Chunk kj of the x rows in float32, as the product reads it: RMSNorm'd with HF's roundings (rstd given) where
+        NORM, as `_input_rows` normalizes whole rows."""
+        xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
+        if NORM:
+            g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
+            return _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE).to(tl.float32)
+        return xr.to(tl.float32)
+
+    @triton.jit
     def _chunked_gemv(x_ptr, g_ptr, w_ptr, w2_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_x, stride_res, stride_y, eps,
                       nprog, pid, rm3, k3, ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
                       GATE_UP: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
@@ -270,12 +292,7 @@ if HAVE_TRITON:
         rows_ok = rm3 < M
         rstd = tl.full([ROWS, 1, 1], 1.0, dtype=tl.float32)
         if NORM:
-            sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
-            for j in range(KSPLIT):
-                kj = j * BLOCK_K + k3
-                xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
-                sq += tl.sum(xf * xf, axis=2, keep_dims=True)
-            rstd = tl.rsqrt(sq / K + eps)
+            rstd = _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K, BLOCK_K, KSPLIT, ROWS)
         for i in range(ITERS):
             t = pid + i * nprog
             if PDL and LATE_TRIGGER:
@@ -287,12 +304,7 @@ if HAVE_TRITON:
             for j in range(KSPLIT):
                 kj = j * BLOCK_K + k3
                 w = tl.load(w_ptr + n3 * K + kj, mask=(n3 < N) & (kj < K), other=0.0)
-                xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
-                xn = xr
-                if NORM:
-                    g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
-                    xn = _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE)
-                xf = xn.to(tl.float32)
+                xf = _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K, NORM, PLUS_ONE)
                 y += tl.sum(xf * w.to(tl.float32), axis=2)
                 if GATE_UP:
                     w2 = tl.load(w2_ptr + n3 * K + kj, mask=(n3 < N) & (kj < K), other=0.0)
@@ -551,12 +563,7 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_launch_dependents()
             slot = tl.load(slot_ptr)
             rows_ok = rm3 < M
-            sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
-            for j in range(KSPLIT):
-                kj = j * BLOCK_K + k3
-                xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
-                sq += tl.sum(xf * xf, axis=2, keep_dims=True)
-            rstd = tl.rsqrt(sq / K + eps)
+            rstd = _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K, BLOCK_K, KSPLIT, ROWS)
             for i in range(ITERS):
                 t = pid + i * nprog
                 h, d1, p1, p2 = _qkv_tile(t, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
@@ -567,11 +574,9 @@ if HAVE_TRITON:
                     kj = j * BLOCK_K + k3
                     w1 = tl.load(p1 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
                     w2 = tl.load(p2 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
-                    xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
-                    g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
-                    xn = _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE)
-                    y1 += tl.sum(xn.to(tl.float32) * w1, axis=2)
-                    y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
+                    xn = _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K, True, PLUS_ONE)
+                    y1 += tl.sum(xn * w1, axis=2)
+                    y2 += tl.sum(xn * w2, axis=2)
                 _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                             pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                             HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW, 0.0, 0.0, 0.0, 0.0, False)
