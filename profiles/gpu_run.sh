@@ -242,9 +242,9 @@ for p in "$@"; do
     bench-batches) part bench-batches ${BENCH_SECONDS:-540} bash -c "m=${BATCH_MODEL:-llama-1b}; d=$work/bench-batches/\$m; \
            $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1,2,3,4,5,8,9,12,16,32,64} --repeats 2 --modes step-graph \
            --kernels fast --fuse-projections --peers none --no-progress --out \$d/line-default && \
-           $py profiles/plan_bench.py --gemv-rows 0 -- --model \$m \
-           --batch ${COMPARE_BATCHES:-1,2,3,4} --repeats 2 --modes step-graph --kernels fast --fuse-projections --peers none \
-           --no-progress --out \$d/line-0 && { $py profiles/bench_table.py --curve \$d/line-default/*.json; echo; \
+           $py -m gdtool bench --model \$m \
+           --batch ${COMPARE_BATCHES:-1,2,3,4} --repeats 2 --modes step-graph --kernels compiled --fuse-projections \
+           --peers none --no-progress --out \$d/compiled && { $py profiles/bench_table.py --curve \$d/line-default/*.json; echo; \
            $py profiles/bench_table.py --paths \$d/*/*.json; } | tee \$d/curve.md" ;;
     bench-trigger) part bench-trigger ${BENCH_SECONDS:-400} bash -c "for m in ${PDL_MODELS:-llama-8b}; do for t in 0 1; do \
            GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \

@@ -79,9 +79,11 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # multiply-add per row; the matrix-vector kernels multiply on the CUDA cores. The roofline (~67 TFLOP/s float32,
 # ~4.8 TB/s on an H200) put the line at ~8 rows; the GPU's batch curve (`profiles/plan_bench.py --gemv-rows N`,
 # gpu_run.sh's `bench-batches`; profiles/h200/bench/batches/curves.md) put it at one pass of 4 rows for the
-# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): at 1-2 rows the kernels beat the compiled matmuls
-# by 3-35%, at 3-4 rows they tie them (-1.4% to +4%), while two passes of 4 rows (5-8) ran 2.7-4x slower than the
-# compiled matmuls at 9. (One pass of 2-4 rows still costs 24-83% more than one row: the next lever.)
+# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): two passes of 4 rows (5-8) ran 2.7-4x slower than the
+# compiled matmuls at 9. At 1-4 rows the fast forward beat or tied the compiled HF forward whose linear layers run
+# the same matrix-vector kernel (`linear.py`'s swap, <= 4 rows; -1.4% to +35%); cuBLAS's matmuls there are not
+# measured yet, and at 5 rows they were faster than the kernels at 3-4 on Llama 8B (4.93 against 6.06-6.16 ms):
+# one pass of 2-4 rows costs 24-83% more than one row (its registers), the next lever.
 # Gemma 3 and models with experts keep the passes to 8 rows, as before the curve: their steps at 5-8 rows
 # have not been measured against the compiled matmuls.
 _ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")
@@ -93,12 +95,13 @@ UNMEASURED_PATHS = (_ONE_PASS, _PASSES, _MATMULS)   # Gemma 3, models with an Mo
 
 
 def gemv_line(rows: int) -> tuple:
-    """`BATCH_PATHS` with the matrix-vector kernels taking every batch up to `rows` (0 to gemv.MAX_ROWS: 0 gives the
-    compiled matmuls every batch, up to ROWS_PER_PASS one pass, past it passes of rows), the compiled matmuls past
-    it: the setting a GPU sweep tries (`profiles/plan_bench.py --gemv-rows`)."""
+    """`BATCH_PATHS` with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
+    one pass, past it passes of rows), the compiled HF forward past it: the setting a GPU sweep tries
+    (`profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at every batch, whose linear layers still take
+    gdtool's matrix-vector kernel at <= 4 rows (`linear.py`'s swap): `kernels="compiled"` is cuBLAS there."""
     if not 0 <= rows <= gemv.MAX_ROWS:
         raise ValueError(f"--gemv-rows {rows}: the matrix-vector kernels take 0 to {gemv.MAX_ROWS} rows "
-                         f"(gemv.MAX_ROWS; 0: the compiled matmuls at every batch); give a number in that range")
+                         f"(gemv.MAX_ROWS; 0: the compiled forward at every batch); give a number in that range")
     if rows == 0:
         return (_MATMULS,)
     if rows <= gemv.ROWS_PER_PASS:
