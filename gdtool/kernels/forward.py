@@ -90,8 +90,9 @@ _ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <=
 _PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
 _MATMULS = (None, "compiled", "matrix products: past one pass of the matrix-vector kernels (4 rows; 8 for Gemma 3 and experts) "
                               "inductor's / cuBLAS's tensor-core matmuls win")
-BATCH_PATHS = (_ONE_PASS, _MATMULS)                 # Llama, Mistral, Qwen2, Qwen3 (measured)
-UNMEASURED_PATHS = (_ONE_PASS, _PASSES, _MATMULS)   # Gemma 3, models with an MoE block
+BATCH_PATHS = (_ONE_PASS, _MATMULS)                 # the families the curve measured (MEASURED_LINE)
+UNMEASURED_PATHS = (_ONE_PASS, _PASSES, _MATMULS)   # the others of FAMILIES: Gemma 3 and the MoE families
+MEASURED_LINE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def gemv_line(rows: int) -> tuple:
@@ -116,7 +117,7 @@ def gemv_rows() -> int:
 
 def batch_path(batch: int, measured: bool = True) -> tuple[str, str]:
     """("gemv" | "compiled", why) for a decode step of `batch` rows: `BATCH_PATHS`, or `UNMEASURED_PATHS` for a
-    model whose line has not been measured (Gemma 3, experts)."""
+    family whose line has not been measured (not in MEASURED_LINE)."""
     for largest, path, why in (BATCH_PATHS if measured else UNMEASURED_PATHS):
         if largest is None or batch <= largest:
             return path, why
@@ -192,8 +193,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    measured = prefix != "Gemma3" and not any(experts.is_moe_block(layer.mlp) for layer in inner.layers)
-    path, why = batch_path(batch, measured)
+    path, why = batch_path(batch, type(model).__name__ in MEASURED_LINE)
     if path != "gemv":
         return Plan(False, f"batch {batch}: {why}")
     if param.device.type == "cuda":
