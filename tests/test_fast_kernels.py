@@ -244,8 +244,8 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
-    """The kernels at 12 and 16 rows (three and four passes of 4: the line moved to 16, as the nineteenth session's curve ran it)
-    under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""
+    """The kernels at 12 and 16 rows (three and four passes of 4: the line moved to 16, as the curve at 5a2de9b ran
+    it) under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""
     code = _KERNELS_AGAINST_REFERENCES + (
         "forward.BATCH_PATHS = forward.gemv_line(16)\n"
         "for name, batch in (('tiny-llama', 12), ('tiny-qwen3', 16)):\n"
@@ -260,12 +260,32 @@ def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
 def test_fast_forward_with_k_in_chunks_under_the_interpreter():
     """GDTOOL_GEMV_CHUNK (`gemv.chunked`): the decode forward at 2 and 3 rows with the products' K in chunks of 16
     (tiny models: 4 chunks of the hidden size, 8 of the MLP's) under Triton's interpreter against the torch
-    references, float32: same top-1 per row, logits close. The kernels alone are in check_all (`check_chunked`)."""
+    references, float32: same top-1 per row, logits close. The kernels alone are in check_all (`check_chunked`), and
+    here over a seeded sweep of rows, K (multiples of the chunk and not), chunk widths, norm, gate/up, residual and
+    bias, against their torch references."""
     code = _KERNELS_AGAINST_REFERENCES + (
+        "import random\n"
         "from gdtool.kernels import gemv\n"
         "with gemv.chunked(16):\n"
         "    for name, batch in (('tiny-llama', 2), ('tiny-qwen3', 3)):\n"
         "        compare(gdtool.load_model(name, seed=0), name, batch)\n"
+        "rng, g = random.Random(5), torch.Generator().manual_seed(5)\n"
+        "for case in range(8):\n"
+        "    m, k, n, width = rng.randint(2, 4), rng.randint(17, 400), rng.randint(1, 70), rng.choice((16, 32, 64))\n"
+        "    kind = rng.choice(('norm', 'gate_up', 'residual', 'bias'))\n"
+        "    x, w, w2 = (torch.randn(*shape, generator=g) / k ** 0.5 for shape in ((m, k), (n, k), (n, k)))\n"
+        "    nw = 1 + 0.1 * torch.randn(k, generator=g)\n"
+        "    r, b = torch.randn(m, n, generator=g), torch.randn(n, generator=g)\n"
+        "    with gemv.chunked(width):\n"
+        "        assert gemv.gemv_chunk(m, k, False, x.device) == (width if ft.next_pow2(k) > width else 0)\n"
+        "        if kind == 'gate_up':\n"
+        "            got, want = gemv.rms_gemv(x, nw, 1e-5, w, w2), gemv.gate_up_reference(x, nw, 1e-5, w, w2)\n"
+        "        else:\n"
+        "            args = (nw if kind == 'norm' else None, r if kind == 'residual' else None, kind == 'norm')\n"
+        "            bias = b if kind == 'bias' else None\n"
+        "            got = gemv.rms_gemv(x, args[0], 1e-5, w, None, args[1], args[2], bias=bias)\n"
+        "            want = gemv.rms_gemv_reference(x, args[0], 1e-5, w, args[1], args[2], False, bias)\n"
+        "    assert torch.allclose(got.float(), want.float(), atol=1e-5, rtol=1e-5), (case, m, k, n, width, kind)\n"
         "print('ok')\n")
     run_interpreted(code, timeout=600)
 
