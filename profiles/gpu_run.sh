@@ -61,6 +61,9 @@
 #   bench-chunk    the fast step of each of CHUNK_MODELS (space-separated; llama-8b) at BENCH_BATCHES (2,3,4) with the
 #                  products' K whole (0) and in chunks of each of CHUNK_WIDTHS (0 1024 2048; plan_bench.py --gemv-chunk):
 #                  whether chunks win back what one pass of 2-4 rows loses to its registers
+#   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
+#                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): bench-chunk's and bench-batches'
+#                  1-4-row fast steps against the matmuls, where forward.BATCH_PATHS's line belongs per shape
 #   bench-pdl      the fast step of each of PDL_MODELS (space-separated; gemma-3-1b) at BENCH_BATCHES (1) with GDTOOL_PDL=0, auto, 1
 #                  (no peers): which PDL setting each preset's step wants
 #   bench-1b, bench-8b   python -m gdtool bench
@@ -246,6 +249,9 @@ for p in "$@"; do
            --batch ${COMPARE_BATCHES:-1,2,3,4} --repeats 2 --modes step-graph --kernels compiled --fuse-projections \
            --peers none --no-progress --out \$d/compiled && { $py profiles/bench_table.py --curve \$d/line-default/*.json; echo; \
            $py profiles/bench_table.py --paths \$d/*/*.json; } | tee \$d/curve.md" ;;
+    bench-cublas) part bench-cublas ${BENCH_SECONDS:-400} bash -c "for m in ${CUBLAS_MODELS:-llama-8b}; do \
+           $py -m gdtool bench --model \$m --batch ${COMPARE_BATCHES:-1,2,3,4} --repeats 2 --modes step-graph \
+           --kernels compiled --fuse-projections --peers none --no-progress --out $work/bench-cublas/\$m || exit 1; done" ;;
     bench-trigger) part bench-trigger ${BENCH_SECONDS:-400} bash -c "for m in ${PDL_MODELS:-llama-8b}; do for t in 0 1; do \
            GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
