@@ -64,6 +64,9 @@
 #   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
 #                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): bench-chunk's and bench-batches'
 #                  1-4-row fast steps against the matmuls, where forward.BATCH_PATHS's line belongs per shape
+#   bench-line     the fast step of each of LINE_MODELS (space-separated; llama-8b) at BENCH_BATCHES (2,3,4) with the line at
+#                  LINE_ROWS (1; plan_bench.py --gemv-rows): past it the compiled HF forward with cuBLAS's products and
+#                  gdtool's split-KV attention, what the fast step runs past the line, against the kernels below it
 #   bench-pdl      the fast step of each of PDL_MODELS (space-separated; gemma-3-1b) at BENCH_BATCHES (1) with GDTOOL_PDL=0, auto, 1
 #                  (no peers): which PDL setting each preset's step wants
 #   bench-1b, bench-8b   python -m gdtool bench
@@ -252,6 +255,10 @@ for p in "$@"; do
     bench-cublas) part bench-cublas ${BENCH_SECONDS:-400} bash -c "for m in ${CUBLAS_MODELS:-llama-8b}; do \
            $py -m gdtool bench --model \$m --batch ${COMPARE_BATCHES:-1,2,3,4} --repeats 2 --modes step-graph \
            --kernels compiled --fuse-projections --peers none --no-progress --out $work/bench-cublas/\$m || exit 1; done" ;;
+    bench-line) part bench-line ${BENCH_SECONDS:-450} bash -c "for m in ${LINE_MODELS:-llama-8b}; do \
+           $py profiles/plan_bench.py --gemv-rows ${LINE_ROWS:-1} -- --model \$m --batch ${BENCH_BATCHES:-2,3,4} --repeats 2 \
+           --modes step-graph --peers none --kernels fast --fuse-projections --no-progress \
+           --out $work/bench-line/\$m-line-${LINE_ROWS:-1} || exit 1; done" ;;
     bench-trigger) part bench-trigger ${BENCH_SECONDS:-400} bash -c "for m in ${PDL_MODELS:-llama-8b}; do for t in 0 1; do \
            GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \

@@ -186,3 +186,23 @@ def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
         if not fused:
             agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
             assert (agreement.top1_agreement > 0.4).all(), agreement
+
+
+def test_batches_the_line_gives_to_the_matmuls_keep_hf_products(monkeypatch):
+    """A Llama-family model at a batch `forward.BATCH_PATHS` gives to the matmuls (the line moved to 2 rows, batch 3)
+    runs the compiled HF forward with its own products: no matrix-vector swap there (cuBLAS measured faster past the
+    line), HF's tokens; gpt-oss at the same batch, outside the fast forward's families, still takes the swap."""
+    from gdtool.kernels import forward
+    monkeypatch.setattr(forward, "BATCH_PATHS", forward.gemv_line(2))
+    model = gdtool.load_model("tiny-llama", seed=0)
+    assert forward.plan(model, 3, 40).matmuls and not forward.plan(model, 2, 40).matmuls
+    calls = []
+    usable = linear.usable
+    monkeypatch.setattr(linear, "usable", lambda *t: calls.append(tuple(t[0].shape)) or usable(*t))
+    prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 9), seed=3)
+    assert torch.equal(_decode(model, prompt, kernels="fast").tokens, _decode(model, prompt).tokens)
+    note = fast.compiles(model).kernels.iloc[-1]
+    assert not calls and "HF forward compiled" in note and "linear layers" not in note, note
+    oss = _gpt_oss()
+    _decode(oss, gdtool.random_prompts(oss, batch=3, lengths=(4, 6), seed=4), kernels="fast", max_new_tokens=3)
+    assert calls and "linear layers 8/8" in fast.compiles(oss).kernels.iloc[-1]

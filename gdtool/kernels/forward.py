@@ -98,8 +98,8 @@ MEASURED_LINE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "
 def gemv_line(rows: int) -> tuple:
     """`BATCH_PATHS` with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
     one pass, past it passes of rows), the compiled HF forward past it: the setting a GPU sweep tries
-    (`profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at every batch, whose linear layers still take
-    gdtool's matrix-vector kernel at <= 4 rows (`linear.py`'s swap): `kernels="compiled"` is cuBLAS there."""
+    (`profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at every batch. Where the line gives a batch to
+    the compiled forward, its linear layers stay cuBLAS's / inductor's (no `linear.py` swap: `Plan.matmuls`)."""
     if not 0 <= rows <= gemv.MAX_ROWS:
         raise ValueError(f"--gemv-rows {rows}: the matrix-vector kernels take 0 to {gemv.MAX_ROWS} rows "
                          f"(gemv.MAX_ROWS; 0: the compiled forward at every batch); give a number in that range")
@@ -129,6 +129,7 @@ class Plan:
     applies: bool
     reason: str           # what runs, or why the fast forward does not apply
     layers: int = 0
+    matmuls: bool = False  # the batch line gave this batch to the matmuls (BATCH_PATHS): no matrix-vector swap there
 
 
 def _family(model):
@@ -195,7 +196,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     param = next(model.parameters())
     path, why = batch_path(batch, type(model).__name__ in MEASURED_LINE)
     if path != "gemv":
-        return Plan(False, f"batch {batch}: {why}")
+        return Plan(False, f"batch {batch}: {why}", matmuls=True)
     if param.device.type == "cuda":
         if not fast_triton.HAVE_TRITON:
             return Plan(False, "no Triton")
