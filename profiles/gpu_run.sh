@@ -58,12 +58,9 @@
 #   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at SWEEP_ROWS (1; e.g. 2,4: gemv_config is tuned at
 #                  one row, and one pass of 2-4 rows costs 24-83% more on the H200) over the probe's full sweep of tile
 #                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
-#   bench-chunk    the fast step of each of CHUNK_MODELS (space-separated; llama-8b) at BENCH_BATCHES (2,3,4) with the
-#                  products' K whole (0) and in chunks of each of CHUNK_WIDTHS (0 1024 2048; plan_bench.py --gemv-chunk):
-#                  whether chunks win back what one pass of 2-4 rows loses to its registers
 #   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
-#                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): bench-chunk's and bench-batches'
-#                  1-4-row fast steps against the matmuls, where forward.BATCH_PATHS's line belongs per shape
+#                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): the 1-4-row fast steps
+#                  against the matmuls, where forward.MEASURED_LINES' line belongs per shape
 #   bench-line     the fast step of each of LINE_MODELS (space-separated; llama-8b) at BENCH_BATCHES (2,3,4) with the line at
 #                  LINE_ROWS (1; plan_bench.py --gemv-rows): past it the compiled HF forward with cuBLAS's products and
 #                  gdtool's split-KV attention, what the fast step runs past the line, against the kernels below it
@@ -263,11 +260,6 @@ for p in "$@"; do
            GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
            --kernels fast --no-progress --out $work/bench-trigger/\$m-late-\$t || exit 1; done; done" ;;
-    bench-chunk) part bench-chunk ${BENCH_SECONDS:-400} bash -c "for m in ${CHUNK_MODELS:-llama-8b}; do \
-           for w in ${CHUNK_WIDTHS:-0 1024 2048}; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --gemv-chunk \$w -- \
-           --model \$m --batch ${BENCH_BATCHES:-2,3,4} --repeats 2 --modes step-graph --peers none --kernels fast \
-           --fuse-projections --no-progress --out $work/bench-chunk/\$m-chunk-\$w || exit 1; done; done; \
-           $py profiles/bench_table.py $work/bench-chunk/*/*.json | tee $work/bench-chunk/table.md" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;

@@ -3,7 +3,7 @@ each launch of a kernel call is caught (its arguments, on CPU tensors), compiled
 ptxas Triton ships, and read back from the cubin (`cuobjdump -res-usage`).
 
     python profiles/kernel_registers.py [--early-norm on|off|both] [--fused on|off|both]
-    python profiles/kernel_registers.py --rows 1,2,4 [--chunk 1024]  # llama-1b's and llama-8b's products at those rows
+    python profiles/kernel_registers.py --rows 1,2,4     # the dense products of llama-1b and llama-8b at those rows
 
 Prints one line per (case, kernel): registers a thread, stack and local bytes (spills), shared memory. The
 cases are llama-1b's and Qwen3-30B-A3B's batch-1 shapes (random weights; only the launches matter); with --rows,
@@ -143,7 +143,7 @@ def row_cases(rows):
 
 def tiles(kwargs) -> str:
     """A launch's tile constexprs, as the --rows table shows them."""
-    return " ".join(f"{k}={kwargs[k]}" for k in ("ROWS", "PASSES", "BLOCK_N", "HB", "BLOCK_K", "KSPLIT") if k in kwargs)
+    return " ".join(f"{k}={kwargs[k]}" for k in ("ROWS", "PASSES", "BLOCK_N", "HB", "BLOCK_K") if k in kwargs)
 
 
 def main(argv=None) -> int:
@@ -151,8 +151,6 @@ def main(argv=None) -> int:
     parser.add_argument("--early-norm", choices=("on", "off", "both"), default="both")
     parser.add_argument("--fused", choices=("on", "off", "both"), default="both")
     parser.add_argument("--rows", default="", help="e.g. 1,2,4: the Llama layer products at those rows instead")
-    parser.add_argument("--chunk", type=int, default=0, help="with --rows: the products' K in chunks of this width "
-                                                             "(GDTOOL_GEMV_CHUNK; 0: whole rows)")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
     from gdtool.kernels import attention, experts, gemv, triton as fast_triton
@@ -161,9 +159,7 @@ def main(argv=None) -> int:
         print("case | kernel | tiles | registers | stack | local | shared | warps")
         for rows in (int(r) for r in args.rows.split(",")):
             for name, call in row_cases(rows):
-                with gemv.chunked(args.chunk):
-                    caught = launches(call)
-                for fn, a, kw in caught:
+                for fn, a, kw in launches(call):
                     u = _usage(fn, list(a), kw)
                     print(f"{name} | {fn.__name__} | {tiles(kw)} | {u['registers']} | {u['stack']} | {u['local']} | "
                           f"{u['shared']} | {u['warps']}", flush=True)

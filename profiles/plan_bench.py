@@ -1,11 +1,10 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: TARGET_PROGRAMS (`attention.split_plan`,
 which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
-GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round) and GDTOOL_GEMV_CHUNK
-(the products' K in chunks at 2-4 rows), and the largest batch the matrix-vector kernels take
-(`forward.BATCH_PATHS`), for an A/B of plans in the step.
+GDTOOL_ONE_KERNEL_TAIL and GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round), and the largest
+batch the matrix-vector kernels take (`forward.BATCH_PATHS`: one line for every shape), for an A/B of plans in the step.
 
     python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
-        [--gemv-chunk W] [--gemv-rows N] -- --model llama-1b ...
+        [--gemv-rows N] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -35,22 +34,14 @@ def main(argv=None) -> int:
     parser.add_argument("--late-trigger", type=int, choices=(0, 1), default=None,
                         help="the matrix-vector products let the next kernel launch after their PDL wait (0) or as "
                              "their last tile round starts (1; untested on CUDA until its cuda tests pass)")
-    parser.add_argument("--gemv-chunk", type=int, default=None,
-                        help="the products' K in chunks of this width at 2-4 rows (GDTOOL_GEMV_CHUNK; 0: whole rows, "
-                             "the default; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--gemv-rows", type=int, default=None,
-                        help=f"the largest batch of the matrix-vector kernels for Llama, Mistral, Qwen2, Qwen3 "
-                             f"(forward.BATCH_PATHS; default 4; 0 to {gemv.MAX_ROWS}, 0: none); "
-                             "past it the compiled matmuls")
+                        help=f"the largest batch of the matrix-vector kernels for Llama, Mistral, Qwen2, Qwen3 at "
+                             f"every shape (forward.BATCH_PATHS; default: forward.MEASURED_LINES per hidden size, "
+                             f"{forward.MEASURED_LINES}; 0 to {gemv.MAX_ROWS}, 0: none); past it the compiled matmuls")
     args = parser.parse_args(ours)
     if args.gemv_rows is not None:
         try:
             forward.BATCH_PATHS = forward.gemv_line(args.gemv_rows)
-        except ValueError as e:
-            parser.error(str(e))
-    if args.gemv_chunk is not None:
-        try:
-            gemv._CHUNK = gemv._chunk_width(str(args.gemv_chunk))
         except ValueError as e:
             parser.error(str(e))
     attention.TARGET_PROGRAMS = args.target
@@ -65,7 +56,8 @@ def main(argv=None) -> int:
     print(f"[plan_bench] TARGET_PROGRAMS {attention.TARGET_PROGRAMS}, fused combine "
           f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
           f"one-kernel tail {'on' if tail._ON else 'off'}, PDL trigger {'late' if gemv._LATE_TRIGGER else 'early'}, "
-          f"matrix-vector kernels to batch {forward.gemv_rows()}, K chunks {gemv._CHUNK or 'off'}",
+          "matrix-vector kernels to batch " + (str(forward.gemv_rows(forward.BATCH_PATHS)) if forward.BATCH_PATHS
+                                                 else f"per hidden size {forward.MEASURED_LINES}"),
           flush=True)
     return cli.main(["bench", *bench])
 

@@ -13,9 +13,7 @@ cache slots that must stay untouched).
 """
 from __future__ import annotations
 
-import contextlib
-import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -319,48 +317,6 @@ def _begin(device, large, seed: int, impl: str):
     return device, large, torch.Generator(device=device).manual_seed(seed)
 
 
-@contextlib.contextmanager
-def _untested_allowed():
-    """GDTOOL_UNTESTED_KERNELS=1 inside: a check runs a kernel path before its cuda tests have passed (they are
-    these checks), where a decode would refuse it."""
-    before = os.environ.get("GDTOOL_UNTESTED_KERNELS")
-    os.environ["GDTOOL_UNTESTED_KERNELS"] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            del os.environ["GDTOOL_UNTESTED_KERNELS"]
-        else:
-            os.environ["GDTOOL_UNTESTED_KERNELS"] = before
-
-
-def check_chunked(device, dtype, gen, large: bool) -> list[Result]:
-    """The products with K in chunks at 2-4 rows (`gemv.chunked`, GDTOOL_GEMV_CHUNK): K not a multiple of the chunk,
-    the norm's rstd summed over chunks, the bias, the residual, gate/up with either activation and norm, q/k/v (with
-    biases; with the per-head norm in its second kernel); on CUDA also llama-8b's and Qwen3-8B's products at 2 and 4
-    rows (the spills the chunks are for) and an lm_head."""
-    out = []
-    with gemv.chunked(64), _untested_allowed():
-        for m in (2, 3, 4):
-            out.append(check_gemv(m, 40, 300, dtype, device, gen, True, False, True, config=(4, 4, 2)))
-            out.append(check_gemv(m, 96, 256, dtype, device, gen, False, True, False))
-            out.append(check_gemv(m, 64, 200, dtype, device, gen, False, False, False, bias=True))
-            out.append(check_gate_up(m, 40, 300, dtype, device, gen, config=(4, 4, 2)))
-            out.append(check_gate_up(m, 40, 130, dtype, device, gen, plus_one=True, act="gelu_tanh"))
-            out += check_qkv_rope(m, 512, 4, 2, 32, 9, dtype, device, gen, bias=True)       # q/k/v: its chunked loop
-            out += check_qkv_rope(m, 512, 4, 2, 32, 9, dtype, device, gen, qk_norm=True)    # and the norm's kernel
-    if large:
-        with gemv.chunked(1024), _untested_allowed():
-            for m in (2, 4):
-                for n, k in ((4096, 4096), (4096, 14336)):
-                    out.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))
-                out.append(check_gate_up(m, 14336, 4096, dtype, device, gen))
-                out.append(check_gemv(m, 128256, 2048, dtype, device, gen, True, False, True))
-                out += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen)
-                out += check_qkv_rope(m, 4096, 32, 8, 128, 384, dtype, device, gen, qk_norm=True)   # Qwen3-8B
-    return [replace(r, note=(r.note + "; " if r.note else "") + "K in chunks") for r in out]
-
-
 def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, seed: int = 0,
               impl: str = "triton") -> list[Result]:
     """Every kernel on small shapes (interpreter-sized) and, on CUDA, the Llama 1B / 8B, Qwen3-8B and
@@ -375,7 +331,6 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))  # default config
         results.append(check_gate_up(m, n, k, dtype, device, gen, config=(4, 4, 2)))
     results.append(check_gemv(2, 200, 128, dtype, device, gen, True, False, True, config=(8, 8, 2)))  # lm_head's
-    results += check_chunked(device, dtype, gen, large)
     # any linear layer with its bias (`linear.py`): K not a power of two, one and several tiles per program
     for m, n, k, config in ((1, 96, 72, None), (3, 40, 64, (4, 4, 2)), (4, 130, 96, None), (2, 64, 256, (4, 4, 2))):
         results.append(check_gemv(m, n, k, dtype, device, gen, False, False, False, config=config, bias=True))

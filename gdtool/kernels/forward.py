@@ -47,7 +47,7 @@ data as HF's roll, in place), writes slot W - 1 in `qkv_rope` and attends over a
 masked by the 2-D mask's columns at the window's positions (`core.feed.Windows.layer_masks`).
 
 `plan(model, batch, cache_len)` says whether it applies, which path runs at this batch
-(`BATCH_PATHS`) and why not: transformers' own modules of one of those families (RMSNorm, SiLU MLP, no
+(`line_paths`: the measured line per hidden size) and why not: transformers' own modules of one of those families (RMSNorm, SiLU MLP, no
 biases but q/k/v's, a static RoPE), bf16 or fp16 weights on CUDA (any float dtype on a CPU, where the
 operators run their torch references). Anything else keeps the compiled HF forward (`kernels="compiled"`).
 """
@@ -77,48 +77,67 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 # Which forward runs at which batch, in one place: (largest batch, path, why). Read top to bottom, the
 # first row whose batch covers the step's wins. At one row a decode step reads every weight byte for one
 # multiply-add per row; the matrix-vector kernels multiply on the CUDA cores. The roofline (~67 TFLOP/s float32,
-# ~4.8 TB/s on an H200) put the line at ~8 rows; the GPU's batch curve (`profiles/plan_bench.py --gemv-rows N`,
-# gpu_run.sh's `bench-batches`; profiles/h200/bench/batches/curves.md) put it at one pass of 4 rows for the
-# three dense shapes measured (Llama 1B, Llama 8B, Qwen3 8B): two passes of 4 rows (5-8) ran 2.7-4x slower than the
-# compiled matmuls at 9. At 1-4 rows the fast forward beat or tied the compiled HF forward whose linear layers run
-# the same matrix-vector kernel (`linear.py`'s swap, <= 4 rows; -1.4% to +35%); cuBLAS's matmuls there are not
-# measured yet, and at 5 rows they were faster than the kernels at 3-4 on Llama 8B (4.93 against 6.06-6.16 ms):
-# one pass of 2-4 rows costs 24-83% more than one row (its registers), the next lever.
-# Gemma 3 and models with experts keep the passes to 8 rows, as before the curve: their steps at 5-8 rows
-# have not been measured against the compiled matmuls.
-_ONE_PASS = (gemv.ROWS_PER_PASS, "gemv", f"matrix-vector kernels, one pass of <= {gemv.ROWS_PER_PASS} rows per weight tile")
+# ~4.8 TB/s on an H200) put the line at ~8 rows; the H200's batch curve (profiles/h200/bench/batches/curves.md:
+# gpu_run.sh's bench-batches, bench-line, bench-cublas) puts it per shape, for the families it measured (MEASURED_LINE):
+# - two passes of 4 rows (5-8) ran 2.7-4x slower than the compiled matmuls at 9 (at 5a2de9b);
+# - one pass of 3-4 rows costs 24-83% more than one row (x's rows in registers, which spill on the 8B shapes:
+#   profiles/cpu/kernel-registers-rows-d163cbd.txt), and the compiled HF forward with cuBLAS's products and
+#   gdtool's split-KV attention beat it at 3-4 rows on all three shapes (at 6a6ed8e: Llama 1B 1.196-1.201 ms against
+#   1.421-1.433, Llama 8B 4.853-4.902 against 6.030-6.116, Qwen3 8B 5.098-5.142 against 6.137-6.195);
+# - at 2 rows the kernels still win at hidden size 2048 (Llama 1B: 0.968 ms against 1.192) and lose at 4096
+#   (Llama 8B 5.035 against 4.788, Qwen3 8B 5.222 against 5.080).
+# So MEASURED_LINES: the kernels take 1-2 rows up to hidden size 2048 and one row wider; Mistral and Qwen2 go by
+# their hidden size, unmeasured themselves. Gemma 3 and models with experts keep one pass of 4 and passes to 8 rows
+# (UNMEASURED_PATHS), as before the curve: their steps past one row have not been measured against the matmuls.
 _PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
-_MATMULS = (None, "compiled", "matrix products: past one pass of the matrix-vector kernels (4 rows; 8 for Gemma 3 and experts) "
-                              "inductor's / cuBLAS's tensor-core matmuls win")
-BATCH_PATHS = (_ONE_PASS, _MATMULS)                 # the families the curve measured (MEASURED_LINE)
-UNMEASURED_PATHS = (_ONE_PASS, _PASSES, _MATMULS)   # the others of FAMILIES: Gemma 3 and the MoE families
+_MATMULS = (None, "compiled", "matrix products: past the matrix-vector kernels' line (forward.MEASURED_LINES; 8 rows "
+                              "for Gemma 3 and experts) cuBLAS's / inductor's tensor-core matmuls win")
 MEASURED_LINE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+MEASURED_LINES = ((2048, 2), (None, 1))   # (largest hidden size, largest batch of the matrix-vector kernels)
+BATCH_PATHS = None   # None: MEASURED_LINES per shape; gemv_line(N) (plan_bench --gemv-rows N): one line for every shape
+
+
+def _one_pass(rows: int) -> tuple:
+    return rows, "gemv", f"matrix-vector kernels, one pass of <= {rows} row{'s' if rows > 1 else ''} per weight tile"
+
+
+UNMEASURED_PATHS = (_one_pass(gemv.ROWS_PER_PASS), _PASSES, _MATMULS)   # the others of FAMILIES: Gemma 3, MoE
 
 
 def gemv_line(rows: int) -> tuple:
-    """`BATCH_PATHS` with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
-    one pass, past it passes of rows), the compiled HF forward past it: the setting a GPU sweep tries
-    (`profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at every batch. Where the line gives a batch to
-    the compiled forward, its linear layers stay cuBLAS's / inductor's (no `linear.py` swap: `Plan.matmuls`)."""
+    """Batch paths with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
+    one pass, past it passes of rows), the compiled HF forward past it: MEASURED_LINES' rows, or the setting a GPU
+    sweep tries for every shape (`BATCH_PATHS`, `profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at
+    every batch. Where the line gives a batch to the compiled forward, its linear layers stay cuBLAS's / inductor's
+    (no `linear.py` swap: `Plan.matmuls`)."""
     if not 0 <= rows <= gemv.MAX_ROWS:
         raise ValueError(f"--gemv-rows {rows}: the matrix-vector kernels take 0 to {gemv.MAX_ROWS} rows "
                          f"(gemv.MAX_ROWS; 0: the compiled forward at every batch); give a number in that range")
     if rows == 0:
         return (_MATMULS,)
     if rows <= gemv.ROWS_PER_PASS:
-        return (rows, *_ONE_PASS[1:]), _MATMULS
-    return _ONE_PASS, (rows, *_PASSES[1:]), _MATMULS
+        return _one_pass(rows), _MATMULS
+    return _one_pass(gemv.ROWS_PER_PASS), (rows, *_PASSES[1:]), _MATMULS
 
 
-def gemv_rows() -> int:
-    """The largest batch `BATCH_PATHS` gives the matrix-vector kernels (0: none)."""
-    return max((largest for largest, path, _ in BATCH_PATHS if path == "gemv"), default=0)
+def line_paths(hidden: int | None) -> tuple:
+    """The batch paths of a family in MEASURED_LINE at this hidden size (BATCH_PATHS where a sweep set one), or
+    UNMEASURED_PATHS for the others (hidden None)."""
+    if hidden is None:
+        return UNMEASURED_PATHS
+    if BATCH_PATHS is not None:
+        return BATCH_PATHS
+    return gemv_line(next(rows for largest, rows in MEASURED_LINES if largest is None or hidden <= largest))
 
 
-def batch_path(batch: int, measured: bool = True) -> tuple[str, str]:
-    """("gemv" | "compiled", why) for a decode step of `batch` rows: `BATCH_PATHS`, or `UNMEASURED_PATHS` for a
-    family whose line has not been measured (not in MEASURED_LINE)."""
-    for largest, path, why in (BATCH_PATHS if measured else UNMEASURED_PATHS):
+def gemv_rows(paths: tuple) -> int:
+    """The largest batch `paths` give the matrix-vector kernels (0: none)."""
+    return max((largest for largest, path, _ in paths if path == "gemv"), default=0)
+
+
+def batch_path(batch: int, paths: tuple) -> tuple[str, str]:
+    """("gemv" | "compiled", why) for a decode step of `batch` rows under `paths` (`line_paths`)."""
+    for largest, path, why in paths:
         if largest is None or batch <= largest:
             return path, why
     raise AssertionError("the batch paths end with a catch-all row")  # pragma: no cover
@@ -129,7 +148,7 @@ class Plan:
     applies: bool
     reason: str           # what runs, or why the fast forward does not apply
     layers: int = 0
-    matmuls: bool = False  # the batch line gave this batch to the matmuls (BATCH_PATHS): no matrix-vector swap there
+    matmuls: bool = False  # the batch line gave this batch to the matmuls (line_paths): no matrix-vector swap there
 
 
 def _family(model):
@@ -194,7 +213,7 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    path, why = batch_path(batch, type(model).__name__ in MEASURED_LINE)
+    path, why = batch_path(batch, line_paths(config.hidden_size if type(model).__name__ in MEASURED_LINE else None))
     if path != "gemv":
         return Plan(False, f"batch {batch}: {why}", matmuls=True)
     if param.device.type == "cuda":

@@ -31,9 +31,9 @@ above takes either, a flag of the kernel, not a kernel of its own.
 Rows: a weight tile, once loaded, serves every batch row; the rows are multiplied in passes of
 `ROWS_PER_PASS` (the x rows of a pass re-read from L1/L2, the weights not), so that 8 or 16 rows
 cost registers of 4 and extra multiply-adds, not extra weight traffic. How far that pays before a
-tensor-core matmul wins is `forward.BATCH_PATHS`'s question: on the H200 the passes past the first ran
-2.7-4x slower than the compiled matmuls (profiles/h200/bench/batches/curves.md), so the measured
-families stop at one pass.
+tensor-core matmul wins is `forward.line_paths`'s question: on the H200 the passes past the first ran
+2.7-4x slower than the compiled matmuls, and one pass of 3-4 rows (x's rows in registers) slower than
+cuBLAS (profiles/h200/bench/batches/curves.md), so the measured families stop at 1-2 rows.
 
 Each kernel keeps the rounding points of HF's eager module sequence (the product rounded to the
 model dtype, then the norm, SiLU, residual add, RoPE each rounded as eager PyTorch rounds them), so
@@ -42,15 +42,12 @@ sequences in torch: what runs where Triton does not (a CPU), and what the tests 
 """
 from __future__ import annotations
 
-import contextlib
-import os
-
 import torch
 import torch.nn.functional as F
 
 from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda
 
-MAX_ROWS = 16        # batch rows the kernels handle (forward.BATCH_PATHS says which batches use them)
+MAX_ROWS = 16        # batch rows the kernels handle (forward.line_paths says which batches use them)
 ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
 
 
@@ -220,31 +217,20 @@ if HAVE_TRITON:
     def _gemv_tile_out(x, w, w2, t, r0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
                        GATE_UP: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
                        ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-        """Rows r0 .. r0 + ROWS of tile t from x and the tile's weights: the float32 sums, then `_gemv_sums_out`."""
-        y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)      # [ROWS, BLOCK_N]
-        up = y
-        if GATE_UP:
-            up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2)
-        _gemv_sums_out(y, up, t, r0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y, GATE_UP, BIAS,
-                       RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
-
-    @triton.jit
-    def _gemv_sums_out(y, up, t, r0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                       GATE_UP: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
-                       ROWS: tl.constexpr, BLOCK_N: tl.constexpr, ACT: tl.constexpr):
-        """Rows r0 .. r0 + ROWS of tile t from its float32 sums y (and up: gate/up's second product): gate/up's
-        silu(gate) * up, or the bias added to the float32 sum, rounded once (F.linear's bias epilogue); the
-        residual; the store."""
+        """Rows r0 .. r0 + ROWS of tile t: the product (gate/up: silu(gate) * up; BIAS: the bias added to the
+        float32 sum, rounded once, as F.linear's bias epilogue), the residual, the store."""
         out_ty = x_ptr.dtype.element_ty
         rm2 = r0 + tl.arange(0, ROWS)[:, None]
         rn2 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :]
         omask = (rm2 < M) & (rn2 < N)
+        y = tl.sum(x.to(tl.float32) * w.to(tl.float32), axis=2)      # [ROWS, BLOCK_N]
         if BIAS:
             y += tl.load(b_ptr + rn2, mask=rn2 < N, other=0.0).to(tl.float32)
         y = y.to(out_ty)
         if GATE_UP:  # act(gate) * up, each rounded as eager rounds it
+            up = tl.sum(x.to(tl.float32) * w2.to(tl.float32), axis=2).to(out_ty)
             a = _activation(y.to(tl.float32), ACT).to(out_ty)
-            y = (a.to(tl.float32) * up.to(out_ty).to(tl.float32)).to(out_ty)
+            y = (a.to(tl.float32) * up.to(tl.float32)).to(out_ty)
         if RESIDUAL:
             r = tl.load(res_ptr + rm2 * stride_res + rn2, mask=omask, other=0.0)
             y = (r.to(tl.float32) + y.to(tl.float32)).to(out_ty)
@@ -254,65 +240,6 @@ if HAVE_TRITON:
             tl.store(y_ptr + rm2 * stride_y + rn2, y, mask=omask)
 
     @triton.jit
-    def _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                      KSPLIT: tl.constexpr, ROWS: tl.constexpr):
-        """The RMSNorm's rstd [ROWS, 1, 1] of x rows read in KSPLIT chunks of BLOCK_K (squares summed per chunk)."""
-        sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
-        for j in range(KSPLIT):
-            kj = j * BLOCK_K + k3
-            xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
-            sq += tl.sum(xf * xf, axis=2, keep_dims=True)
-        return tl.rsqrt(sq / K + eps)
-
-    @triton.jit
-    def _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K: tl.constexpr, NORM: tl.constexpr,
-                    PLUS_ONE: tl.constexpr):
-        """Chunk kj of the x rows in float32, as the product reads it: RMSNorm'd with HF's roundings (rstd given) where
-        NORM, as `_input_rows` normalizes whole rows."""
-        xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
-        if NORM:
-            g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
-            return _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE).to(tl.float32)
-        return xr.to(tl.float32)
-
-    @triton.jit
-    def _chunked_gemv(x_ptr, g_ptr, w_ptr, w2_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_x, stride_res, stride_y, eps,
-                      nprog, pid, rm3, k3, ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr,
-                      GATE_UP: tl.constexpr, BIAS: tl.constexpr, RESIDUAL: tl.constexpr, OUT_F32: tl.constexpr,
-                      ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr,
-                      PLUS_ONE: tl.constexpr, ACT: tl.constexpr, LATE_TRIGGER: tl.constexpr, PDL: tl.constexpr):
-        """`_rms_gemv_kernel` with K in KSPLIT chunks of BLOCK_K (`gemv_chunk`): the x rows are read again for each
-        tile's chunks (from L1/L2), not held whole in registers beside the weight tiles; the norm's rstd first, over
-        the chunks; each chunk normalized as `_input_rows` normalizes (the same roundings), its products summed into
-        float32 accumulators."""
-        if PDL:
-            tl.extra.cuda.gdc_wait()
-            if not LATE_TRIGGER:
-                tl.extra.cuda.gdc_launch_dependents()
-        rows_ok = rm3 < M
-        rstd = tl.full([ROWS, 1, 1], 1.0, dtype=tl.float32)
-        if NORM:
-            rstd = _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K, BLOCK_K, KSPLIT, ROWS)
-        for i in range(ITERS):
-            t = pid + i * nprog
-            if PDL and LATE_TRIGGER:
-                if i == ITERS - 1:
-                    tl.extra.cuda.gdc_launch_dependents()
-            n3 = (t * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
-            y = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([ROWS, BLOCK_N], dtype=tl.float32)
-            for j in range(KSPLIT):
-                kj = j * BLOCK_K + k3
-                w = tl.load(w_ptr + n3 * K + kj, mask=(n3 < N) & (kj < K), other=0.0)
-                xf = _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K, NORM, PLUS_ONE)
-                y += tl.sum(xf * w.to(tl.float32), axis=2)
-                if GATE_UP:
-                    w2 = tl.load(w2_ptr + n3 * K + kj, mask=(n3 < N) & (kj < K), other=0.0)
-                    up += tl.sum(xf * w2.to(tl.float32), axis=2)
-            _gemv_sums_out(y, up, t, 0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y, GATE_UP, BIAS,
-                           RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
-
-    @triton.jit
     def _rms_gemv_kernel(x_ptr, g_ptr, w_ptr, w2_ptr, b_ptr, res_ptr, y_ptr, a_ptr, ga_ptr, h_ptr,
                          M, N, stride_x, stride_res, stride_y, stride_a, stride_h, eps, eps_a, nprog,
                          ITERS: tl.constexpr, K: tl.constexpr, NORM: tl.constexpr, GATE_UP: tl.constexpr,
@@ -320,60 +247,55 @@ if HAVE_TRITON:
                          OUT_F32: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr, PLUS_ONE: tl.constexpr, ACT: tl.constexpr, ADD: tl.constexpr,
                          WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr, LATE_TRIGGER: tl.constexpr,
-                         KSPLIT: tl.constexpr, PDL: tl.constexpr):
+                         PDL: tl.constexpr):
         # A persistent grid: each program streams row tiles pid, pid + nprog, ... with the next tile's
         # loads issued before the current one is summed. One pass (up to ROWS rows): x is read (and
         # normalized) once per program; more passes: each pass's rows are read again per tile (from
-        # L1/L2), the weight tile in registers serving them all. KSPLIT > 1: K in chunks (`_chunked_gemv`).
+        # L1/L2), the weight tile in registers serving them all.
         pid = tl.program_id(0)
         rm3 = tl.arange(0, ROWS)[:, None, None]
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
-        if KSPLIT > 1:
-            _chunked_gemv(x_ptr, g_ptr, w_ptr, w2_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_x, stride_res, stride_y,
-                          eps, nprog, pid, rm3, k3, ITERS, K, NORM, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N,
-                          BLOCK_K, KSPLIT, PLUS_ONE, ACT, LATE_TRIGGER, PDL)
-        else:
-            kmask = k3 < K
-            n3 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
-            # The weights are never written during a step: load the first tile before waiting on the
-            # previous kernel, so these loads overlap its tail (PDL).
-            w = tl.load(w_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
-            w2 = w
-            if GATE_UP:
-                w2 = tl.load(w2_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
-            g, ga = 0.0, 0.0
-            if EARLY_NORM:   # the norms' weights too (`_norm_weights`)
-                g, ga = _norm_weights(g_ptr, ga_ptr, k3, K, NORM, ADD)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
-                if not LATE_TRIGGER:
+        kmask = k3 < K
+        n3 = (pid * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
+        # The weights are never written during a step: load the first tile before waiting on the
+        # previous kernel, so these loads overlap its tail (PDL).
+        w = tl.load(w_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
+        w2 = w
+        if GATE_UP:
+            w2 = tl.load(w2_ptr + n3 * K + k3, mask=(n3 < N) & kmask, other=0.0)
+        g, ga = 0.0, 0.0
+        if EARLY_NORM:   # the norms' weights too (`_norm_weights`)
+            g, ga = _norm_weights(g_ptr, ga_ptr, k3, K, NORM, ADD)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+            if not LATE_TRIGGER:
+                tl.extra.cuda.gdc_launch_dependents()
+        if PASSES == 1:
+            x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a, eps_a,
+                            h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM)
+        for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
+            t = pid + i * nprog
+            if PDL and LATE_TRIGGER:  # the next kernel launches as this one's last tile round starts (`late_trigger`)
+                if i == ITERS - 1:
                     tl.extra.cuda.gdc_launch_dependents()
+            n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
+            w_next = tl.load(w_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
+            w2_next = w_next
+            if GATE_UP:
+                w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
             if PASSES == 1:
-                x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a,
-                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM)
-            for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
-                t = pid + i * nprog
-                if PDL and LATE_TRIGGER:  # the next kernel launches as its last tile round starts (`late_trigger`)
-                    if i == ITERS - 1:
-                        tl.extra.cuda.gdc_launch_dependents()
-                n3_next = ((t + nprog) * BLOCK_N + tl.arange(0, BLOCK_N))[None, :, None].to(tl.int64)
-                w_next = tl.load(w_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
-                w2_next = w_next
-                if GATE_UP:
-                    w2_next = tl.load(w2_ptr + n3_next * K + k3, mask=(n3_next < N) & kmask, other=0.0)
-                if PASSES == 1:
-                    _gemv_tile_out(x, w, w2, t, 0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
-                                   GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
-                else:
-                    for p in tl.static_range(PASSES):
-                        xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
-                                         NORM, PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
-                                         h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H, g,
-                                         ga, EARLY_NORM)
-                        _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res,
-                                       stride_y, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
-                w = w_next
-                w2 = w2_next
+                _gemv_tile_out(x, w, w2, t, 0, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res, stride_y,
+                               GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
+            else:
+                for p in tl.static_range(PASSES):
+                    xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
+                                     PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
+                                     h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H, g, ga,
+                                     EARLY_NORM)
+                    _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res,
+                                   stride_y, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
+            w = w_next
+            w2 = w2_next
 
     @triton.jit
     def _qkv_tile(t, wq_ptr, wk_ptr, wv_ptr, k3, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
@@ -563,7 +485,12 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_launch_dependents()
             slot = tl.load(slot_ptr)
             rows_ok = rm3 < M
-            rstd = _chunked_rstd(x_ptr, stride_x, rm3, k3, rows_ok, eps, K, BLOCK_K, KSPLIT, ROWS)
+            sq = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
+            for j in range(KSPLIT):
+                kj = j * BLOCK_K + k3
+                xf = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0).to(tl.float32)
+                sq += tl.sum(xf * xf, axis=2, keep_dims=True)
+            rstd = tl.rsqrt(sq / K + eps)
             for i in range(ITERS):
                 t = pid + i * nprog
                 h, d1, p1, p2 = _qkv_tile(t, wq_ptr, wk_ptr, wv_ptr, k3, K, HQ, HKV, D, HB)
@@ -574,9 +501,11 @@ if HAVE_TRITON:
                     kj = j * BLOCK_K + k3
                     w1 = tl.load(p1 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
                     w2 = tl.load(p2 + j * BLOCK_K, mask=kj < bound, other=0.0).to(tl.float32)
-                    xn = _chunk_rows(x_ptr, g_ptr, stride_x, rm3, kj, rows_ok, rstd, K, True, PLUS_ONE)
-                    y1 += tl.sum(xn * w1, axis=2)
-                    y2 += tl.sum(xn * w2, axis=2)
+                    xr = tl.load(x_ptr + rm3 * stride_x + kj, mask=rows_ok & (kj < K), other=0.0)
+                    g = tl.load(g_ptr + kj, mask=kj < K, other=0.0)
+                    xn = _scale_norm(xr.to(tl.float32), rstd, g, xr.dtype, PLUS_ONE)
+                    y1 += tl.sum(xn.to(tl.float32) * w1, axis=2)
+                    y2 += tl.sum(xn.to(tl.float32) * w2, axis=2)
                 _qkv_finish(y1, y2, h, d1, t < tiles, 0, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                             pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot, M, C, stride_pos, scaling, qk_eps,
                             HQ, HKV, D, ROWS, BIAS, QK_NORM, PLUS_ONE, RAW, 0.0, 0.0, 0.0, 0.0, False)
@@ -639,8 +568,7 @@ def early_norm(device) -> bool:
 # With PDL on every kernel the 8B presets' gate/up went from 59 to 68 µs and down from 30 to 38 (decode-kernels/run2),
 # which is why `auto` leaves PDL off on products over 64 MB. The suspect is the early trigger: the next kernel's
 # programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
-# either way (the next kernel still waits for this one to finish); in CUDA_TESTED since its cuda tests passed at
-# edef802.
+# either way (the next kernel still waits for this one to finish); in CUDA_TESTED since its cuda tests passed at edef802.
 LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
 _LATE_TRIGGER = env_flag("GDTOOL_LATE_TRIGGER", default=False)
 
@@ -657,57 +585,6 @@ def late_trigger(device) -> bool:
     return True
 
 
-# The products' K in chunks at 2-4 rows (GDTOOL_GEMV_CHUNK=W, W a power of two from 16: chunks of W elements; off
-# by default, an experiment; q/k/v through its kernel's own chunked loop, `qkv_rope`'s config with a BLOCK_K):
-# one pass holds whole x rows (K wide) in registers beside its weight tiles, and at 4 rows
-# llama-8b's down spills (255 registers, 464 bytes of stack; profiles/cpu/kernel-registers-rows-d163cbd.txt), where
-# the H200's batch curve found one pass of 2-4 rows 24-83% slower than one row. In chunks x is read again for each
-# tile (from L1/L2) and the registers stay small (48-117 at 4 rows with chunks of 1024; profiles/cpu/
-# kernel-registers-chunks-f23d83d.txt). Other float32 sums than whole rows: close to them, not the same bits. Not
-# with the folded residual add (Gemma 3's post norms: whole rows). On CUDA once its cuda tests pass.
-CHUNK_PATH = "matrix-vector products, K in chunks"
-
-
-def _chunk_width(text: str) -> int:
-    text = str(text).strip() or "0"
-    width = int(text) if text.isdigit() else -1
-    if width and (width < 16 or width & (width - 1)):
-        raise ValueError(f"GDTOOL_GEMV_CHUNK={text!r}: give the chunk width, a power of two from 16 (e.g. 1024), "
-                         "or 0 for whole rows")
-    return width
-
-
-_CHUNK = _chunk_width(os.environ.get("GDTOOL_GEMV_CHUNK", "0"))
-
-
-@contextlib.contextmanager
-def chunked(width: int):
-    """GDTOOL_GEMV_CHUNK's setting for the products launched inside (0: whole rows): what `plan_bench.py
-    --gemv-chunk` and the checks set. A captured graph keeps the setting it was captured with."""
-    global _CHUNK
-    before, _CHUNK = _CHUNK, _chunk_width(str(width))
-    try:
-        yield
-    finally:
-        _CHUNK = before
-
-
-def chunk_width(m: int) -> int:
-    """GDTOOL_GEMV_CHUNK's width for products of m rows: the setting at 2-4 rows (one pass), else 0 (whole rows)."""
-    return _CHUNK if 2 <= m <= ROWS_PER_PASS else 0
-
-
-def gemv_chunk(m: int, k: int, add: bool, device) -> int:
-    """The K chunk width of a product of m rows (0: whole rows): `chunk_width` where K is wider than it and no
-    residual add is folded in; asked for and untested on CUDA is refused with the reason."""
-    if not chunk_width(m) or add or next_pow2(k) <= _CHUNK:
-        return 0
-    refused = untested_on_cuda(CHUNK_PATH, device)
-    if refused:
-        raise RuntimeError(f"GDTOOL_GEMV_CHUNK={_CHUNK}: {refused}")
-    return _CHUNK
-
-
 def _bytes(*weights) -> int:
     """The weight bytes a kernel streams (the PDL setting "auto" decides by them)."""
     return sum(w.numel() * w.element_size() for w in weights if w is not None)
@@ -716,7 +593,7 @@ def _bytes(*weights) -> int:
 def _row_passes(m: int) -> tuple[int, int]:
     """(ROWS, PASSES): rows multiplied at once against a weight tile, and how many such passes cover m."""
     if m > MAX_ROWS:
-        raise ValueError(f"{m} rows: the matrix-vector kernels take at most {MAX_ROWS} (forward.BATCH_PATHS "
+        raise ValueError(f"{m} rows: the matrix-vector kernels take at most {MAX_ROWS} (forward.line_paths "
                          "sends larger batches to the compiled matmuls)")
     block_m = next_pow2(m)
     rows = min(block_m, ROWS_PER_PASS)
@@ -753,7 +630,6 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
     a, ga, eps_a, h, fold, write = _added(x, add, keep)
     tiles = triton.cdiv(n, block_n)
     grid = (_programs(tiles, x.device, per_sm),)
-    chunk = gemv_chunk(m, k, fold, x.device)
     _rms_gemv_kernel[grid](
         x, norm_weight if norm_weight is not None else x, weight, weight2 if weight2 is not None else weight,
         bias if bias is not None else weight, res, y,
@@ -762,10 +638,9 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, NORM=norm_weight is not None, GATE_UP=weight2 is not None,
         BIAS=bias is not None, RESIDUAL=residual is not None,
-        OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=chunk or next_pow2(k),
-        PLUS_ONE=bool(plus_one), ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device),
-        LATE_TRIGGER=late_trigger(x.device), KSPLIT=triton.cdiv(k, chunk) if chunk else 1, num_warps=warps,
-        **launch_options(x.device, _bytes(weight, weight2)))
+        OUT_F32=out_f32, ROWS=rows, PASSES=passes, BLOCK_N=block_n, BLOCK_K=next_pow2(k), PLUS_ONE=bool(plus_one),
+        ACT=ACTIVATIONS[act], ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device),
+        LATE_TRIGGER=late_trigger(x.device), num_warps=warps, **launch_options(x.device, _bytes(weight, weight2)))
     return (y, h) if fold and keep else y
 
 
@@ -815,10 +690,8 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
-    chunk = 0 if config else gemv_chunk(m, k, add is not None, x.device)   # GDTOOL_GEMV_CHUNK, at 2-4 rows
     config = config or qkv_rope_config(k, d, m, qk_norm is not None)
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
-    block_k = chunk or block_k
     ksplit = triton.cdiv(k, block_k)
     if add is not None and ksplit > 1:  # K in chunks never holds a whole row: the add runs as its own kernel first
         h = rms_add(add[0], add[1], add[2], x, plus_one)

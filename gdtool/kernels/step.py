@@ -21,7 +21,7 @@ Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same no
 rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 
 `kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (Llama,
-Mistral, Qwen2, Qwen3 at small batch: `forward.BATCH_PATHS`), by gdtool's own Triton kernels run eagerly
+Mistral, Qwen2, Qwen3 at small batch: `forward.line_paths`), by gdtool's own Triton kernels run eagerly
 around the compiled select and update (`forward.py`). On a mixture of experts of a known family
 (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) at <= 16 tokens per step, the compiled HF forward calls gdtool's
 experts kernels in place of each MoE block (`experts.py`, a custom operator swapped in only for the
@@ -177,7 +177,7 @@ class CompiledStep(Step):
             if kernels == "fast" and not self.fast_forward else None
         # kernels="fast" outside the fast forward at 1-4 rows: the decoder's nn.Linear modules in gdtool's
         # matrix-vector kernel (`linear.scope`), the MoE blocks the experts plan replaces left out; not where the
-        # fast forward's batch line gave the batch to the matmuls (cuBLAS measured faster there: forward.BATCH_PATHS)
+        # fast forward's batch line gave the batch to the matmuls (cuBLAS measured faster there: forward.line_paths)
         self.linear_plan = linear.plan(self.model, self.state.mask.shape[0],
                                        skip=tuple(x.block for x in self.moe_plan.layers if x.applies)) \
             if self.moe_plan is not None and not self.fast_plan.matmuls else None
@@ -347,9 +347,7 @@ def _kernels_note(step: CompiledStep) -> str:
         if step._one_kernel_tail() else "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
-    width = gemv.chunk_width(step.state.mask.shape[0]) if fast_triton.usable(next(step.model.parameters())) else 0
-    chunks = f"the products' K in chunks of {width} where wider; " if width else ""
-    return f"fast: {step.fast_plan.reason}; {argmax}{combine}{chunks}PDL {pdl} at first use"
+    return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
 
 
 def _fresh(fn):
