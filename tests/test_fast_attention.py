@@ -447,7 +447,7 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
                 r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad, sinks=sinks)
                 assert r.ok, r
         model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
-        prompt = gdtool.random_prompts(model, batch=3, lengths=(5, 12), seed=0)
+        prompt = gdtool.random_prompts(model, batch=2, lengths=(5, 12), seed=0)   # tiny-llama's line: 2 rows
         kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast",
                   mode="step-graph", return_scores=True)
         runs = []
