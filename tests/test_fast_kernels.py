@@ -182,6 +182,30 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
     assert "SiLU" in fast_decoder.plan(llama, 1).reason
 
 
+def test_the_line_per_shape_over_a_seeded_sweep_of_hidden_sizes_and_batches():
+    """forward.plan over seeded draws of hidden size (64-8192, the kernels' widest norm row: the powers of two and between) and batch (1-64),
+    for each measured family: the fast forward exactly at the batches MEASURED_LINES gives that hidden size
+    (1-2 rows to 2048, one row wider), the matmuls (Plan.matmuls, no swap) at every other; Gemma 3 and an MoE
+    model keep their unmeasured passes to 8 rows whatever the width."""
+    import random
+    rng = random.Random(41)
+    models = {name: gdtool.load_model(name, seed=0) for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
+    models["tiny-mistral"] = _tiny_mistral(4096)
+    unmeasured = [gdtool.load_model(name, seed=0) for name in ("tiny-gemma3", "tiny-qwen3-moe")]
+    for _ in range(60):
+        hidden = rng.choice((rng.randint(64, 8192), 2 ** rng.randint(6, 13), 2048, 2049))
+        batch = rng.choice((rng.randint(1, 64), rng.randint(1, 5)))
+        line = 2 if hidden <= 2048 else 1
+        for name, model in models.items():
+            model.config.hidden_size = hidden   # the line reads the width off the config; nothing else does
+            p = fast_decoder.plan(model, batch, 40)
+            assert p.applies == (batch <= line) and p.matmuls == (batch > line), (name, hidden, batch, p.reason)
+        for model in unmeasured:
+            model.config.hidden_size = hidden
+            p = fast_decoder.plan(model, batch, 8)
+            assert p.matmuls == (batch > 8), (type(model).__name__, hidden, batch, p.reason)
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
 def test_fast_step_on_cpu_llama_family_decodes_hf_tokens(name, monkeypatch):
     """float32 on a CPU (torch references inside the compiled step): Qwen2's biases, Qwen3's q/k norm and

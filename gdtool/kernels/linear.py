@@ -14,7 +14,8 @@ each listed module a forward that calls it: a custom operator, opaque to dynamo 
 module's parameters where they are (an in-place weight update is what the next step reads). Outside the scope
 the modules are HF's. Left as they are: the output embedding (the lm_head, a long stream of tiles that cuBLAS
 already reads near the copy bandwidth: 4.2 TB/s for gpt-oss-20b's), modules inside a MoE block that the experts
-plan replaces, and more rows than one pass of the kernel (`gemv.ROWS_PER_PASS`). Where Triton does not run (a
+plan replaces, and more rows than one pass of the kernel (`gemv.ROWS_PER_PASS`); and the whole model where the fast
+forward's line gave the batch to the matmuls (`forward.Plan.matmuls`: cuBLAS measured faster there). Where Triton does not run (a
 CPU without the interpreter) the operator is F.linear itself: the swap is what the CPU tests exercise, and the
 kernel under the interpreter.
 
