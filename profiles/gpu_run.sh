@@ -58,6 +58,9 @@
 #   kernels-sweep  every projection of SWEEP_MODELS (gemma-3-1b) at SWEEP_ROWS (1; e.g. 2,4: gemv_config is tuned at
 #                  one row, and one pass of 2-4 rows costs 24-83% more on the H200) over the probe's full sweep of tile
 #                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
+#   kernels-dot    the same probe's gemv part with --dot: each projection of DOT_MODELS (llama-8b,qwen3-8b,llama-1b) at
+#                  DOT_ROWS (2,3,4), cuBLAS, the matrix-vector kernel and the tensor-core probe (profiles/dot_gemv.py) at its
+#                  default config and neighbours: whether a tl.dot kernel reaches cuBLAS where the matrix-vector kernels lose
 #   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
 #                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): the 1-4-row fast steps
 #                  against the matmuls, where forward.MEASURED_LINES' line belongs per shape
@@ -290,6 +293,9 @@ for p in "$@"; do
            --out "$work/accuracy" ;;
     kernels-qk) part kernels-qk ${KERNELS_QK_SECONDS:-200} "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models gemma-3-1b,qwen3-8b --gemv-rows 1,4 --sweep none --budget-s 170 --out "$work/kernels-qk" ;;
+    kernels-dot) part kernels-dot ${KERNELS_DOT_SECONDS:-300} "$py" profiles/decode_kernels_probe.py --parts gemv --dot \
+           --models ${DOT_MODELS:-llama-8b,qwen3-8b,llama-1b} --sweep-models none --gemv-rows ${DOT_ROWS:-2,3,4} --sweep full \
+           --budget-s $(( ${KERNELS_DOT_SECONDS:-300} - 30 )) --out "$work/kernels-dot" ;;
     kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \
            --models ${SWEEP_MODELS:-gemma-3-1b} --sweep-models ${SWEEP_MODELS:-gemma-3-1b} --gemv-rows ${SWEEP_ROWS:-1} --sweep full \
            --budget-s $(( ${KERNELS_SWEEP_SECONDS:-150} - 30 )) --out "$work/kernels-sweep" ;;

@@ -522,3 +522,62 @@ def test_kernel_registers_row_cases_launch_one_pass_of_each_row_count():
             (fn, _, kwargs), = kernel_registers.launches(call)
             assert kwargs["ROWS"] == (4 if rows == 3 else 1) and kwargs["PASSES"] == 1, (name, kwargs["ROWS"])
             assert kernel_registers.tiles(kwargs).startswith(f"ROWS={kwargs['ROWS']} PASSES=1 ")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_dot_probe_kernel_under_the_interpreter_equals_linear():
+    """profiles/dot_gemv.py (the tensor-core probe for 2-16 rows): under Triton's interpreter, fp16, over seeded draws
+    of rows, N (not a multiple of the tile: masked columns) and each of its sweep's configs (split K included),
+    within float32-sum rounding of F.linear in float32; more rows than 16, or K off the chunks, refused with the
+    reason."""
+    from interpreter import run_interpreted
+    run_interpreted(
+        "import random, sys, torch\n"
+        "sys.path.insert(0, 'profiles')\n"
+        "import dot_gemv\n"
+        "rng = random.Random(5)\n"
+        "for _ in range(4):\n"
+        "    m, n, k = rng.choice((1, 2, 3, 4, 16)), rng.choice((48, 96, 200)), rng.choice((512, 1024))\n"
+        "    gen = torch.Generator().manual_seed(m * n)\n"
+        "    x = torch.randn(m, k, generator=gen).half()\n"
+        "    w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()\n"
+        "    ref = torch.nn.functional.linear(x.float(), w.float())\n"
+        "    configs = [c for c in dot_gemv.sweep_configs(m, n, k) if c[1] <= 256][:3] + [(32, 64, 4, 4, 2)]\n"
+        "    for config in configs:\n"
+        "        out = dot_gemv.dot_linear(x, w, config)\n"
+        "        assert out.shape == (m, n) and out.dtype == torch.float16, (out.shape, out.dtype)\n"
+        "        assert torch.allclose(out.float(), ref, atol=2e-3, rtol=2e-3), (m, n, k, config, (out.float() - ref).abs().max())\n"
+        "for bad, why in ((torch.zeros(17, 64).half(), 'at most'), (torch.zeros(2, 96).half(), 'contiguous')):\n"
+        "    try:\n"
+        "        dot_gemv.dot_linear(bad, torch.zeros(32, 64).half())\n"
+        "    except ValueError as e:\n"
+        "        assert why in str(e), e\n"
+        "    else:\n"
+        "        raise AssertionError(why)\n"
+        "try:\n"
+        "    dot_gemv.dot_linear(torch.zeros(2, 96).half(), torch.zeros(32, 96).half(), (32, 64, 1, 4, 2))\n"
+        "except ValueError as e:\n"
+        "    assert 'not a multiple of BLOCK_K' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('K off the chunks')\n"
+        "assert dot_gemv.default_config(4, 4096, 14336)[2] > 1 and dot_gemv.default_config(4, 128256, 4096)[2] == 1\n"
+        "print('ok')\n", timeout=600)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
+def test_probe_gemv_part_with_dot_dry_run_on_cpu(tmp_path):
+    """decode_kernels_probe.py --parts gemv --dot --device cpu (the interpreter, tiny shapes): every projection gets
+    cuBLAS's row, the matrix-vector kernel's and the tensor-core probe's, none failing (the CSV has no error)."""
+    import subprocess
+    import pandas as pd
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    run = subprocess.run([sys.executable, str(ROOT / "profiles" / "decode_kernels_probe.py"), "--device", "cpu",
+                          "--parts", "gemv", "--models", "tiny", "--gemv-rows", "2", "--dot", "--sweep-models", "none",
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    df = pd.read_csv(tmp_path / "gemv.csv")
+    assert "error" not in df or df.error.isna().all(), df
+    for proj in ("qkv", "o", "gate_up", "down", "lm_head"):
+        kernels = df[df.proj == proj].kernel
+        assert kernels.str.startswith("cublas").any() and kernels.str.startswith("triton dot").any(), (proj, kernels)
+        assert (kernels.str.startswith("triton") & ~kernels.str.startswith("triton dot")).any(), (proj, kernels)
