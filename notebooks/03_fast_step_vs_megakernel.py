@@ -200,6 +200,37 @@ plot.caption(fig, "Per preset and batch size, from the committed bench runs (com
 plt.show()
 
 # %% [markdown]
+# ## The batch curve, 1 to 64 rows
+# The fast step (step-graph, fused projections, the same decode) of llama-1b, llama-8b and qwen3-8b at every batch
+# measured, as the default line runs it: gdtool's matrix-vector kernels at one row (1-2 for llama-1b, hidden size
+# 2048), past that the compiled HF forward with cuBLAS's products and gdtool's split-KV attention
+# (`forward.MEASURED_LINES`; the files are listed in `profiles/h200/bench/batches/default-line.txt`, rendered with
+# the runs behind the line in its `curves.md`). Tokens per second must rise with the batch: a fall is a cliff, the
+# wrong path chosen at that batch.
+
+# %%
+curve_list = root / "profiles" / "h200" / "bench" / "batches" / "default-line.txt"
+curves = pd.concat([bench_table.curve(bench_table.frame(files)) for files in bench_table.listed(curve_list).values()])
+curves = curves[curves.runner == "gdtool step-graph+fast"]
+display(curves[["model", "batch", "path", "tok_s", "ms_per_step", "ratio", "cliff"]].round(3))
+fig, ax = plt.subplots(figsize=(8, 3.8), layout="constrained")
+for name, g in curves.groupby("model", sort=False):
+    line, = ax.plot(g.batch, g.tok_s, label=name)
+    on_kernels = g.path == "fast: fast decode forward"
+    ax.scatter(g.batch[on_kernels], g.tok_s[on_kernels], color=line.get_color(), marker="o", zorder=3)
+    ax.scatter(g.batch[~on_kernels], g.tok_s[~on_kernels], color=line.get_color(), marker="s", zorder=3)
+ax.set_xscale("log", base=2)
+ax.set_yscale("log")
+ax.set_xlabel("batch (rows decoded per step)")
+ax.set_ylabel("tokens per second")
+ax.legend()
+plot.caption(fig, "The fast step's tokens per second against the batch on one H200 (committed bench runs, commits in "
+                  "profiles/h200/README.md): circles, gdtool's matrix-vector kernels; squares, the compiled HF forward "
+                  "with cuBLAS's products. Each curve should rise at every batch.")
+plt.show()
+print(f"{int(curves.cliff.sum())} cliff(s) in {len(curves)} points")
+
+# %% [markdown]
 # ## Mixture of experts: where the step goes, per kernel class
 # The fast step of each MoE preset, traced node by node (`gpu_run.sh OUT nsys-fast` with `NSYS_MODEL`,
 # `NSYS_BATCH`), read through `profiles/kernel_breakdown.py`. With PDL a kernel starts, and waits, while the one

@@ -3,6 +3,7 @@
     python profiles/bench_table.py profiles/h200/bench/llama-1b/*.json profiles/h200/bench/llama-8b/*.json
     python profiles/bench_table.py --curve FILES...   # tok/s against batch per runner, and where it falls
     python profiles/bench_table.py --paths FILES...   # ms/step of each path the step took at each batch
+    python profiles/bench_table.py --curve @profiles/h200/bench/batches/default-line.txt:llama-8b   # a list's files
 
 Given the runs of two settings (one folder each), `--curve` keeps the faster at each batch: the curve the better
 choice per batch would give, its file naming the setting that won.
@@ -37,6 +38,30 @@ def frame(paths):
                             commit=env.get("git_commit"), gpu=env.get("device_name"), note=r.get("note"),
                             file=str(path)))
     return pd.DataFrame(out)
+
+
+def listed(path) -> dict:
+    """{preset: [bench JSON paths]} from a list file of "preset<TAB>glob" lines (globs relative to the file's folder,
+    '#' lines skipped; e.g. profiles/h200/bench/batches/default-line.txt), each glob's matches sorted, in file order."""
+    path = Path(path)
+    out: dict = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            preset, pattern = line.split("\t")
+            out.setdefault(preset, []).extend(sorted(path.parent.glob(pattern)))
+    return out
+
+
+def _expand(args):
+    """Arguments as given, with each "@LIST:PRESET" replaced by that preset's files in LIST (`listed`)."""
+    out = []
+    for arg in args:
+        if arg.startswith("@"):
+            name, preset = arg[1:].rsplit(":", 1)
+            out += [str(p) for p in listed(name).get(preset, [])] or [f"(no files for {preset} in {name})"]
+        else:
+            out.append(arg)
+    return out
 
 
 def fastest(runs):
@@ -124,6 +149,7 @@ def print_curve(paths):
 
 
 def main(paths):
+    paths = _expand(paths)
     if not [p for p in paths if p not in ("--curve", "--paths")]:
         raise SystemExit("give the bench's JSON files: python profiles/bench_table.py [--curve | --paths] "
                          "profiles/h200/bench/<preset>/*.json")

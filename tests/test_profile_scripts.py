@@ -581,3 +581,23 @@ def test_probe_gemv_part_with_dot_dry_run_on_cpu(tmp_path):
         kernels = df[df.proj == proj].kernel
         assert kernels.str.startswith("cublas").any() and kernels.str.startswith("triton dot").any(), (proj, kernels)
         assert (kernels.str.startswith("triton") & ~kernels.str.startswith("triton dot")).any(), (proj, kernels)
+
+
+def test_default_line_list_names_committed_files_and_expands_in_bench_table(capsys):
+    """profiles/h200/bench/batches/default-line.txt (the default line's curve, read by render.sh and notebook 03):
+    every glob matches a committed bench file, each preset's files cover batch 1 to 64 once per batch, and
+    bench_table's "@LIST:PRESET" argument expands to them (no cliff in the committed curves)."""
+    import bench_table
+    folder = ROOT / "profiles" / "h200" / "bench" / "batches"
+    lines = [l.split("\t") for l in (folder / "default-line.txt").read_text().splitlines() if l and l[0] != "#"]
+    assert all(sorted(folder.glob(pattern)) for _, pattern in lines), [p for _, p in lines if not list(folder.glob(p))]
+    listed = bench_table.listed(folder / "default-line.txt")
+    assert list(listed) == ["llama-1b", "llama-8b", "qwen3-8b"]
+    for preset, files in listed.items():
+        curve = bench_table.curve(bench_table.frame(files))
+        mine = curve[curve.runner == "gdtool step-graph+fast"]
+        assert mine.batch.min() == 1 and mine.batch.max() == 64 and mine.batch.is_unique, (preset, mine.batch)
+        assert not mine.cliff.any(), mine
+    bench_table.main(["--curve", f"@{folder / 'default-line.txt'}:llama-8b"])
+    out = capsys.readouterr().out
+    assert "| llama-8b | gdtool step-graph+fast | 64 |" in out and "0 cliff(s)" in out

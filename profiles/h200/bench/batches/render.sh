@@ -13,15 +13,11 @@ cat <<'TEXT'
 Each curve combines the files of the code the default runs at each batch: the kernels at 1 row (and 2 for llama-1b) from 5a2de9b; the compiled forward with cuBLAS's products past the line from 6a6ed8e (`plan_bench.py --gemv-rows 1`: at 2-4 rows what the default runs there now), edef802 (5 and 8 rows) and 5a2de9b (9-64; qwen3-8b's 16 from 5a2de9b's line-0 run, no swap past 4 rows); qwen3-8b's 64 from profiles/h200/bench/qwen3-8b (57347d7). qwen3-8b at 5-12 and 32 rows: not run.
 
 TEXT
-echo "### llama-1b"; echo
-$table --curve llama-1b/5a2de9b/line-8/*_b[12]_*.json llama-1b/6a6ed8e/line-1/*_b[34]_*.json llama-1b/edef802/line-4/*.json \
-  $(ls llama-1b/5a2de9b/line-8/*_b{9,12,16,32,64}_*.json); echo
-echo "### llama-8b"; echo
-$table --curve llama-8b/5a2de9b/line-8/*_b1_*.json llama-8b/6a6ed8e/line-1/*.json llama-8b/edef802/line-4/*.json \
-  $(ls llama-8b/5a2de9b/line-8/*_b{9,12,16,32,64}_*.json); echo
-echo "### qwen3-8b"; echo
-$table --curve qwen3-8b/5a2de9b-gemv-line/line-8/*_b1_*.json qwen3-8b/6a6ed8e/line-1/*.json \
-  qwen3-8b/5a2de9b-gemv-line/line-0/*_b16_*.json ../qwen3-8b/qwen3-8b_b64_p128_n256_kfast_fused.json; echo
+for m in llama-1b llama-8b qwen3-8b; do
+  echo "### $m"; echo
+  # default-line.txt: the files of each preset's default curve (the notebook reads the same list)
+  $table --curve @default-line.txt:$m; echo
+done
 echo "### 2-4 rows: the kernels against the compiled forward with cuBLAS's products (the line at 1), each run apart"; echo
 echo "llama-1b's kernels from 5a2de9b, the 8B shapes' from 763504d (bench-chunk's whole rows)."; echo
 $table --paths llama-1b/5a2de9b/line-8/*_b[234]_*.json llama-1b/5a2de9b-gemv-line/line-8/*_b3_*.json \
