@@ -45,10 +45,12 @@ def listed(path) -> dict:
     '#' lines skipped; e.g. profiles/h200/bench/batches/default-line.txt), each glob's matches sorted, in file order."""
     path = Path(path)
     out: dict = {}
-    for line in path.read_text().splitlines():
+    for number, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip() and not line.startswith("#"):
-            preset, pattern = line.split("\t")
-            out.setdefault(preset, []).extend(sorted(path.parent.glob(pattern)))
+            fields = line.split("\t")
+            if len(fields) != 2:
+                raise ValueError(f"{path}:{number}: {line!r} is not 'preset<TAB>glob'; write one tab between them")
+            out.setdefault(fields[0], []).extend(sorted(path.parent.glob(fields[1])))
     return out
 
 
@@ -56,11 +58,21 @@ def _expand(args):
     """Arguments as given, with each "@LIST:PRESET" replaced by that preset's files in LIST (`listed`)."""
     out = []
     for arg in args:
-        if arg.startswith("@"):
-            name, preset = arg[1:].rsplit(":", 1)
-            out += [str(p) for p in listed(name).get(preset, [])] or [f"(no files for {preset} in {name})"]
-        else:
+        if not arg.startswith("@"):
             out.append(arg)
+            continue
+        name, _, preset = arg[1:].rpartition(":")
+        if not name or not Path(name).is_file():
+            raise SystemExit(f"{arg}: give @LIST:PRESET, LIST a file of 'preset<TAB>glob' lines "
+                             "(e.g. @profiles/h200/bench/batches/default-line.txt:llama-8b)")
+        try:
+            files = listed(name).get(preset, [])
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        if not files:
+            raise SystemExit(f"{arg}: {name} lists no existing files for {preset!r}; its presets: "
+                             f"{', '.join(listed(name)) or 'none'}")
+        out += [str(p) for p in files]
     return out
 
 

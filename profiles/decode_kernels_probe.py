@@ -196,14 +196,12 @@ def part_gemv(args, rows):
                 x = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
                 g = (1 + 0.1 * torch.randn(k, device=DEVICE, generator=gen)).to(dtype) if norm else None
                 r = torch.randn(m, n, device=DEVICE, generator=gen).to(dtype) if residual else None
-                cat = [torch.cat(w) for w in weights] if count == 2 else None
-                if count == 2:
-                    base = [lambda w=w: F.linear(x, w) for w in cat]
-                else:
-                    base = [lambda w=w: F.linear(x, w[0]) for w in weights]
+                # the matmul alone, as one weight matrix per call (gate/up concatenated)
+                mats = [torch.cat(w) for w in weights] if count == 2 else [w[0] for w in weights]
+                base = [lambda w=w: F.linear(x, w) for w in mats]
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
-                variants += _dot_variants(args, m, n * count, k, lambda config, cat=cat if count == 2 else None: [
-                    lambda w=w: dot_gemv.dot_linear(x, w, config) for w in (cat or [w[0] for w in weights])])
+                variants += _dot_variants(args, m, n * count, k, lambda config, mats=mats: [
+                    lambda w=w: dot_gemv.dot_linear(x, w, config) for w in mats])
                 for config in gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none"):
                     if config is not None and m > 1 and args.sweep != "full":
                         continue

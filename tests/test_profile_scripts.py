@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -601,3 +602,19 @@ def test_default_line_list_names_committed_files_and_expands_in_bench_table(caps
     bench_table.main(["--curve", f"@{folder / 'default-line.txt'}:llama-8b"])
     out = capsys.readouterr().out
     assert "| llama-8b | gdtool step-graph+fast | 64 |" in out and "0 cliff(s)" in out
+
+
+def test_bench_table_list_arguments_refuse_bad_input_with_the_fix(tmp_path):
+    """bench_table's "@LIST:PRESET": a missing list, a preset it does not name (or whose globs match nothing) and a
+    line without its tab are refused with what to write, not a traceback from json or pandas."""
+    import bench_table
+    good = tmp_path / "list.txt"
+    good.write_text("# a comment\nm\tnothing-*.json\n")
+    bad = tmp_path / "bad.txt"
+    bad.write_text("m nothing.json\n")
+    for arg, said in ((f"@{tmp_path / 'missing.txt'}:m", "give @LIST:PRESET"), ("@:m", "give @LIST:PRESET"),
+                      (f"@{good}:other", "lists no existing files for 'other'; its presets: m"),
+                      (f"@{good}:m", "lists no existing files for 'm'"),
+                      (f"@{bad}:m", "bad.txt:1: 'm nothing.json' is not 'preset<TAB>glob'")):
+        with pytest.raises(SystemExit, match=re.escape(said)):
+            bench_table.main(["--curve", arg])

@@ -46,9 +46,9 @@ window phase for a captured graph), shifts both caches left in one kernel (`wind
 data as HF's roll, in place), writes slot W - 1 in `qkv_rope` and attends over all W slots,
 masked by the 2-D mask's columns at the window's positions (`core.feed.Windows.layer_masks`).
 
-`plan(model, batch, cache_len)` says whether it applies, which path runs at this batch
-(`line_paths`: the measured line per hidden size) and why not: transformers' own modules of one of those families (RMSNorm, SiLU MLP, no
-biases but q/k/v's, a static RoPE), bf16 or fp16 weights on CUDA (any float dtype on a CPU, where the
+`plan(model, batch, cache_len)` says whether it applies, which path runs at this batch (`line_paths`: the
+measured line per hidden size) and why not: transformers' own modules of one of those families (RMSNorm, SiLU
+MLP, no biases but q/k/v's, a static RoPE), bf16 or fp16 weights on CUDA (any float dtype on a CPU, where the
 operators run their torch references). Anything else keeps the compiled HF forward (`kernels="compiled"`).
 """
 from __future__ import annotations

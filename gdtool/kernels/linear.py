@@ -15,9 +15,9 @@ module's parameters where they are (an in-place weight update is what the next s
 the modules are HF's. Left as they are: the output embedding (the lm_head, a long stream of tiles that cuBLAS
 already reads near the copy bandwidth: 4.2 TB/s for gpt-oss-20b's), modules inside a MoE block that the experts
 plan replaces, and more rows than one pass of the kernel (`gemv.ROWS_PER_PASS`); and the whole model where the fast
-forward's line gave the batch to the matmuls (`forward.Plan.matmuls`: cuBLAS measured faster there). Where Triton does not run (a
-CPU without the interpreter) the operator is F.linear itself: the swap is what the CPU tests exercise, and the
-kernel under the interpreter.
+forward's line gave the batch to the matmuls (`forward.Plan.matmuls`: cuBLAS measured faster there). Where Triton
+does not run (a CPU without the interpreter) the operator is F.linear itself: the swap is what the CPU tests
+exercise, and the kernel under the interpreter.
 
 Projections fused by `fuse.fuse_projections` (q/k/v as one buffer, each module a view of its rows) run as one
 product while the step compiles, as fuse's own forwards do: the group's first module calls the operator over the
