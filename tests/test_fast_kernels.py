@@ -3,7 +3,9 @@
 On a CPU: the torch references (what runs without Triton) against float64, always; the Triton
 kernels themselves under Triton's CPU interpreter where Triton is installed (float32 and float16:
 the interpreter of Triton 3.6 rounds to bf16 by truncation and mishandles bf16 dots); the fast step
-of tiny Llama, Qwen2, Qwen3 and Mistral models against HF's kernels; one forward of the Triton kernels under
+of tiny Llama, Qwen2, Qwen3 and Mistral models against HF's kernels, and a seeded sweep of every family the fast
+forward takes (`fastcases.py`: batch against the line, padding, sampling, EOS, every mode) against generate();
+one forward of the Triton kernels under
 the interpreter against the torch references. On CUDA: the kernels in bf16 and fp16 at small and real Llama / Qwen
 shapes, PDL on and off, and the fast step of each family (Llama, Qwen2, Qwen3, Mistral) captured against
 itself uncaptured, at one pass of rows and at two.
@@ -18,6 +20,7 @@ import torch
 
 import gdtool
 import gdtool.loops.devloop
+import fastcases
 from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, gemv, triton as fast_triton
 from interpreter import run_interpreted
 
@@ -219,6 +222,22 @@ def test_fast_step_on_cpu_llama_family_decodes_hf_tokens(name, monkeypatch):
         assert torch.equal(_decode(model, prompt, kernels="fast").tokens, _decode(model, prompt).tokens), batch
         note = fast.compiles(model).kernels.iloc[-1]
         assert note.startswith("fast: fast decode forward, 2 layers"), note
+
+
+# The seeded sweep (`fastcases.py`; profiles/fast_sweep.py runs more seeds): two cases of each model, drawn in
+# batch against the line, padding, length, sampling and EOS; every mode against generate().
+FAST_SWEEP = fastcases.cases(2, seed=0)
+
+
+def test_the_fast_sweep_covers_every_model_path_and_setting():
+    got = fastcases.coverage(FAST_SWEEP)
+    assert all(got.values()), got
+
+
+@pytest.mark.parametrize("case", FAST_SWEEP, ids=[f"{c.model}-b{c.batch}-line{c.line}" for c in FAST_SWEEP])
+def test_fast_sweep_decodes_generate_tokens_in_every_mode(case):
+    failures = fastcases.run(case)
+    assert not failures, "\n".join(failures)
 
 
 def test_fast_forward_agrees_with_hf_teacher_forced_on_cpu():

@@ -427,6 +427,30 @@ def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):
         assert phrase in capsys.readouterr().err
 
 
+def test_fast_sweep_counts_cases_per_path_and_fails_on_a_mismatch(monkeypatch, capsys):
+    """profiles/fast_sweep.py: the suite's kernels="fast" sweep at other seeds. It prints every case with the path
+    the plan chose, counts the paths, prints each mismatch with its case's name and exits 1 on any; bad arguments
+    are refused by name."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import fast_sweep
+    import fastcases
+    args = ["--seeds", "5", "--models", "tiny-llama", "qwen3_moe", "--wide", "0"]
+    cases = fastcases.cases(2, 5, ("tiny-llama", "qwen3_moe"), wide=0)
+    assert fast_sweep.main(args) == 0
+    out = capsys.readouterr().out
+    assert all(f"{fastcases.path(c):8s} {c.name}: ok" in out for c in cases) and ", 0 mismatched" in out
+    assert f"4 cases ({', '.join(f'{sum(fastcases.path(c) == p for c in cases)} {p}' for p in fastcases.PATHS)})" in out
+    monkeypatch.setattr(fastcases, "run", lambda case: [f"{case.name} eager: tokens differ from generate()'s"])
+    assert fast_sweep.main(args) == 1
+    out = capsys.readouterr().out
+    assert all(f"{c.name} eager: tokens differ" in out for c in cases) and ", 4 mismatched" in out
+    for bad, phrase in ((["--models", "llama"], "not in tests/fastcases.py"), (["--seeds", "x"], "give N or A-B"),
+                        (["--wide", "1.5"], "a share, from 0 to 1"), (["--per-model", "0"], "give 1 or more")):
+        with pytest.raises(SystemExit):
+            fast_sweep.main(bad)
+        assert phrase in capsys.readouterr().err
+
+
 def test_zoo_sweep_runs_every_case_at_random_shapes_and_fails_on_a_mismatch(monkeypatch, capsys):
     """profiles/zoo_sweep.py: every causal-LM case at `--shapes` random shapes each, the shapes it ran printed;
     a mismatch or a crash is printed with its shape and makes the exit status 1."""

@@ -94,7 +94,8 @@ _MATMULS = (None, "compiled", "matrix products: past the matrix-vector kernels' 
                               "for Gemma 3 and experts) cuBLAS's / inductor's tensor-core matmuls win")
 MEASURED_LINE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 MEASURED_LINES = ((2048, 2), (None, 1))   # (largest hidden size, largest batch of the matrix-vector kernels)
-BATCH_PATHS = None   # None: MEASURED_LINES per shape; gemv_line(N) (plan_bench --gemv-rows N): one line for every shape
+BATCH_PATHS = None   # None: MEASURED_LINES per shape; gemv_line(N) (plan_bench --gemv-rows N): one line for every
+#                      shape of MEASURED_LINE's families (Gemma 3 and experts keep UNMEASURED_PATHS)
 
 
 def _one_pass(rows: int) -> tuple:
@@ -107,7 +108,8 @@ UNMEASURED_PATHS = (_one_pass(gemv.ROWS_PER_PASS), _PASSES, _MATMULS)   # the ot
 def gemv_line(rows: int) -> tuple:
     """Batch paths with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
     one pass, past it passes of rows), the compiled HF forward past it: MEASURED_LINES' rows, or the setting a GPU
-    sweep tries for every shape (`BATCH_PATHS`, `profiles/plan_bench.py --gemv-rows`). 0: the compiled forward at
+    sweep tries for every shape of MEASURED_LINE's families (`BATCH_PATHS`, `profiles/plan_bench.py --gemv-rows`;
+    Gemma 3 and experts keep UNMEASURED_PATHS). 0: the compiled forward at
     every batch. Where the line gives a batch to the compiled forward, its linear layers stay cuBLAS's / inductor's
     (no `linear.py` swap: `Plan.matmuls`)."""
     if not 0 <= rows <= gemv.MAX_ROWS:

@@ -1,0 +1,178 @@
+"""A seeded sweep over `kernels="fast"`: which models, which cases, and what each case covers.
+
+The fast forward takes a batch in passes of the matrix-vector kernels up to the line (`forward.line_paths`;
+`forward.gemv_line(N)` moves it, as the GPU bench does) and hands a wider batch to HF's forward, compiled.
+What can go wrong depends on the family (q/k/v biases, q/k norm, a window, Gemma 3's norms and sliding
+layers, experts), on where the batch falls against the line (one pass, several with a partial last one, past
+it), on left padding, on the sampling settings and on EOS firing in some rows. Each case draws all of these:
+
+    model     tiny Llama, Qwen2, Qwen3, Mistral (its window wider than the cache, or narrower: refused, HF's
+              forward compiled runs), Gemma 3 (sliding layers of 8 beside a full one), Qwen3-MoE, Mixtral, Qwen2-MoE
+    batch     1-64 rows, against the default line or one moved to 0-16 rows (most often to take the batch)
+    prompt    padded width 1-12, left pads per row (one row unpadded)
+    decode    2-14 new tokens; greedy, or sampling with a repetition penalty; EOS off, or a token the reference
+              decodes in some row (it fires there, not in the others)
+    modes     eager, forward-graph, step-graph (a random EOS polling interval), device-loop
+
+`run(case)` decodes it in every mode and checks what the option promises, in float32 on a CPU (the fast forward's
+torch references; Triton's kernels where its interpreter is on): the tokens generate()'s, every mode's tokens and
+scores bit for bit eager's, and the path each compiled step's account (`compiles()`) names the one
+`forward.plan` chose for the batch. `coverage()` names what a list of cases covers, so a test can assert
+that nothing was left out. `profiles/fast_sweep.py` runs many seeds.
+"""
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+MODELS = ("tiny-llama", "tiny-qwen2", "tiny-qwen3", "mistral-wide", "mistral-narrow", "tiny-gemma3",
+          "qwen3_moe", "mixtral", "qwen2_moe")
+MODES = ("eager", "forward-graph", "step-graph", "device-loop")
+POLLS = (1, 3, "async", 0)
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.1)
+PATHS = ("one pass", "passes", "matmuls", "refused")
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    batch: int
+    line: int | None      # the matrix-vector rows (forward.gemv_line), None: the default line
+    width: int            # padded prompt width
+    pads: tuple           # left pads per row
+    new_tokens: int
+    sampling: bool
+    eos: tuple | None     # (row, step) of the reference's token taken for EOS, None: EOS off
+    poll: object          # step-graph's eos_poll_interval
+    seed: int
+
+    @property
+    def name(self) -> str:
+        line = "default" if self.line is None else self.line
+        eos = "off" if self.eos is None else f"r{self.eos[0]}s{self.eos[1]}"
+        return (f"{self.model}-b{self.batch}-line{line}-p{self.width}-pads{'.'.join(map(str, self.pads))}-"
+                f"n{self.new_tokens}-{'sample' if self.sampling else 'greedy'}-eos{eos}-poll{self.poll}-s{self.seed}")
+
+
+def cases(per_model: int, seed: int = 0, models=MODELS, wide: float = 0.15) -> list[Case]:
+    """`per_model` cases of each model drawn from `seed`; about `wide` of them past 16 rows (HF's forward compiled:
+    ~10 s each on a CPU)."""
+    rng = random.Random(f"fast-{seed}")
+    out = []
+    for _ in range(per_model):
+        for model in models:
+            batch = rng.randint(17, 64) if rng.random() < wide else rng.choice((rng.randint(1, 4), rng.randint(1, 16)))
+            draw = rng.random()   # the default line, one that takes the batch, or any
+            rows = None if draw < 0.4 else rng.randint(min(batch, 16), 16) if draw < 0.8 else rng.randint(0, 16)
+            width, new_tokens = rng.randint(1, 12), rng.randint(2, 14)
+            pads = [rng.randint(0, width - 1) for _ in range(batch)]
+            pads[rng.randrange(batch)] = 0   # one row unpadded: the padded width is the longest prompt
+            eos = (rng.randrange(batch), rng.randint(1, new_tokens - 1)) if rng.random() < 0.4 else None
+            out.append(Case(model, batch, rows, width, tuple(pads), new_tokens, rng.random() < 0.4, eos,
+                            rng.choice(POLLS), rng.randrange(1 << 16)))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def build(name: str):
+    """The tiny float32 model `name` (MODELS)."""
+    import torch
+    import gdtool
+    if name.startswith("tiny-"):
+        return gdtool.load_model(name, seed=0)
+    if name.startswith("mistral-"):
+        from transformers import AutoModelForCausalLM, MistralConfig
+        config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               sliding_window=4096 if name == "mistral-wide" else 6, max_position_embeddings=2048,
+                               bos_token_id=1, eos_token_id=2)
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(config).eval()
+    import moe
+    return moe.build(name)
+
+
+def path(case: Case) -> str:
+    """The path `forward.plan` picks for the case: one pass or several of the matrix-vector kernels, the matmuls
+    past the line, or refused (Mistral's window narrower than the cache)."""
+    from gdtool.kernels import forward, gemv
+    with line(case.line):   # the cache holds the prompt and every new token but the last
+        plan = forward.plan(build(case.model), case.batch, case.width + case.new_tokens - 1)
+    if plan.applies:
+        return "one pass" if case.batch <= gemv.ROWS_PER_PASS else "passes"
+    return "matmuls" if plan.matmuls else "refused"
+
+
+class line:
+    """Within it, the matrix-vector rows are `rows` (None: the default line)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __enter__(self):
+        from gdtool.kernels import forward
+        self.saved = forward.BATCH_PATHS
+        if self.rows is not None:
+            forward.BATCH_PATHS = forward.gemv_line(self.rows)
+
+    def __exit__(self, *exc):
+        from gdtool.kernels import forward
+        forward.BATCH_PATHS = self.saved
+
+
+def prompt(case: Case):
+    import torch
+    gen = torch.Generator().manual_seed(case.seed)
+    ids = torch.randint(3, 4096, (case.batch, case.width), generator=gen)
+    mask = torch.ones_like(ids)
+    for row, pads in enumerate(case.pads):
+        mask[row, :pads] = 0
+    return ids * mask, mask
+
+
+def run(case: Case) -> list[str]:
+    """Decode `case` in every mode with kernels="fast" against generate(); the mismatches, one line each."""
+    import torch
+    from gdtool.kernels.step import compiles, forget
+    from reference import decode, generate
+    model = build(case.model)
+    ids, mask = prompt(case)
+    settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
+    settings.update(eos_token_id=None, pad_token_id=0)
+    if case.eos is not None:
+        tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
+        settings["eos_token_id"] = int(tokens[case.eos])
+    ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
+    expect = "HF forward compiled" if path(case) in ("matmuls", "refused") else "fast decode forward"
+    failures, first = [], None
+    forget(model)   # a step compiled under another line would run its path again
+    with line(case.line):
+        for mode in MODES:
+            poll = case.poll if mode == "step-graph" else None
+            out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, eos_poll_interval=poll,
+                         kernels="fast", **settings)
+            if not torch.equal(out.tokens, ref_tokens):
+                failures.append(f"{case.name} {mode}: tokens differ from generate()'s")
+            if first is None:
+                first = out
+            elif not (torch.equal(out.tokens, first.tokens) and len(out.scores) == len(first.scores)
+                      and all(torch.equal(a, b) for a, b in zip(out.scores, first.scores))):
+                failures.append(f"{case.name} {mode}: tokens or scores differ from {MODES[0]}'s")
+    failures += [f"{case.name}: {expect!r} not in the step's account {note!r}"
+                 for note in compiles(model).kernels if expect not in note]
+    forget(model)
+    return failures
+
+
+def coverage(all_cases: list[Case]) -> dict[str, int]:
+    """How many cases exercise each thing the sweep must cover."""
+    got = {model: sum(c.model == model for c in all_cases) for model in MODELS}
+    got.update({p: sum(path(c) == p for c in all_cases) for p in PATHS})
+    got["left padding"] = sum(any(c.pads) for c in all_cases)
+    got["sampling"] = sum(c.sampling for c in all_cases)
+    got["greedy"] = sum(not c.sampling for c in all_cases)
+    got["EOS on"] = sum(c.eos is not None for c in all_cases)
+    got["line moved"] = sum(c.line is not None for c in all_cases)
+    return got
