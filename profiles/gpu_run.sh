@@ -16,6 +16,9 @@
 #   tests-kernels  the cuda tests of gdtool's own kernels (fast forward families, the greedy tail, Gemma 3, MoE experts, the linear layers of other models, attention
 #                  (the fused combine), the window sweep with them), and which kernel paths passed them
 #                  (profiles/kernel_paths.py)
+#   tests-fast-sweep  the seeded kernels="fast" sweep in bf16, captured (tests/fastcases.py, seed 1: every family of the
+#                  fast forward, 1-64 rows against the line, padding, sampling, EOS; every mode bit for bit eager's),
+#                  and which kernel paths passed it; tests-kernels leaves it out (its call's time)
 #   tests-pick     the cuda tests TESTS_PICK names (pytest's arguments: files, node ids, -k "..."), -n none
 #   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
 #                  2.11; their busy-vs-span checks are not for a shared GPU), capture through a device mask
@@ -212,9 +215,15 @@ for p in "$@"; do
            ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_tail.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py tests/test_linear.py \
            tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured \
            --deselect tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
-           --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured
+           --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured \
+           --deselect tests/test_fast_kernels.py::test_fast_sweep_captured_equals_eager_on_cuda
            "$py" profiles/kernel_paths.py "$work/tests-kernels/paths.jsonl" 2>&1 | tee "$work/tests-kernels/paths.txt" | tee -a "$log"
            keep tests-kernels ;;
+    tests-fast-sweep) part tests-fast-sweep ${FAST_SWEEP_SECONDS:-400} env GDTOOL_KERNEL_PATHS="$work/tests-fast-sweep/paths.jsonl" \
+           "$py" -m pytest -q -rfE --tb=short -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
+           tests/test_fast_kernels.py::test_fast_sweep_captured_equals_eager_on_cuda
+           "$py" profiles/kernel_paths.py "$work/tests-fast-sweep/paths.jsonl" 2>&1 | tee "$work/tests-fast-sweep/paths.txt" | tee -a "$log"
+           keep tests-fast-sweep ;;
     tests-zoo-kernels) part tests-zoo-kernels ${ZOO_KERNELS_SECONDS:-560} "$py" -m pytest -q -rfE --tb=short -m cuda \
            -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \

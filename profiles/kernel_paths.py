@@ -34,7 +34,12 @@ def main(argv=None) -> int:
     files = (argv if argv is not None else sys.argv[1:]) or ["-"]
     lines = []
     for name in files:
-        lines += (sys.stdin if name == "-" else open(name)).read().splitlines()
+        try:
+            lines += (sys.stdin if name == "-" else open(name)).read().splitlines()
+        except FileNotFoundError:
+            print(f"{name}: no such file: the cuda tests write it where GDTOOL_KERNEL_PATHS names it, on a machine "
+                  "with CUDA (without one they skip and write nothing)", file=sys.stderr)
+            return 2
     passed, failing = read(lines)
     print("passed: {" + "".join(f"\n    {p!r}," for p in passed) + "\n}")
     for path, tests in sorted(failing.items()):

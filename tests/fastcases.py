@@ -14,11 +14,12 @@ it), on left padding, on the sampling settings and on EOS firing in some rows. E
               decodes in some row (it fires there, not in the others)
     modes     eager, forward-graph, step-graph (a random EOS polling interval), device-loop
 
-`run(case)` decodes it in every mode and checks what the option promises, in float32 on a CPU (the fast forward's
-torch references; Triton's kernels where its interpreter is on): the tokens generate()'s, every mode's tokens and
-scores bit for bit eager's, and the path each compiled step's account (`compiles()`) names the one
-`forward.plan` chose for the batch. `coverage()` names what a list of cases covers, so a test can assert
-that nothing was left out. `profiles/fast_sweep.py` runs many seeds.
+`run(case)` decodes it in every mode and checks what the option promises: every mode's tokens and scores bit
+for bit eager's, the path each compiled step's account (`compiles()`) names the one `forward.plan` chose for the
+batch, and in float32 on a CPU (the fast forward's torch references; Triton's kernels where its interpreter is
+on) the tokens generate()'s; on CUDA (bf16: the kernels round otherwise than HF's, enough to flip a token) the
+graph modes captured. `coverage()` names what a list of cases covers, so a test can assert that nothing was left
+out. `profiles/fast_sweep.py` runs many seeds.
 """
 from __future__ import annotations
 
@@ -75,12 +76,13 @@ def cases(per_model: int, seed: int = 0, models=MODELS, wide: float = 0.15) -> l
 
 
 @functools.lru_cache(maxsize=None)
-def build(name: str):
-    """The tiny float32 model `name` (MODELS)."""
+def build(name: str, device: str = "cpu", dtype=None):
+    """The tiny model `name` (MODELS), float32 unless `dtype` says otherwise."""
     import torch
     import gdtool
+    dtype = dtype or torch.float32
     if name.startswith("tiny-"):
-        return gdtool.load_model(name, seed=0)
+        return gdtool.load_model(name, seed=0, device=device, dtype=dtype)
     if name.startswith("mistral-"):
         from transformers import AutoModelForCausalLM, MistralConfig
         config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -89,17 +91,17 @@ def build(name: str):
                                bos_token_id=1, eos_token_id=2)
         config._attn_implementation = "sdpa"
         torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).eval()
+        return AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
     import moe
-    return moe.build(name)
+    return moe.build(name, device=device, dtype=dtype)
 
 
-def path(case: Case) -> str:
+def path(case: Case, device: str = "cpu", dtype=None) -> str:
     """The path `forward.plan` picks for the case: one pass or several of the matrix-vector kernels, the matmuls
     past the line, or refused (Mistral's window narrower than the cache)."""
     from gdtool.kernels import forward, gemv
     with line(case.line):   # the cache holds the prompt and every new token but the last
-        plan = forward.plan(build(case.model), case.batch, case.width + case.new_tokens - 1)
+        plan = forward.plan(build(case.model, device, dtype), case.batch, case.width + case.new_tokens - 1)
     if plan.applies:
         return "one pass" if case.batch <= gemv.ROWS_PER_PASS else "passes"
     return "matmuls" if plan.matmuls else "refused"
@@ -122,30 +124,33 @@ class line:
         forward.BATCH_PATHS = self.saved
 
 
-def prompt(case: Case):
+def prompt(case: Case, device="cpu"):
     import torch
     gen = torch.Generator().manual_seed(case.seed)
     ids = torch.randint(3, 4096, (case.batch, case.width), generator=gen)
     mask = torch.ones_like(ids)
     for row, pads in enumerate(case.pads):
         mask[row, :pads] = 0
-    return ids * mask, mask
+    return (ids * mask).to(device), mask.to(device)
 
 
-def run(case: Case) -> list[str]:
-    """Decode `case` in every mode with kernels="fast" against generate(); the mismatches, one line each."""
+def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
+    """Decode `case` in every mode with kernels="fast"; the mismatches, one line each (module docstring)."""
     import torch
     from gdtool.kernels.step import compiles, forget
     from reference import decode, generate
-    model = build(case.model)
-    ids, mask = prompt(case)
+    model = build(case.model, device, dtype)
+    ids, mask = prompt(case, device)
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
     settings.update(eos_token_id=None, pad_token_id=0)
-    if case.eos is not None:
-        tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
+    if case.eos is not None:   # the reference's token there: generate()'s (float32), else eager's with these kernels
+        with line(case.line):
+            tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] if device == "cpu" \
+                else decode(model, ids, mask, case.new_tokens, seed=case.seed, kernels="fast", **settings).tokens
         settings["eos_token_id"] = int(tokens[case.eos])
-    ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
-    expect = "HF forward compiled" if path(case) in ("matmuls", "refused") else "fast decode forward"
+    ref_tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] \
+        if device == "cpu" and model.dtype == torch.float32 else None
+    expect = "HF forward compiled" if path(case, device, dtype) in ("matmuls", "refused") else "fast decode forward"
     failures, first = [], None
     forget(model)   # a step compiled under another line would run its path again
     with line(case.line):
@@ -153,12 +158,14 @@ def run(case: Case) -> list[str]:
             poll = case.poll if mode == "step-graph" else None
             out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, eos_poll_interval=poll,
                          kernels="fast", **settings)
-            if not torch.equal(out.tokens, ref_tokens):
+            if ref_tokens is not None and not torch.equal(out.tokens, ref_tokens):
                 failures.append(f"{case.name} {mode}: tokens differ from generate()'s")
+            if device != "cpu" and mode == "step-graph" and out.replays != out.steps:
+                failures.append(f"{case.name} {mode}: {out.replays} replays for {out.steps} steps (not captured)")
             if first is None:
                 first = out
-            elif not (torch.equal(out.tokens, first.tokens) and len(out.scores) == len(first.scores)
-                      and all(torch.equal(a, b) for a, b in zip(out.scores, first.scores))):
+            elif not (torch.equal(out.tokens.cpu(), first.tokens.cpu()) and len(out.scores) == len(first.scores)
+                      and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out.scores, first.scores))):
                 failures.append(f"{case.name} {mode}: tokens or scores differ from {MODES[0]}'s")
     failures += [f"{case.name}: {expect!r} not in the step's account {note!r}"
                  for note in compiles(model).kernels if expect not in note]

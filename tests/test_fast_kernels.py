@@ -8,7 +8,7 @@ forward takes (`fastcases.py`: batch against the line, padding, sampling, EOS, e
 one forward of the Triton kernels under
 the interpreter against the torch references. On CUDA: the kernels in bf16 and fp16 at small and real Llama / Qwen
 shapes, PDL on and off, and the fast step of each family (Llama, Qwen2, Qwen3, Mistral) captured against
-itself uncaptured, at one pass of rows and at two.
+itself uncaptured, at one pass of rows and at two; the seeded sweep in bf16, every mode bit for bit eager's.
 Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
 """
 import os
@@ -234,7 +234,11 @@ def test_the_fast_sweep_covers_every_model_path_and_setting():
     assert all(got.values()), got
 
 
-@pytest.mark.parametrize("case", FAST_SWEEP, ids=[f"{c.model}-b{c.batch}-line{c.line}" for c in FAST_SWEEP])
+def _ids(cases):
+    return [f"{c.model}-b{c.batch}-line{c.line}-s{c.seed}" for c in cases]
+
+
+@pytest.mark.parametrize("case", FAST_SWEEP, ids=_ids(FAST_SWEEP))
 def test_fast_sweep_decodes_generate_tokens_in_every_mode(case):
     failures = fastcases.run(case)
     assert not failures, "\n".join(failures)
@@ -475,6 +479,19 @@ def test_fast_step_on_cuda_qwen3_8b_rounds_no_more_than_hf(batch, monkeypatch):
     print(df.to_string())
     assert df.fast_mean_error.mean() <= 1.25 * df.hf_mean_error.mean(), df
     assert "q/k norm" in fast.compiles(model).kernels.iloc[-1]
+
+
+FAST_SWEEP_CUDA = fastcases.cases(3, seed=1)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", FAST_SWEEP_CUDA, ids=_ids(FAST_SWEEP_CUDA))
+def test_fast_sweep_captured_equals_eager_on_cuda(case):
+    """The seeded sweep (seed 1, three cases a model) in bf16 on CUDA: every mode, the graph modes captured, bit for
+    bit eager's tokens and scores with the same kernels, and the step's account naming the plan's path. Its own
+    gpu_run.sh part (`tests-fast-sweep`), as tests-kernels is near its call's time."""
+    failures = fastcases.run(case, "cuda", torch.bfloat16)
+    assert not failures, "\n".join(failures)
 
 
 def test_node_trace_breakdown_classifies_the_fast_kernels():

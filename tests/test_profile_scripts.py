@@ -263,6 +263,8 @@ def test_kernel_paths_passes_a_path_only_where_every_test_that_ran_it_passed(tmp
     assert kernel_paths.main([str(f)]) == 1
     out = capsys.readouterr().out
     assert "'Llama, <= 4 rows'," in out and "FAILED 'Qwen3, q/k norm, <= 4 rows': b" in out
+    assert kernel_paths.main([str(tmp_path / "missing.jsonl")]) == 2   # no CUDA: the tests skipped, wrote nothing
+    assert "missing.jsonl: no such file" in capsys.readouterr().err
 
 
 def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_path, monkeypatch, capsys):
