@@ -23,6 +23,7 @@ out. `profiles/fast_sweep.py` runs many seeds.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 from dataclasses import dataclass
@@ -107,21 +108,17 @@ def path(case: Case, device: str = "cpu", dtype=None) -> str:
     return "matmuls" if plan.matmuls else "refused"
 
 
-class line:
+@contextlib.contextmanager
+def line(rows):
     """Within it, the matrix-vector rows are `rows` (None: the default line)."""
-
-    def __init__(self, rows):
-        self.rows = rows
-
-    def __enter__(self):
-        from gdtool.kernels import forward
-        self.saved = forward.BATCH_PATHS
-        if self.rows is not None:
-            forward.BATCH_PATHS = forward.gemv_line(self.rows)
-
-    def __exit__(self, *exc):
-        from gdtool.kernels import forward
-        forward.BATCH_PATHS = self.saved
+    from gdtool.kernels import forward
+    saved = forward.BATCH_PATHS
+    if rows is not None:
+        forward.BATCH_PATHS = forward.gemv_line(rows)
+    try:
+        yield
+    finally:
+        forward.BATCH_PATHS = saved
 
 
 def prompt(case: Case, device="cpu"):
