@@ -85,16 +85,21 @@ def build(name: str, device: str = "cpu", dtype=None):
     if name.startswith("tiny-"):
         return gdtool.load_model(name, seed=0, device=device, dtype=dtype)
     if name.startswith("mistral-"):
-        from transformers import AutoModelForCausalLM, MistralConfig
-        config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                               sliding_window=4096 if name == "mistral-wide" else 6, max_position_embeddings=2048,
-                               bos_token_id=1, eos_token_id=2)
-        config._attn_implementation = "sdpa"
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(config).eval().to(device=device, dtype=dtype)
+        return tiny_mistral(4096 if name == "mistral-wide" else 6).to(device=device, dtype=dtype)
     import moe
     return moe.build(name, device=device, dtype=dtype)
+
+
+def tiny_mistral(window: int):
+    """A tiny float32 Mistral (tiny-llama's shapes, head_dim 16) with a sliding window of `window` slots."""
+    import torch
+    from transformers import AutoModelForCausalLM, MistralConfig
+    config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
+                           max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
 
 
 def path(case: Case, device: str = "cpu", dtype=None) -> str:
@@ -121,21 +126,12 @@ def line(rows):
         forward.BATCH_PATHS = saved
 
 
-def prompt(case: Case, device="cpu"):
-    import torch
-    gen = torch.Generator().manual_seed(case.seed)
-    ids = torch.randint(3, 4096, (case.batch, case.width), generator=gen)
-    mask = torch.ones_like(ids)
-    for row, pads in enumerate(case.pads):
-        mask[row, :pads] = 0
-    return (ids * mask).to(device), mask.to(device)
-
-
 def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     """Decode `case` in every mode with kernels="fast"; the mismatches, one line each (module docstring)."""
     import torch
     from gdtool.kernels.step import compiles, forget
     from reference import decode, generate
+    from windows import prompt   # random ids, each row's left pads masked
     model = build(case.model, device, dtype)
     ids, mask = prompt(case, device)
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)

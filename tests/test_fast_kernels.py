@@ -5,10 +5,10 @@ kernels themselves under Triton's CPU interpreter where Triton is installed (flo
 the interpreter of Triton 3.6 rounds to bf16 by truncation and mishandles bf16 dots); the fast step
 of tiny Llama, Qwen2, Qwen3 and Mistral models against HF's kernels, and a seeded sweep of every family the fast
 forward takes (`fastcases.py`: batch against the line, padding, sampling, EOS, every mode) against generate();
-one forward of the Triton kernels under
-the interpreter against the torch references. On CUDA: the kernels in bf16 and fp16 at small and real Llama / Qwen
-shapes, PDL on and off, and the fast step of each family (Llama, Qwen2, Qwen3, Mistral) captured against
-itself uncaptured, at one pass of rows and at two; the seeded sweep in bf16, every mode bit for bit eager's.
+one forward of the Triton kernels under the interpreter against the torch references. On CUDA: the kernels in
+bf16 and fp16 at small and real Llama / Qwen shapes, PDL on and off, and the fast step of each family (Llama,
+Qwen2, Qwen3, Mistral) captured against itself uncaptured, at one pass of rows and at two; the seeded sweep in
+bf16, every mode bit for bit eager's.
 Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
 """
 import os
@@ -136,16 +136,6 @@ def test_matrix_vector_line_moved_to_16_rows_decodes_hf_tokens_at_12(monkeypatch
     assert note.startswith("fast: fast decode forward, 2 layers") and "batch 12" in note and "passes of 4 rows" in note
 
 
-def _tiny_mistral(window):
-    from transformers import AutoModelForCausalLM, MistralConfig
-    config = MistralConfig(vocab_size=4096, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
-                           max_position_embeddings=2048, bos_token_id=1, eos_token_id=2)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config).eval()
-
-
 def test_fast_forward_plan_reads_the_family_and_the_batch():
     """Llama, Mistral, Qwen2 (biases), Qwen3 (q/k norm) by their modules; other families, a window shorter
     than the cache, batches past the matrix-vector rows (the measured line: 2 rows to hidden size 2048, 1 row
@@ -169,7 +159,7 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
         assert "passes of 4 rows" in fast_decoder.plan(unmeasured, 8, 8).reason, fast_decoder.plan(unmeasured, 8, 8)
         assert not fast_decoder.plan(unmeasured, 9, 8).applies
     assert "is not one of LlamaForCausalLM" in fast_decoder.plan(gdtool.load_model("tiny-gpt-oss", seed=0), 1).reason
-    mistral = _tiny_mistral(64)
+    mistral = fastcases.tiny_mistral(64)
     assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
     assert not refused.applies and "sliding window 64 shorter than the cache (65 slots)" in refused.reason
@@ -194,7 +184,7 @@ def test_the_line_per_shape_over_a_seeded_sweep_of_hidden_sizes_and_batches():
     import random
     rng = random.Random(41)
     models = {name: gdtool.load_model(name, seed=0) for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}
-    models["tiny-mistral"] = _tiny_mistral(4096)
+    models["tiny-mistral"] = fastcases.tiny_mistral(4096)
     unmeasured = [gdtool.load_model(name, seed=0) for name in ("tiny-gemma3", "tiny-qwen3-moe")]
     for _ in range(60):
         hidden = rng.choice((rng.randint(64, 8192), 2 ** rng.randint(6, 13), 2048, 2049))
@@ -216,7 +206,7 @@ def test_fast_step_on_cpu_llama_family_decodes_hf_tokens(name, monkeypatch):
     Mistral's window (wider than the cache) give HF's tokens, at a batch of one pass and of two (the line moved
     to 8 rows: the passes that Gemma 3 and the MoE models take by default)."""
     monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(8))
-    model = _tiny_mistral(4096) if name == "tiny-mistral" else gdtool.load_model(name, seed=0)
+    model = fastcases.tiny_mistral(4096) if name == "tiny-mistral" else gdtool.load_model(name, seed=0)
     for batch in (3, 6):
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 9), seed=batch)
         assert torch.equal(_decode(model, prompt, kernels="fast").tokens, _decode(model, prompt).tokens), batch
@@ -437,7 +427,7 @@ def test_triton_kernels_on_cuda(dtype, pdl):
 def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
     if batch > 4:  # past the default line: the passes (Gemma 3's and MoE's to 8; the line at 16 as the curve ran it)
         monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(max(8, batch)))
-    model = (_tiny_mistral(4096).to("cuda", torch.bfloat16) if name == "tiny-mistral"
+    model = (fastcases.tiny_mistral(4096).to("cuda", torch.bfloat16) if name == "tiny-mistral"
              else gdtool.load_model(name, seed=0, device="cuda"))  # bf16
     prompt = gdtool.random_prompts(model, batch=batch, lengths=(5, 12), seed=0)
     captured = _decode(model, prompt, kernels="fast", max_new_tokens=24)
