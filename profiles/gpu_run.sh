@@ -216,12 +216,12 @@ for p in "$@"; do
            tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured \
            --deselect tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
            --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured \
-           --deselect tests/test_fast_kernels.py::test_fast_sweep_captured_equals_eager_on_cuda
+           --deselect tests/test_fast_kernels.py::test_fast_sweep_captured_equals_uncaptured_on_cuda
            "$py" profiles/kernel_paths.py "$work/tests-kernels/paths.jsonl" 2>&1 | tee "$work/tests-kernels/paths.txt" | tee -a "$log"
            keep tests-kernels ;;
     tests-fast-sweep) part tests-fast-sweep ${FAST_SWEEP_SECONDS:-400} env GDTOOL_KERNEL_PATHS="$work/tests-fast-sweep/paths.jsonl" \
            "$py" -m pytest -q -rfE --tb=short -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
-           tests/test_fast_kernels.py::test_fast_sweep_captured_equals_eager_on_cuda
+           tests/test_fast_kernels.py::test_fast_sweep_captured_equals_uncaptured_on_cuda
            "$py" profiles/kernel_paths.py "$work/tests-fast-sweep/paths.jsonl" 2>&1 | tee "$work/tests-fast-sweep/paths.txt" | tee -a "$log"
            keep tests-fast-sweep ;;
     tests-zoo-kernels) part tests-zoo-kernels ${ZOO_KERNELS_SECONDS:-560} "$py" -m pytest -q -rfE --tb=short -m cuda \

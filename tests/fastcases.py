@@ -15,10 +15,14 @@ it), on left padding, on the sampling settings and on EOS firing in some rows. E
     modes     eager, forward-graph, step-graph (a random EOS polling interval), device-loop
 
 `run(case)` decodes it in every mode and checks what the option promises: every mode's tokens and scores bit
-for bit eager's, the path each compiled step's account (`compiles()`) names the one `forward.plan` chose for the
-batch, and in float32 on a CPU (the fast forward's torch references; Triton's kernels where its interpreter is
-on) the tokens generate()'s; on CUDA (bf16: the kernels round otherwise than HF's, enough to flip a token) the
-graph modes captured. `coverage()` names what a list of cases covers, so a test can assert that nothing was left
+for bit its uncaptured twin's (`gdtool.kernels.step.uncaptured_twin`: eager for eager and forward-graph, which
+compile the forward alone; the step-graph run uncaptured for step-graph and device-loop, which compile the whole
+step), the path each compiled step's account (`compiles()`) names the one `forward.plan` chose for the batch, and
+in float32 on a CPU (the fast forward's torch references; Triton's kernels where its interpreter is on) every
+mode's tokens generate()'s; on CUDA (bf16: the kernels round otherwise than HF's, enough to flip a token) the
+graph modes captured. The two compiled programs are lowered apart and may round a logit apart in bf16 (one
+unit in one logit of one row of 33, Mistral on the H200): across them only the float32 tokens are compared, each
+against generate()'s. `coverage()` names what a list of cases covers, so a test can assert that nothing was left
 out. `profiles/fast_sweep.py` runs many seeds.
 """
 from __future__ import annotations
@@ -129,9 +133,9 @@ def line(rows):
 def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     """Decode `case` in every mode with kernels="fast"; the mismatches, one line each (module docstring)."""
     import torch
-    from gdtool.kernels.step import compiles, forget
+    from gdtool.kernels.step import compiles, forget, uncaptured_twin
     from reference import decode, generate
-    from windows import prompt   # random ids, each row's left pads masked
+    from windows import prompt, same, twin_name   # prompt: random ids, each row's left pads masked
     model = build(case.model, device, dtype)
     ids, mask = prompt(case, device)
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
@@ -144,22 +148,24 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     ref_tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] \
         if device == "cpu" and model.dtype == torch.float32 else None
     expect = "HF forward compiled" if path(case, device, dtype) in ("matmuls", "refused") else "fast decode forward"
-    failures, first = [], None
+    failures, outs = [], {}
     forget(model)   # a step compiled under another line would run its path again
     with line(case.line):
         for mode in MODES:
             poll = case.poll if mode == "step-graph" else None
-            out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, eos_poll_interval=poll,
-                         kernels="fast", **settings)
+            out = outs[mode, None] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode,
+                                            eos_poll_interval=poll, kernels="fast", **settings)
             if ref_tokens is not None and not torch.equal(out.tokens, ref_tokens):
                 failures.append(f"{case.name} {mode}: tokens differ from generate()'s")
             if device != "cpu" and mode == "step-graph" and out.replays != out.steps:
                 failures.append(f"{case.name} {mode}: {out.replays} replays for {out.steps} steps (not captured)")
-            if first is None:
-                first = out
-            elif not (torch.equal(out.tokens.cpu(), first.tokens.cpu()) and len(out.scores) == len(first.scores)
-                      and all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(out.scores, first.scores))):
-                failures.append(f"{case.name} {mode}: tokens or scores differ from {MODES[0]}'s")
+        for mode in MODES:   # each mode against its uncaptured twin: the same programs called directly
+            twin = uncaptured_twin(mode, "fast")
+            if twin not in outs:
+                outs[twin] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=twin[0], capture=twin[1],
+                                    kernels="fast", **settings)
+            if not same(outs[mode, None], outs[twin]):
+                failures.append(f"{case.name} {mode}: tokens or scores differ from {twin_name(twin)}'s")
     failures += [f"{case.name}: {expect!r} not in the step's account {note!r}"
                  for note in compiles(model).kernels if expect not in note]
     forget(model)

@@ -8,7 +8,7 @@ forward takes (`fastcases.py`: batch against the line, padding, sampling, EOS, e
 one forward of the Triton kernels under the interpreter against the torch references. On CUDA: the kernels in
 bf16 and fp16 at small and real Llama / Qwen shapes, PDL on and off, and the fast step of each family (Llama,
 Qwen2, Qwen3, Mistral) captured against itself uncaptured, at one pass of rows and at two; the seeded sweep in
-bf16, every mode bit for bit eager's.
+bf16, every mode bit for bit its uncaptured twin's.
 Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
 """
 import os
@@ -476,10 +476,11 @@ FAST_SWEEP_CUDA = fastcases.cases(3, seed=1)
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("case", FAST_SWEEP_CUDA, ids=_ids(FAST_SWEEP_CUDA))
-def test_fast_sweep_captured_equals_eager_on_cuda(case):
+def test_fast_sweep_captured_equals_uncaptured_on_cuda(case):
     """The seeded sweep (seed 1, three cases a model) in bf16 on CUDA: every mode, the graph modes captured, bit for
-    bit eager's tokens and scores with the same kernels, and the step's account naming the plan's path. Its own
-    gpu_run.sh part (`tests-fast-sweep`), as tests-kernels is near its call's time."""
+    bit its uncaptured twin's tokens and scores (eager's, or the step-graph's run uncaptured where the whole step is
+    compiled), and the step's account naming the plan's path. Its own gpu_run.sh part (`tests-fast-sweep`), as
+    tests-kernels is near its call's time."""
     failures = fastcases.run(case, "cuda", torch.bfloat16)
     assert not failures, "\n".join(failures)
 

@@ -74,7 +74,8 @@ def test_sliding_windows_equal_generate_captured(arch):
 @pytest.mark.parametrize("arch,kernels", KERNEL_SWEEP, ids=[f"{a}-{k}" for a, k in KERNEL_SWEEP])
 def test_sliding_windows_with_gdtool_kernels_captured(arch, kernels):
     """The same sweep on a GPU in bf16 (the fast kernels' dtype there), windows up to 64: every mode,
-    captured, bit for bit eager's with the same kernels; with `fast`, gdtool's own kernels must have run."""
+    captured, bit for bit its uncaptured twin's (`windows.run_kernels`); with `fast`, gdtool's own kernels must
+    have run."""
     patterns = windows.patterns_of(arch)
     assert patterns, f"{arch} does not build at tiny size with a sliding window"
     expect = {"fast": "gdtool's kernels" if arch == "gpt_oss" else "fast decode forward"}.get(kernels)

@@ -228,11 +228,13 @@ def run(case: Case, device="cpu") -> list[str]:
 def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device="cpu", dtype=None,
                 expect: str | None = None) -> list[str]:
     """Decode `case` greedily with `kernels` ("compiled", "fast") in `modes`: each mode's tokens and scores
-    bit for bit the first mode's (the option's promise: uncaptured equals captured), and, in float32 (a
-    CPU), the tokens generate()'s (the fused kernels round differently, not enough to change a token
-    here; in bf16 on a GPU they may, so there only modes against modes). `expect`: a phrase every compiled
+    bit for bit its uncaptured twin's (the option's promise, captured equals uncaptured: eager for the modes
+    that compile the forward alone, the step-graph uncaptured for those that compile the whole step,
+    `uncaptured_twin`), and, in float32 (a CPU), every mode's tokens generate()'s (the fused kernels round
+    differently, not enough to change a token here; in bf16 on a GPU they may). `expect`: a phrase every compiled
     step's account (`compiles()`) must hold, e.g. that gdtool's own kernels ran. The mismatches, one line each."""
     import torch
+    from gdtool.kernels.step import compiles, uncaptured_twin
     from reference import decode, generate
     model = build(case.arch, case.window, case.pattern).to(device=device, dtype=dtype)
     ids, mask = prompt(case, device)
@@ -240,21 +242,35 @@ def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device=
     ref_tokens = None
     if dtype in (None, torch.float32):
         ref_tokens, _ = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)
-    failures, first = [], None
+    failures, outs = [], {}
     for mode in modes:
-        out = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, kernels=kernels, **settings)
+        out = outs[mode, None] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode, kernels=kernels,
+                                        **settings)
         if ref_tokens is not None and not torch_equal(out.tokens, ref_tokens):
             failures.append(f"{case.name} {mode} kernels={kernels}: tokens differ from generate()")
-        if first is None:
-            first = out
-        elif not (torch_equal(out.tokens, first.tokens)
-                  and all(torch_equal(a, b) for a, b in zip(out.scores, first.scores))):
-            failures.append(f"{case.name} {mode} kernels={kernels}: differs from {modes[0]}")
+    for mode in modes:   # each mode against its uncaptured twin: the same programs called directly
+        twin = uncaptured_twin(mode, kernels)
+        if twin not in outs:
+            outs[twin] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=twin[0], capture=twin[1],
+                                kernels=kernels, **settings)
+        if not same(outs[mode, None], outs[twin]):
+            failures.append(f"{case.name} {mode} kernels={kernels}: differs from {twin_name(twin)}")
     if expect is not None:
-        from gdtool.kernels.step import compiles
         failures += [f"{case.name} kernels={kernels}: {expect!r} not in {k!r}" for k in compiles(model).kernels
                      if expect not in k]
     return failures
+
+
+def same(a, b) -> bool:
+    """Two decodes' tokens and scores bit for bit."""
+    return torch_equal(a.tokens, b.tokens) and len(a.scores) == len(b.scores) and \
+        all(torch_equal(x, y) for x, y in zip(a.scores, b.scores))
+
+
+def twin_name(twin: tuple) -> str:
+    """`gdtool.kernels.step.uncaptured_twin`'s (mode, capture) as a failure line names it."""
+    mode, capture = twin
+    return mode if capture is None else f"{mode} (capture={capture})"
 
 
 def torch_equal(a, b) -> bool:

@@ -114,6 +114,18 @@ def new_step(kernels: str, mode: str, *args, **kwargs) -> Step:
     return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", kernels=kernels, **kwargs)
 
 
+def uncaptured_twin(mode: str, kernels: str) -> tuple[str, bool | None]:
+    """(mode, capture) of the uncaptured run that `mode` with `kernels` equals bit for bit, as `decode()` takes
+    them: the same programs called directly. HF's kernels: eager (every mode computes generate()'s step). Fused
+    kernels: eager for the modes that compile the forward alone, the step-graph uncaptured (`capture=False`) for
+    those that compile the whole step. Those two are separate inductor programs and may round a logit apart (one
+    bf16 unit in one logit of one row of 33, Mistral on the H200, `profiles/h200/tests/`), so across them only
+    float32 agrees."""
+    if kernels == DEFAULT_KERNELS or mode in FORWARD_ONLY_MODES:
+        return "eager", None
+    return "step-graph", False
+
+
 # -- the compiled step ---------------------------------------------------------------------------
 
 def _whole_step(step):
