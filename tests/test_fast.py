@@ -148,6 +148,19 @@ def test_unknown_kernels_are_refused(load):
         gdtool.decode(model, prompt.input_ids, prompt.attention_mask, max_new_tokens=2, kernels="fused")
 
 
+def test_each_mode_is_held_to_the_uncaptured_run_of_its_own_programs():
+    """uncaptured_twin: with HF's kernels every mode is eager's; with fused kernels the modes that compile the
+    forward alone are eager's, those that compile the whole step the step-graph's run with capture=False (the
+    compiled keys they share: test_compiled_step_graph_matches_hf_and_compiles_once and the forward-only one)."""
+    from gdtool.loops.decode import MODES
+    for mode in MODES:
+        assert fast.uncaptured_twin(mode, "hf") == ("eager", None)
+        for kernels in ("compiled", "fast"):
+            whole = mode in ("step-graph", "device-loop")
+            assert fast.uncaptured_twin(mode, kernels) == (("step-graph", False) if whole else ("eager", None))
+            assert (mode in fast.FORWARD_ONLY_MODES) != whole
+
+
 @pytest.fixture
 def model():
     # a model of its own: compiled steps are kept on the model
