@@ -4,7 +4,7 @@ Each seed draws `--per-model` cases of each tiny model of the fast forward's fam
 Qwen2, Qwen3, Mistral with a window wider or narrower than the cache, Gemma 3, Qwen3-MoE, Mixtral, Qwen2-MoE),
 1-64 rows against the default line or one moved to 0-16 rows, left padding, 2-14 new tokens, greedy or
 sampling with a repetition penalty, EOS off or firing in some rows. Each case decodes in every mode against
-generate(): the tokens generate()'s, every mode's tokens and scores bit for bit eager's, and the step's
+generate(): the tokens generate()'s, every mode's tokens and scores bit for bit its uncaptured twin's, and the step's
 account naming the path the plan chose (one pass, passes, the compiled matmuls past the line, or refused).
 The test suite runs seed 0's sample; this runs the seeds asked for.
 

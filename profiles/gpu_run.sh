@@ -17,7 +17,7 @@
 #                  (the fused combine), the window sweep with them), and which kernel paths passed them
 #                  (profiles/kernel_paths.py)
 #   tests-fast-sweep  the seeded kernels="fast" sweep in bf16, captured (tests/fastcases.py, seed 1: every family of the
-#                  fast forward, 1-64 rows against the line, padding, sampling, EOS; every mode bit for bit eager's),
+#                  fast forward, 1-64 rows against the line, padding, sampling, EOS; every mode bit for bit its uncaptured twin's),
 #                  and which kernel paths passed it; tests-kernels leaves it out (its call's time)
 #   tests-pick     the cuda tests TESTS_PICK names (pytest's arguments: files, node ids, -k "..."), -n none
 #   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
