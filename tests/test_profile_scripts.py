@@ -453,6 +453,30 @@ def test_fast_sweep_counts_cases_per_path_and_fails_on_a_mismatch(monkeypatch, c
         assert phrase in capsys.readouterr().err
 
 
+def test_fresh_compiles_counts_the_results_of_new_processes(capsys):
+    """profiles/fresh_compiles.py: one fast-sweep case decoded in fresh processes (inductor's caches off) under
+    each setting; per mode, how many different results they gave. A real child process runs (a CPU, float32, the
+    deterministic option on where the installed torch has it); the tally tells agreement from disagreement; an
+    unknown case and a bad count are refused by name."""
+    import torch._inductor.config as inductor
+    import fresh_compiles
+    assert fresh_compiles.main(["--case", "32923", "--processes", "1", "--settings", "deterministic",
+                                "--modes", "eager", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-llama-b2-line12-p7-pads0.5-n4-greedy-eosr0s1-poll1-s32923 on cpu" in out
+    flag = "True" if hasattr(inductor, "deterministic") else "not in this torch"
+    assert f"deterministic (processes: 1; inductor's deterministic option: {flag})" in out
+    assert re.search(r"\n  eager +fresh compiles agree: [0-9a-f]{16} x1", out), out
+    runs = [{"deterministic": False, "hashes": {"eager": h, "step-graph": "b"}} for h in ("a", "a", "c")]
+    assert fresh_compiles.tally({"default": runs}, ["eager", "step-graph"])[1:] == [
+        "  eager          2 different results: a x2, c x1", "  step-graph     fresh compiles agree: b x3"]
+    with pytest.raises(SystemExit, match="no case seeded 7 in fastcases.cases"):
+        fresh_compiles.main(["--case", "7", "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        fresh_compiles.main(["--case", "32923", "--processes", "0"])
+    assert "--processes: give 1 or more" in capsys.readouterr().err
+
+
 def test_zoo_sweep_runs_every_case_at_random_shapes_and_fails_on_a_mismatch(monkeypatch, capsys):
     """profiles/zoo_sweep.py: every causal-LM case at `--shapes` random shapes each, the shapes it ran printed;
     a mismatch or a crash is printed with its shape and makes the exit status 1."""
