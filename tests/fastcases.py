@@ -133,9 +133,9 @@ def line(rows):
 def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     """Decode `case` in every mode with kernels="fast"; the mismatches, one line each (module docstring)."""
     import torch
-    from gdtool.kernels.step import compiles, forget, uncaptured_twin
+    from gdtool.kernels.step import compiles, forget
     from reference import decode, generate
-    from windows import prompt, same, twin_name   # prompt: random ids, each row's left pads masked
+    from windows import apart_from_twins, prompt   # prompt: random ids, each row's left pads masked
     model = build(case.model, device, dtype)
     ids, mask = prompt(case, device)
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
@@ -159,13 +159,9 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
                 failures.append(f"{case.name} {mode}: tokens differ from generate()'s")
             if device != "cpu" and mode == "step-graph" and out.replays != out.steps:
                 failures.append(f"{case.name} {mode}: {out.replays} replays for {out.steps} steps (not captured)")
-        for mode in MODES:   # each mode against its uncaptured twin: the same programs called directly
-            twin = uncaptured_twin(mode, "fast")
-            if twin not in outs:
-                outs[twin] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=twin[0], capture=twin[1],
-                                    kernels="fast", **settings)
-            if not same(outs[mode, None], outs[twin]):
-                failures.append(f"{case.name} {mode}: tokens or scores differ from {twin_name(twin)}'s")
+        failures += [f"{case.name} {mode}: tokens or scores differ from {twin}'s" for mode, twin in apart_from_twins(
+            outs, "fast", device, lambda mode, capture: decode(model, ids, mask, case.new_tokens, seed=case.seed,
+                                                               mode=mode, capture=capture, kernels="fast", **settings))]
     failures += [f"{case.name}: {expect!r} not in the step's account {note!r}"
                  for note in compiles(model).kernels if expect not in note]
     forget(model)

@@ -472,9 +472,11 @@ def test_fresh_compiles_counts_the_results_of_new_processes(capsys):
         "  eager          2 different results: a x2, c x1", "  step-graph     fresh compiles agree: b x3"]
     with pytest.raises(SystemExit, match="no case seeded 7 in fastcases.cases"):
         fresh_compiles.main(["--case", "7", "--device", "cpu"])
-    with pytest.raises(SystemExit):
-        fresh_compiles.main(["--case", "32923", "--processes", "0"])
-    assert "--processes: give 1 or more" in capsys.readouterr().err
+    for bad, phrase in ((["--processes", "0"], "--processes: give 1 or more"),
+                        (["--device", "tpu"], "--device 'tpu': give cuda or cpu")):
+        with pytest.raises(SystemExit):
+            fresh_compiles.main(["--case", "32923", *bad])
+        assert phrase in capsys.readouterr().err
 
 
 def test_zoo_sweep_runs_every_case_at_random_shapes_and_fails_on_a_mismatch(monkeypatch, capsys):

@@ -31,6 +31,28 @@ def test_the_sweep_covers_every_place_a_window_fills():
             assert fills == set(windows.FILLS), (arch, fills)
 
 
+def test_each_mode_is_judged_against_its_uncaptured_twin(monkeypatch):
+    """windows.apart_from_twins (the kernel sweeps' judge): a mode whose tokens or scores differ from its twin's is
+    named with the twin; with fused kernels eager and forward-graph answer to eager, step-graph and device-loop to the
+    step-graph run uncaptured (decoded by `rerun` where the graph modes capture, the step-graph's own run on a CPU)."""
+    from types import SimpleNamespace as Out
+    from gdtool.core import graphs
+    one, other = torch.tensor([[1, 2]]), torch.tensor([[1, 3]])
+    outs = {(m, None): Out(tokens=t, scores=[torch.zeros(1, 4)]) for m, t in
+            (("eager", one), ("forward-graph", one), ("step-graph", other), ("device-loop", other))}
+    reruns = []
+    assert windows.apart_from_twins(dict(outs), "fast", "cpu", lambda *twin: reruns.append(twin)) == []
+    assert not reruns   # on a CPU the step-graph ran uncaptured: it is its own twin
+    hf = windows.apart_from_twins(dict(outs), "hf", "cpu", None)
+    assert hf == [("step-graph", "eager"), ("device-loop", "eager")]
+    monkeypatch.setattr(graphs, "can_capture", lambda device: True)   # as on a GPU: the twin is decoded anew
+    rerun = lambda mode, capture: reruns.append((mode, capture)) or Out(tokens=other, scores=[torch.ones(1, 4)])
+    twin = "step-graph (capture=False)"
+    apart = windows.apart_from_twins(dict(outs), "compiled", "cpu", rerun)
+    assert apart == [("step-graph", twin), ("device-loop", twin)]
+    assert reruns == [("step-graph", False)]   # once, for both
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sliding_windows_equal_generate(arch):
     patterns = windows.patterns_of(arch)

@@ -234,7 +234,7 @@ def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device=
     differently, not enough to change a token here; in bf16 on a GPU they may). `expect`: a phrase every compiled
     step's account (`compiles()`) must hold, e.g. that gdtool's own kernels ran. The mismatches, one line each."""
     import torch
-    from gdtool.kernels.step import compiles, uncaptured_twin
+    from gdtool.kernels.step import compiles
     from reference import decode, generate
     model = build(case.arch, case.window, case.pattern).to(device=device, dtype=dtype)
     ids, mask = prompt(case, device)
@@ -248,29 +248,38 @@ def run_kernels(case: Case, kernels: str, modes=("eager", "step-graph"), device=
                                         **settings)
         if ref_tokens is not None and not torch_equal(out.tokens, ref_tokens):
             failures.append(f"{case.name} {mode} kernels={kernels}: tokens differ from generate()")
-    for mode in modes:   # each mode against its uncaptured twin: the same programs called directly
-        twin = uncaptured_twin(mode, kernels)
-        if twin not in outs:
-            outs[twin] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=twin[0], capture=twin[1],
-                                kernels=kernels, **settings)
-        if not same(outs[mode, None], outs[twin]):
-            failures.append(f"{case.name} {mode} kernels={kernels}: differs from {twin_name(twin)}")
+    failures += [f"{case.name} {mode} kernels={kernels}: differs from {twin}" for mode, twin in apart_from_twins(
+        outs, kernels, device, lambda mode, capture: decode(model, ids, mask, case.new_tokens, seed=case.seed,
+                                                            mode=mode, capture=capture, kernels=kernels, **settings))]
     if expect is not None:
         failures += [f"{case.name} kernels={kernels}: {expect!r} not in {k!r}" for k in compiles(model).kernels
                      if expect not in k]
     return failures
 
 
+def apart_from_twins(outs: dict, kernels: str, device: str, rerun) -> list[tuple[str, str]]:
+    """(mode, its twin's name) for each decode of `outs` ({(mode, None): output}) whose tokens or scores are not bit
+    for bit its uncaptured twin's (`gdtool.kernels.step.uncaptured_twin`: the same programs called directly).
+    `rerun(mode, capture)` decodes a twin `outs` lacks; where nothing captures (a CPU) a graph mode ran uncaptured
+    already, so its own decode stands for it."""
+    import torch
+    from gdtool.core import graphs
+    from gdtool.kernels.step import uncaptured_twin
+    captures = graphs.can_capture(torch.device(device))
+    apart = []
+    for mode, _ in list(outs):
+        twin = uncaptured_twin(mode, kernels)
+        if twin not in outs:
+            outs[twin] = outs[twin[0], None] if not captures and (twin[0], None) in outs else rerun(*twin)
+        if not same(outs[mode, None], outs[twin]):
+            apart.append((mode, twin[0] if twin[1] is None else f"{twin[0]} (capture={twin[1]})"))
+    return apart
+
+
 def same(a, b) -> bool:
     """Two decodes' tokens and scores bit for bit."""
     return torch_equal(a.tokens, b.tokens) and len(a.scores) == len(b.scores) and \
         all(torch_equal(x, y) for x, y in zip(a.scores, b.scores))
-
-
-def twin_name(twin: tuple) -> str:
-    """`gdtool.kernels.step.uncaptured_twin`'s (mode, capture) as a failure line names it."""
-    mode, capture = twin
-    return mode if capture is None else f"{mode} (capture={capture})"
 
 
 def torch_equal(a, b) -> bool:
