@@ -15,6 +15,7 @@ Not TORCHINDUCTOR_DETERMINISTIC=1: dynamo puts `torch.use_deterministic_algorith
 each compile, and that sets inductor's flag to match (off), so the variable holds for the first compile only.
 
     python profiles/fresh_compiles.py --case 5193 --processes 4                      # on the GPU, bf16
+    python profiles/fresh_compiles.py --case 5193 --processes 8 --jobs 8             # 8 at once, as -n 8 would
     python profiles/fresh_compiles.py --case 5193 --eos-off --modes eager step-graph device-loop
 
 One result per mode and setting means fresh compiles agree there. Exit 0 when every process ran (whatever they
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -112,11 +114,15 @@ def main(argv=None) -> int:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--setting", default="default", choices=SETTINGS, help=argparse.SUPPRESS)
     parser.add_argument("--modes", nargs="+", default=["eager", "step-graph"], choices=MODES)
+    parser.add_argument("--jobs", type=int, default=1, help="processes at once (they share the device; inductor "
+                        "times its configs under that load, as the suite's workers do)")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda where there is one)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.processes < 1:
         parser.error("--processes: give 1 or more")
+    if args.jobs < 1:
+        parser.error("--jobs: give 1 or more")
     device = args.device
     if device is None:
         import torch
@@ -129,22 +135,31 @@ def main(argv=None) -> int:
         return 0
     print(f"{case.name} on {device}, kernels='fast', modes {' '.join(args.modes)}", flush=True)
     passed = list(argv if argv is not None else sys.argv[1:])
+    started = time.perf_counter()
+    env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", PYTHONPATH=os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+
+    def one(setting: str) -> tuple[float, subprocess.CompletedProcess]:
+        """A fresh process decoding the case under `setting` -> (its seconds, what it printed)."""
+        start = time.perf_counter()
+        command = [sys.executable, __file__, *passed, "--device", device, "--setting", setting, "--child"]
+        run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
+        return time.perf_counter() - start, run
+
     results = {}
     for setting in args.settings:
-        env = dict(os.environ, TORCHINDUCTOR_FORCE_DISABLE_CACHES="1", PYTHONPATH=os.pathsep.join(
-            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
         results[setting] = []
-        for i in range(args.processes):
-            start = time.perf_counter()
-            command = [sys.executable, __file__, *passed, "--device", device, "--setting", setting, "--child"]
-            run = subprocess.run(command, env=env, capture_output=True, text=True, cwd=ROOT)
-            last = run.stdout.strip().splitlines()[-1:] if run.stdout else []
-            if run.returncode != 0 or not last or not last[0].startswith("{"):
-                print(f"{setting} process {i + 1}: exit {run.returncode}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
-                return 2
-            results[setting].append(json.loads(last[0]))
-            print(f"[{setting} {i + 1}/{args.processes}] {time.perf_counter() - start:.0f} s "
-                  f"{results[setting][-1]['hashes']}", flush=True)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            runs = [pool.submit(one, setting) for _ in range(args.processes)]
+            for i, future in enumerate(runs):
+                seconds, run = future.result()
+                last = run.stdout.strip().splitlines()[-1:] if run.stdout else []
+                if run.returncode != 0 or not last or not last[0].startswith("{"):
+                    print(f"{setting} process {i + 1}: exit {run.returncode}\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
+                    return 2
+                results[setting].append(json.loads(last[0]))
+                print(f"[{setting} {i + 1}/{args.processes}] {seconds:.0f} s (done {time.perf_counter() - started:.0f} s "
+                      f"from the start) {results[setting][-1]['hashes']}", flush=True)
     print("\n".join(tally(results, args.modes)))
     return 0
 

@@ -460,19 +460,21 @@ def test_fresh_compiles_counts_the_results_of_new_processes(capsys):
     unknown case and a bad count are refused by name."""
     import torch._inductor.config as inductor
     import fresh_compiles
-    assert fresh_compiles.main(["--case", "32923", "--processes", "1", "--settings", "deterministic",
-                                "--modes", "eager", "--device", "cpu"]) == 0
+    assert fresh_compiles.main(["--case", "32923", "--processes", "2", "--jobs", "2", "--settings",
+                                "deterministic", "--modes", "eager", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "tiny-llama-b2-line12-p7-pads0.5-n4-greedy-eosr0s1-poll1-s32923 on cpu" in out
+    assert re.search(r"\[deterministic 2/2\] \d+ s \(done \d+ s from the start\)", out), out
     flag = "True" if hasattr(inductor, "deterministic") else "not in this torch"
-    assert f"deterministic (processes: 1; inductor's deterministic option: {flag})" in out
-    assert re.search(r"\n  eager +fresh compiles agree: [0-9a-f]{16} x1", out), out
+    assert f"deterministic (processes: 2; inductor's deterministic option: {flag})" in out
+    assert re.search(r"\n  eager +fresh compiles agree: [0-9a-f]{16} x2", out), out
     runs = [{"deterministic": False, "hashes": {"eager": h, "step-graph": "b"}} for h in ("a", "a", "c")]
     assert fresh_compiles.tally({"default": runs}, ["eager", "step-graph"])[1:] == [
         "  eager          2 different results: a x2, c x1", "  step-graph     fresh compiles agree: b x3"]
     with pytest.raises(SystemExit, match="no case seeded 7 in fastcases.cases"):
         fresh_compiles.main(["--case", "7", "--device", "cpu"])
     for bad, phrase in ((["--processes", "0"], "--processes: give 1 or more"),
+                        (["--jobs", "0"], "--jobs: give 1 or more"),
                         (["--device", "tpu"], "--device 'tpu': give cuda or cpu")):
         with pytest.raises(SystemExit):
             fresh_compiles.main(["--case", "32923", *bad])
