@@ -19,6 +19,10 @@
 #   tests-fast-sweep  the seeded kernels="fast" sweep in bf16, captured (tests/fastcases.py, seed 1: every family of the
 #                  fast forward, 1-64 rows against the line, padding, sampling, EOS; every mode bit for bit its uncaptured twin's),
 #                  and which kernel paths passed it; tests-kernels leaves it out (its call's time)
+#   fresh-compiles profiles/fresh_compiles.py on FRESH_CASE (5193, the fast sweep's case whose modes rounded apart at
+#                  48346b3), as it is and with EOS off: FRESH_PROCESSES (8) new processes per setting (inductor's default,
+#                  and its deterministic option), FRESH_JOBS (8) at once, FRESH_MODES (eager step-graph device-loop):
+#                  whether a fresh compile decodes the same, and whether `deterministic` makes it
 #   tests-pick     the cuda tests TESTS_PICK names (pytest's arguments: files, node ids, -k "..."), -n none
 #   recheck        what changed after 829123a (passed at cb883e2): the timing tests alone (Kineto records on torch
 #                  2.11; their busy-vs-span checks are not for a shared GPU), capture through a device mask
@@ -224,6 +228,9 @@ for p in "$@"; do
            tests/test_fast_kernels.py::test_fast_sweep_captured_equals_uncaptured_on_cuda
            "$py" profiles/kernel_paths.py "$work/tests-fast-sweep/paths.jsonl" 2>&1 | tee "$work/tests-fast-sweep/paths.txt" | tee -a "$log"
            keep tests-fast-sweep ;;
+    fresh-compiles) part fresh-compiles ${FRESH_SECONDS:-300} bash -c "for eos in '' --eos-off; do \
+           $py profiles/fresh_compiles.py --case ${FRESH_CASE:-5193} --processes ${FRESH_PROCESSES:-8} \
+           --jobs ${FRESH_JOBS:-8} --modes ${FRESH_MODES:-eager step-graph device-loop} \$eos || exit 1; done" ;;
     tests-zoo-kernels) part tests-zoo-kernels ${ZOO_KERNELS_SECONDS:-560} "$py" -m pytest -q -rfE --tb=short -m cuda \
            -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
            tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
