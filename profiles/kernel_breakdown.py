@@ -31,7 +31,7 @@ CLASSES = (("matmul", ("gemm", "gemv", "nvjet", "cutlass", "xmma", "splitk")),
            ("triton", ("triton",)))
 
 
-# gdtool's MoE kernels (gdtool/kernels/experts.py), by their exact names: "_combine_kernel" is also the tail of
+# gdtool's MoE kernels (gdtool/kernels/experts/), by their exact names: "_combine_kernel" is also the tail of
 # the attention's combine, and none of them says gemm or gemv
 EXPERTS = ("_router_kernel", "_gate_up_kernel", "_down_kernel", "_route_kernel", "_align_kernel",
            "_grouped_gate_up_kernel", "_grouped_down_kernel", "_combine_kernel", "_oss_gate_up_kernel",

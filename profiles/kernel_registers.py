@@ -168,7 +168,7 @@ def main(argv=None) -> int:
     print("case | kernel | early norm | fused combine | registers | stack | local | shared | warps")
     for early in pick[args.early_norm]:
         for fused in pick[args.fused]:
-            gemv.early_norm = experts.early_norm = (lambda device, on=early: on)
+            gemv.early_norm = experts.router.early_norm = (lambda device, on=early: on)
             attention.fused_combine = (lambda device, on=fused: on)
             for name, call in cases():
                 for fn, a, kw in launches(call):

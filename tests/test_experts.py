@@ -67,6 +67,19 @@ def test_experts_torch_reference_against_float64(dtype):
     assert not bad, fast_check.table(bad)
 
 
+def test_the_package_refuses_a_setting_it_only_copies():
+    """gdtool.kernels.experts re-exports its modules' names; a test or probe that sets one on the package would
+    change nothing the kernels read (silently), so the package refuses it and names the module(s) to set."""
+    with pytest.raises(AttributeError, match=r"experts\.MAX_CHUNK is a copy of experts\.tiles\.MAX_CHUNK: set it there"):
+        experts.MAX_CHUNK = 32
+    with pytest.raises(AttributeError, match=r"experts\.block_reference is a copy of experts\.reference\.block_reference:"):
+        experts.block_reference = None
+    assert experts.MAX_CHUNK == experts.tiles.MAX_CHUNK == 4096 and experts.tiles._chunks(8192) == (4096, 2)
+    experts._not_a_copy = 1   # a name of its own is the package's to hold
+    assert experts._not_a_copy == 1
+    del experts._not_a_copy
+
+
 def test_experts_reference_equals_hf_blocks():
     """The operator's torch path (HF's batched_mm arithmetic) against HF's own blocks, each family."""
     assert not _against_hf_blocks()
@@ -79,11 +92,12 @@ def test_experts_triton_kernels_under_the_interpreter():
             "for dt in (torch.float32, torch.float16):\n"
             "    bad = [r for r in fast_check.check_experts_all('cpu', dt) if not r.ok]\n"
             "    assert not bad, fast_check.table(bad)\n"
-            "experts.MAX_CHUNK = 32  # weight rows read in several chunks; gpt-oss's in several steps and tiles\n"
+            "experts.tiles.MAX_CHUNK = 32  # weight rows read in several chunks; gpt-oss's in several steps and tiles\n"
+            "assert experts.tiles._chunks(64) == (32, 2)\n"
             "oss = experts.OssConfig(gate_up_cols=16, down_cols=16, block_k=32)\n"
             "bad = [r for r in fast_check.check_experts_all('cpu', torch.float32, seed=1, oss_config=oss) if not r.ok]\n"
             "assert not bad, fast_check.table(bad)\n"
-            "experts.MAX_CHUNK = 4096\n"
+            "experts.tiles.MAX_CHUNK = 4096\n"
             "g = torch.Generator().manual_seed(5)\n"
             "x, r = torch.randn(40, 64, generator=g), torch.randn(8, 64, generator=g)\n"
             "gu, d = torch.randn(8, 64, 64, generator=g) / 8, torch.randn(8, 64, 32, generator=g) / 6\n"
@@ -299,7 +313,7 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
     prompt = gdtool.random_prompts(model, batch=12, lengths=(4, 9), seed=0)
     calls = []
     reference = experts.block_reference
-    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    monkeypatch.setattr(experts.reference, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
     hf = _decode(model, prompt)
     mine = _decode(model, prompt, kernels="fast")
     again = _decode(model, prompt, kernels="fast", capture=False)
@@ -324,7 +338,7 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
     model = moe.build(family)
     calls = []
     reference = experts.block_reference
-    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    monkeypatch.setattr(experts.reference, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
     # seeded draws, per family: batch 1, one of the one-pass batches (2-4), one of two passes (5-8), each with
     # its own prompt-length range (left padding up to its spread)
     rng = random.Random(f"moe-fast-{family}")
@@ -371,7 +385,7 @@ def test_fast_step_on_cpu_gpt_oss_runs_the_experts_operator(monkeypatch):
     prompt = gdtool.random_prompts(model, batch=3, lengths=(4, 11), seed=0)   # past the window of 8
     calls = []
     reference = experts.block_reference
-    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append((a[0].shape, a[-1] is not None))
+    monkeypatch.setattr(experts.reference, "block_reference", lambda *a: calls.append((a[0].shape, a[-1] is not None))
                         or reference(*a))
     hf = _decode(model, prompt)
     mine = _decode(model, prompt, kernels="fast")
@@ -394,7 +408,7 @@ def test_fast_step_on_cpu_grouped_batch_runs_the_experts_operator(monkeypatch):
     prompt = gdtool.random_prompts(model, batch=24, lengths=(3, 8), seed=4)
     calls = []
     reference = experts.block_reference
-    monkeypatch.setattr(experts, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
+    monkeypatch.setattr(experts.reference, "block_reference", lambda *a: calls.append(a[0].shape) or reference(*a))
     hf = _decode(model, prompt, max_new_tokens=6)
     mine = _decode(model, prompt, kernels="fast", max_new_tokens=6)
     again = _decode(model, prompt, kernels="fast", capture=False, max_new_tokens=6)

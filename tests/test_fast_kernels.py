@@ -68,7 +68,7 @@ def test_norm_weights_before_the_wait_under_the_interpreter_equal_the_late_loads
             "    rw, gu, dn = rand(e, k) / 8, rand(e, 2 * 16, k) / 8, rand(e, k, 16) / 4\n"
             "    outs = []\n"
             "    for early in (True, False):\n"
-            "        gemv.early_norm = experts.early_norm = (lambda device, on=early: on)\n"
+            "        gemv.early_norm = experts.router.early_norm = (lambda device, on=early: on)\n"
             "        mine = [c.clone() for c in caches]\n"
             "        add = (a, ga, 1e-6) if plus_one else None\n"
             "        y = gemv.rms_gemv(x, g, 1e-5, w, w2, None, False, config=(4, 4, 2), plus_one=plus_one, add=add)\n"

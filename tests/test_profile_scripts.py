@@ -351,7 +351,8 @@ def test_breakdown_counts_the_experts_a_step_reads():
                                                        "_grouped_gate_up_kernel", "_rms_gemv_kernel")] == \
         ["experts", "attention", "experts", "matmul"]
     import re
-    launched = set(re.findall(r"def (_\w+_kernel)\(", (ROOT / "gdtool" / "kernels" / "experts.py").read_text()))
+    launched = {name for module in (ROOT / "gdtool" / "kernels" / "experts").glob("*.py")
+                for name in re.findall(r"def (_\w+_kernel)\(", module.read_text())}
     assert launched and launched <= set(kernel_breakdown.EXPERTS), launched - set(kernel_breakdown.EXPERTS)
     one, all_rows = (kernel_breakdown.step_weight_bytes("qwen3-30b-a3b", b) for b in (1, 64))
     dense = kernel_breakdown.linear_weight_bytes("qwen3-30b-a3b")

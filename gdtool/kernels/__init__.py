@@ -9,8 +9,10 @@
     attention.py  decode attention: packed grouped-query SDPA for the compiled step; split-KV over the
                   live cache slots for the fast step (Triton)
     window.py     a full sliding window's cache shifted left by one slot in place (Gemma 3; Triton)
-    experts.py    mixture-of-experts blocks at small batch (router, gate/up over the routed experts only,
-                  down with the weighted top-k sum; Triton), swapped into the compiled HF forward
+    experts/      mixture-of-experts blocks at small batch (router, gate/up over the routed experts only,
+                  down with the weighted top-k sum; the grouped kernels from 2 tokens; Triton), swapped into
+                  the compiled HF forward: a module per part (tiles, reference, router, small, oss, grouped,
+                  blocks)
     linear.py     any other model's linear layers at 1-4 rows in gemv.py's kernel (bias epilogue), swapped in too
     swap.py       the swap: modules' forwards replaced for the length of a compiled call
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
@@ -21,6 +23,6 @@
     triton.py     what the kernels need from Triton, and whether it is there; the PDL switch
     check.py      every kernel against float64 on fresh random inputs
 
-Above the core (it composes `core.step.Step`), below the loops that run it. A new family (MoE
-experts, say) is a module of its own here, with its torch reference and its entry in `ops.py`.
+Above the core (it composes `core.step.Step`), below the loops that run it. A new kernel family is a
+module of its own here (or a package of them, as `experts/`), with its torch reference and its entry in `ops.py`.
 """

@@ -430,7 +430,7 @@ def table(results) -> str:
     return "\n".join(lines)
 
 
-# -- mixture-of-experts blocks (kernels/experts.py) -----------------------------------------------
+# -- mixture-of-experts blocks (kernels/experts/) ------------------------------------------------
 # Shapes: (name, tokens, experts, hidden, intermediate, top_k, norm_topk, weights_f32, shared intermediate)
 EXPERTS_SMALL = [("qwen3-moe", 1, 8, 64, 32, 2, True, False, 0), ("qwen3-moe", 3, 16, 96, 40, 4, True, False, 0),
                  ("olmoe", 4, 8, 64, 48, 2, False, False, 0), ("mixtral", 2, 8, 64, 48, 2, True, True, 0),

@@ -56,7 +56,7 @@ def moe(x, block, norm_weight, eps):
     args = experts.block_args(block)
     if usable(x, args[2]):
         return experts.block_triton(x, *args, residual=x, norm=(norm_weight, eps))
-    return x + experts.block_reference(gemv.rms_norm_reference(x, norm_weight, eps), *args)
+    return x + experts.reference.block_reference(gemv.rms_norm_reference(x, norm_weight, eps), *args)
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,

@@ -24,7 +24,7 @@ rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 Mistral, Qwen2, Qwen3 at small batch: `forward.line_paths`), by gdtool's own Triton kernels run eagerly
 around the compiled select and update (`forward.py`). On a mixture of experts of a known family
 (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) at <= 16 tokens per step, the compiled HF forward calls gdtool's
-experts kernels in place of each MoE block (`experts.py`, a custom operator swapped in only for the
+experts kernels in place of each MoE block (`experts/`, a custom operator swapped in only for the
 duration of the compiled call), gpt-oss's attention its split-KV kernels with sinks (`attention.py`), and at
 1-4 rows the decoder's linear layers its matrix-vector kernel (`linear.py`, swapped in the same way).
 Elsewhere it is exactly "compiled"; `compiles()` says which ran and why.
