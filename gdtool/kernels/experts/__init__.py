@@ -120,7 +120,7 @@ class _Package(_types.ModuleType):
     read (a test or probe that means to change a setting would silently not), so it is refused, naming where."""
 
     def __setattr__(self, name, value):
-        homes = [m for m in _MODULES if name in vars(self) and name in vars(vars(self).get(m, _types))]
+        homes = [m for m in _MODULES if name in vars(self) and hasattr(vars(self)[m], name)]
         if homes:
             raise AttributeError(f"gdtool.kernels.experts.{name} is a copy of " + " and ".join(
                 f"experts.{m}.{name}" for m in homes) + ": set it there, where it is read")
