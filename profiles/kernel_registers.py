@@ -1,6 +1,7 @@
 """Registers and spills of gdtool's decode kernels compiled for an H100/H200 (sm_90) on any machine, no GPU:
 each launch of a kernel call is caught (its arguments, on CPU tensors), compiled by Triton for sm_90 with the
-ptxas Triton ships, and read back from the cubin (`cuobjdump -res-usage`).
+ptxas Triton ships as that launch compiles on the GPU (`cuda_compile.compile_launch`: Triton's own argument
+specialization, PDL on), and read back from the cubin (`cuda_compile.resources`).
 
     python profiles/kernel_registers.py [--early-norm on|off|both] [--fused on|off|both]
     python profiles/kernel_registers.py --rows 1,2,4     # the dense products of llama-1b and llama-8b at those rows
@@ -14,56 +15,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cuda_compile  # noqa: E402
 import torch  # noqa: E402
 
-TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
-         torch.int32: "*i32", torch.int8: "*i8", torch.bool: "*i1"}
-
-
-def compile_sm90(fn, args, kwargs):
-    """Triton's compiled kernel (`.asm["ptx"]`, `.asm["cubin"]`) of one caught launch (`launches`), for sm_90:
-    its constexprs as launched, its other arguments typed from the CPU values given."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    kwargs = dict(kwargs)
-    warps = kwargs.pop("num_warps", 4)
-    kwargs.pop("launch_pdl", None)
-    signature, constants = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in kwargs:
-            signature[name], constants[(i,)] = "constexpr", kwargs[name]
-        elif isinstance(args[i], torch.Tensor):
-            signature[name] = TYPES[args[i].dtype]
-        elif isinstance(args[i], bool):
-            signature[name] = "i1"
-        else:
-            signature[name] = "i32" if isinstance(args[i], int) else "fp32"
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
-
-
 def _usage(fn, args, kwargs) -> dict:
-    import triton
-
-    compiled = compile_sm90(fn, args, kwargs)
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-        out = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    return dict(zip(("registers", "stack", "shared", "local"), map(int, found.groups()))) | \
-        {"warps": kwargs.get("num_warps", 4)}
+    return cuda_compile.resources(cuda_compile.compile_launch(fn, args, kwargs)) | {"warps": kwargs.get("num_warps", 4)}
 
 
 def launches(call) -> list:
@@ -153,6 +114,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", default="", help="e.g. 1,2,4: the Llama layer products at those rows instead")
     args = parser.parse_args(argv)
     os.environ.pop("TRITON_INTERPRET", None)
+    cuda_compile.use_target(90)
     from gdtool.kernels import attention, experts, gemv, triton as fast_triton
     fast_triton.pdl_supported = lambda device: True   # the kernels as they run on an H200: PDL on
     if args.rows:

@@ -545,7 +545,8 @@ def test_zoo_sweep_names_the_cases_in_flight_when_a_worker_dies(monkeypatch, cap
                     reason="Triton is not installed, or its interpreter defines the kernels (nothing to compile)")
 def test_kernel_registers_catches_every_launch_and_runs_none():
     """profiles/kernel_registers.py compiles what a call launches: it catches each launch's kernel and arguments
-    (q/k/v with Qwen3's q/k norm: the products, then the norm kernel) without running any."""
+    (q/k/v with Qwen3's q/k norm: the products, then the norm kernel) without running any, then compiles each for
+    sm_90 and reads its registers from the binary."""
     import torch
     sys.path.insert(0, str(ROOT / "profiles"))
     import kernel_registers
@@ -560,6 +561,11 @@ def test_kernel_registers_catches_every_launch_and_runs_none():
     assert [fn.__name__ for fn, _, _ in caught] == ["_qkv_rope_gemv_kernel", "_qk_norm_rope_kernel"]
     assert all(not c.any() for c in caches)   # nothing ran
     assert caught[0][2]["HQ"] == 4 and "num_warps" in caught[0][2]
+    import cuda_compile
+    with cuda_compile.targeting(90):   # each compiled for sm_90 as its launch would compile there
+        used = [kernel_registers._usage(fn, list(args), kwargs) for fn, args, kwargs in caught]
+    assert all(u["registers"] > 0 and u["local"] == 0 and u["warps"] == kw["num_warps"]
+               for u, (_, _, kw) in zip(used, caught)), used
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
