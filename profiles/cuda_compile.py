@@ -322,26 +322,41 @@ def main(argv=None) -> int:
     workloads = [(name, WORKLOADS[name]) for name in names] + [(file, Path(file).read_text()) for file in args.code]
     folders = sorted({str(Path(file).resolve().parent) for file in args.code})
     _init(args.arch, args.triton, folders)   # before anything imports Triton here
-    launches: dict = {}
+    args.folders = folders
     with tempfile.TemporaryDirectory() as tmp:
-        for index, (workload, source) in enumerate(workloads):
-            path = os.path.join(tmp, f"{index}.pkl")
-            where = [str(ROOT), str(ROOT / "tests"), str(ROOT / "profiles")] + folders
-            code = f"import sys\nsys.path[:0] = {where!r}\n" \
-                   f"import cuda_compile\ncuda_compile.record({source!r}, {path!r})\n"
-            start = time.perf_counter()
-            env = dict(os.environ, TRITON_INTERPRET="1")
-            run = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
-            if run.returncode != 0:
-                print(run.stdout[-2000:] + run.stderr[-4000:], file=sys.stderr)
-                print(f"workload {workload}: exit {run.returncode} under the interpreter", file=sys.stderr)
-                return 1
-            with open(path, "rb") as f:
-                recorded = pickle.load(f)
-            for key, count in recorded.items():
-                launches[key] = launches.get(key, 0) + count
-            print(f"workload {workload}: {len(recorded)} distinct launches recorded in "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)
+        # every launch compiled anew: none read from Triton's cache, none left there
+        os.environ["TRITON_CACHE_DIR"] = os.path.join(tmp, "cache")
+        launches = _record_all(workloads, folders, tmp)
+        if launches is None:
+            return 1
+        results = _compile_all(launches, args)
+    return _report(results, args, names, [w for w, _ in workloads])
+
+
+def _record_all(workloads, folders, tmp) -> dict | None:
+    """Each workload run under the interpreter in a process of its own; their launches, counted (None: one failed)."""
+    launches: dict = {}
+    for index, (workload, source) in enumerate(workloads):
+        path = os.path.join(tmp, f"{index}.pkl")
+        where = [str(ROOT), str(ROOT / "tests"), str(ROOT / "profiles")] + folders
+        code = f"import sys\nsys.path[:0] = {where!r}\nimport cuda_compile\ncuda_compile.record({source!r}, {path!r})\n"
+        start = time.perf_counter()
+        run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, TRITON_INTERPRET="1"), cwd=ROOT,
+                             capture_output=True, text=True)
+        if run.returncode != 0:
+            print(run.stdout[-2000:] + run.stderr[-4000:], file=sys.stderr)
+            print(f"workload {workload}: exit {run.returncode} under the interpreter", file=sys.stderr)
+            return None
+        with open(path, "rb") as f:
+            recorded = pickle.load(f)
+        for key, count in recorded.items():
+            launches[key] = launches.get(key, 0) + count
+        print(f"workload {workload}: {len(recorded)} distinct launches recorded in {time.perf_counter() - start:.0f} s",
+              flush=True)
+    return launches
+
+
+def _compile_all(launches: dict, args) -> list[Compiled]:
     import triton
     jobs = jobs_of(launches)
     print(f"compiling {len(jobs)} launches for sm_{args.arch} with Triton {triton.__version__} "
@@ -350,8 +365,16 @@ def main(argv=None) -> int:
     if args.jobs == 1:
         results = [compile_one(job) for job in jobs]
     else:
-        with ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(args.arch, args.triton, folders)) as pool:
+        with ProcessPoolExecutor(args.jobs, initializer=_init, initargs=(args.arch, args.triton, args.folders)) as pool:
             results = list(pool.map(compile_one, jobs))
+    print(f"{len(results)} launches compiled for sm_{args.arch} in {time.perf_counter() - start:.0f} s, "
+          f"{sum(not r.ok for r in results)} failed", flush=True)
+    return results
+
+
+def _report(results: list[Compiled], args, names: list[str], workloads: list[str]) -> int:
+    """The table, the kernels of gdtool no workload launched (where one of gdtool's workloads ran), the JSON line;
+    the exit status."""
     print(f"{'kernel':<40} {'warps':>5} {'stages':>6} {'PDL':>4} {'shared':>7} {'regs':>4} {'stack':>5} {'local':>5}  "
           f"{'pointers':<22} constexprs")
     for r in results:
@@ -359,8 +382,6 @@ def main(argv=None) -> int:
                 f"{r.registers:>4} {r.stack:>5} {r.local:>5}  {r.dtypes:<22} {r.constexprs}")
         print(line + ("" if r.ok else f"\n    FAILED: {r.error}"))
     failed = [r for r in results if not r.ok]
-    print(f"{len(results)} launches compiled for sm_{args.arch} in {time.perf_counter() - start:.0f} s, "
-          f"{len(failed)} failed")
     missing = []
     if names:   # gdtool's own workloads: which of its kernels they reached
         package = kernels_of_package()
@@ -370,10 +391,10 @@ def main(argv=None) -> int:
               f"with the {len(package) - len(kernels)} helpers they call")
         if missing:
             print("not launched by the workloads: " + ", ".join(missing))
-    summary = dict(arch=args.arch, triton=triton.__version__, workloads=[w for w, _ in workloads], compiled=len(results),
-                   failed=[asdict(r) for r in failed], not_launched=missing,
-                   with_stack=sorted({r.kernel for r in results if r.stack or r.local}))
-    print(json.dumps(summary))
+    import triton
+    print(json.dumps(dict(arch=args.arch, triton=triton.__version__, workloads=workloads, compiled=len(results),
+                          failed=[asdict(r) for r in failed], not_launched=missing,
+                          with_stack=sorted({r.kernel for r in results if r.stack or r.local}))))
     return 1 if failed or (args.require_all and missing) else 0
 
 

@@ -5,6 +5,7 @@ than the interpreter runs. These hold the compile check to the failures it exist
 under the interpreter and fails on a GPU), then run it over every kernel of gdtool."""
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +102,80 @@ def test_every_kernel_of_gdtool_compiles_for_hopper():
     run, summary = _run("--workload", "checks", "--require-all", "--jobs", "2")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert summary["failed"] == [] and summary["not_launched"] == [] and summary["compiled"] > 400, summary
+
+
+def _layer_launches(dev):
+    """The (kernel, args, kwargs) of a Llama layer's products, the q/k/v kernel and an MoE block on `dev`, caught
+    before they run (profiles/kernel_registers.py)."""
+    import torch
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import kernel_registers
+    from gdtool.kernels import experts, gemv
+    bf = torch.bfloat16
+    x, g = torch.randn(3, 256, dtype=bf, device=dev), torch.ones(256, dtype=bf, device=dev)
+    w, wk = torch.randn(512, 256, dtype=bf, device=dev), torch.randn(64, 256, dtype=bf, device=dev)
+    caches = [torch.zeros(3, 2, 16, 32, dtype=bf, device=dev) for _ in range(2)]
+    e, i = 8, 96
+    calls = [lambda: gemv.rms_gemv(x, g, 1e-5, w, w, None, False),
+             lambda: gemv.rms_gemv(x, None, 1e-5, w[:256], None, x, False),
+             lambda: gemv.qkv_rope(x, g, 1e-5, w[:256], wk, wk, torch.zeros(3, 1, dtype=torch.long, device=dev),
+                                   torch.ones(16, device=dev), 1.0, *caches, torch.tensor(3, device=dev)),
+             lambda: experts.block_triton(x, torch.randn(e, 256, dtype=bf, device=dev),
+                                          torch.randn(e, 2 * i, 256, dtype=bf, device=dev),
+                                          torch.randn(e, 256, i, dtype=bf, device=dev), 2, True, False)]
+    caught = [launch for call in calls for launch in kernel_registers.launches(call)]
+    assert len(caught) >= 5, [fn.__name__ for fn, _, _ in caught]
+    return caught
+
+
+def _compile(fn, args, kwargs, arch, recorded=True):
+    """cuda_compile's compile of one launch for `arch`, its tensors replaced by the `Pointer`s a recording holds
+    (recorded) or as they are, through a binder made anew under the stand-in driver (the function's own caches
+    put back after)."""
+    import cuda_compile
+    if recorded:
+        args, kwargs = [cuda_compile._spec(a) for a in args], {k: cuda_compile._spec(v) for k, v in kwargs.items()}
+    saved = dict(fn.device_caches)
+    fn.device_caches.clear()
+    try:
+        with cuda_compile.targeting(arch):
+            return cuda_compile.compile_launch(fn, args, kwargs)
+    finally:
+        fn.device_caches.clear()
+        fn.device_caches.update(saved)
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"), reason="the interpreter defines the kernels")
+def test_a_recorded_launch_compiles_as_its_tensors_do():
+    """A recording keeps each tensor as a `Pointer` (its dtype and address modulo 16): compiled from those, a
+    launch has the key (Triton's hash of source, specialization, options and target) and PTX it has compiled from
+    the tensors themselves; an input 2 bytes past an aligned address among them, whose key differs from the
+    aligned one's (the alignment is kept, not assumed)."""
+    import torch
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import cuda_compile
+    import kernel_registers
+    from gdtool.kernels import gemv
+    caught = _layer_launches("cpu")
+    w = torch.randn(64, 256, dtype=torch.bfloat16)
+    odd, even = (kernel_registers.launches(lambda x=x: gemv.rms_gemv(x, None, 1e-5, w, None, None, False))[0]
+                 for x in (torch.randn(3, 257, dtype=torch.bfloat16)[:, 1:], torch.randn(3, 256, dtype=torch.bfloat16)))
+    assert cuda_compile._spec(odd[1][0]).offset == 2 and cuda_compile._spec(even[1][0]).offset == 0
+    for fn, args, kwargs in caught + [odd]:
+        offline, direct = (_compile(fn, args, kwargs, 90, recorded) for recorded in (True, False))
+        assert offline.hash == direct.hash and offline.asm["ptx"] == direct.asm["ptx"], fn.__name__
+    assert _compile(*odd, 90).hash != _compile(*even, 90).hash
+
+
+@pytest.mark.cuda
+def test_the_compile_on_a_cpu_is_the_gpus():
+    """What cuda_compile compiles for a launch (its arguments as `Pointer` stand-ins, the stand-in driver naming
+    this GPU's capability) is what the launch compiles to on the GPU: the same key (Triton's hash of the source,
+    the arguments' specialization, the options and the target) and the same PTX, for each kernel of a Llama layer
+    product, the q/k/v kernel and the MoE block."""
+    import torch
+    major, minor = torch.cuda.get_device_capability()
+    for fn, args, kwargs in _layer_launches("cuda"):
+        real = fn.run(*args, grid=(1,), warmup=True, **kwargs)
+        offline = _compile(fn, args, kwargs, 10 * major + minor)
+        assert offline.hash == real.hash and offline.asm["ptx"] == real.asm["ptx"], fn.__name__
