@@ -207,18 +207,18 @@ def compile_launch(kernel, args, kwargs):
 
 
 def resources(compiled) -> dict:
-    """A compiled kernel's registers and stack bytes a thread, local bytes (spills) as ptxas reports them in its
-    cubin (read with the cuobjdump shipped with Triton), and the shared memory its launch asks for (dynamic:
-    Triton's metadata)."""
+    """A compiled kernel's registers and stack bytes a thread and local bytes (spills), as ptxas wrote them into its
+    cubin (read with the cuobjdump shipped with Triton), and the dynamic shared memory its launch asks for (Triton's
+    metadata: what Triton holds against the GPU's limit, and what Nsight Compute reports)."""
     import triton
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
         out = subprocess.run([str(tool), "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", out)
-    registers, stack, static_shared, local = map(int, found.groups())
-    return dict(registers=registers, stack=stack, local=local, shared=static_shared + int(compiled.metadata.shared))
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", out)
+    registers, stack, local = map(int, found.groups())
+    return dict(registers=registers, stack=stack, local=local, shared=int(compiled.metadata.shared))
 
 
 def _init(arch: int, triton_path: str | None, folders: list[str]) -> None:

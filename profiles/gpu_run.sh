@@ -216,7 +216,7 @@ for p in "$@"; do
     notebooks) part notebooks ${NOTEBOOKS_PART_SECONDS:-580} bash profiles/regenerate.sh "$work/notebooks" notebooks ;;
     tests-kernels) part tests-kernels ${KERNEL_TESTS_SECONDS:-540} env GDTOOL_KERNEL_PATHS="$work/tests-kernels/paths.jsonl" \
            "$py" -m pytest -q -ra -m cuda -n ${TEST_WORKERS:-8} -p no:cacheprovider -p no:logging \
-           ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_tail.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py tests/test_linear.py \
+           ${KERNEL_TESTS_K:+-k "$KERNEL_TESTS_K"} tests/test_fast_kernels.py tests/test_fast_tail.py tests/test_fast_cuda.py tests/test_fast_gemma3.py tests/test_experts.py tests/test_linear.py tests/test_cuda_compile.py \
            tests/test_fast_attention.py tests/test_windows.py --deselect tests/test_windows.py::test_sliding_windows_equal_generate_captured \
            --deselect tests/test_windows.py::test_zoo_sliding_windows_with_compiled_kernels_captured \
            --deselect tests/test_experts.py::test_zoo_moe_decodes_with_fast_kernels_captured \

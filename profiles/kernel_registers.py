@@ -5,6 +5,10 @@ specialization, PDL on), and read back from the cubin (`cuda_compile.resources`)
 
     python profiles/kernel_registers.py [--early-norm on|off|both] [--fused on|off|both]
     python profiles/kernel_registers.py --rows 1,2,4     # the dense products of llama-1b and llama-8b at those rows
+    python profiles/kernel_registers.py --triton /tmp/triton-3.6   # compiled by the H200's Triton (3.6.0)
+
+Compiled by the GPU's Triton, the registers are the GPU's: `profiles/compile_vs_ncu.py` found them equal to Nsight
+Compute's on the H200 for every experts kernel it profiled. Another Triton version compiles other code.
 
 Prints one line per (case, kernel): registers a thread, stack and local bytes (spills), shared memory. The
 cases are llama-1b's and Qwen3-30B-A3B's batch-1 shapes (random weights; only the launches matter); with --rows,
@@ -112,7 +116,15 @@ def main(argv=None) -> int:
     parser.add_argument("--early-norm", choices=("on", "off", "both"), default="both")
     parser.add_argument("--fused", choices=("on", "off", "both"), default="both")
     parser.add_argument("--rows", default="", help="e.g. 1,2,4: the Llama layer products at those rows instead")
+    parser.add_argument("--triton", default=None, help="a folder holding the Triton to compile with (pip --target): "
+                                                       "the GPU's, for its registers (profiles/compile_vs_ncu.py)")
     args = parser.parse_args(argv)
+    if args.triton:
+        if not (Path(args.triton) / "triton" / "__init__.py").exists():
+            parser.error(f"--triton {args.triton}: no triton package there (pip install --target {args.triton} triton==X)")
+        if "triton" in sys.modules:
+            parser.error("--triton: Triton is imported already (run this as a script)")
+        sys.path.insert(0, args.triton)
     os.environ.pop("TRITON_INTERPRET", None)
     cuda_compile.use_target(90)
     from gdtool.kernels import attention, experts, gemv, triton as fast_triton

@@ -179,3 +179,22 @@ def test_the_compile_on_a_cpu_is_the_gpus():
         real = fn.run(*args, grid=(1,), warmup=True, **kwargs)
         offline = _compile(fn, args, kwargs, 10 * major + minor)
         assert offline.hash == real.hash and offline.asm["ptx"] == real.asm["ptx"], fn.__name__
+
+
+def test_ncu_details_read_as_compile_vs_ncu_compares_them():
+    """profiles/compile_vs_ncu.py reads Nsight Compute's committed details per kernel in launch order (one token's
+    small kernels, then 64 tokens' grouped ones), and holds shared memory to ncu's rounding (two decimals of KB)."""
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import compile_vs_ncu
+    rows = compile_vs_ncu.ncu_rows(ROOT / "profiles" / "h200" / "ncu-experts-41fab16")
+    assert [(r["batch"], r["kernel"], r["registers"], r["grid"]) for r in rows] == [
+        (1, "_router_kernel", 30, 64), (1, "_gate_up_kernel", 80, 768), (1, "_down_kernel", 48, 512),
+        (64, "_router_kernel", 30, 4096), (64, "_route_kernel", 32, 64), (64, "_align_kernel", 42, 129),
+        (64, "_grouped_gate_up_kernel", 120, 912), (64, "_grouped_down_kernel", 74, 2432), (64, "_combine_kernel", 20, 1024)]
+    gate_up = rows[6]   # 139.26 Kbyte/block
+    mine = dict(kernel="_grouped_gate_up_kernel", registers=120, grid=912)
+    assert compile_vs_ncu.agree(dict(mine, shared=139264), gate_up)
+    assert not compile_vs_ncu.agree(dict(mine, shared=139300), gate_up)
+    assert not compile_vs_ncu.agree(dict(mine, shared=139264, registers=128), gate_up)
+    assert compile_vs_ncu.agree(dict(kernel="_router_kernel", registers=30, grid=64, shared=64), rows[0])
+    assert not compile_vs_ncu.agree(dict(kernel="_router_kernel", registers=30, grid=64, shared=65), rows[0])
