@@ -14,8 +14,8 @@ NVIDIA backend lowers a kernel to PTX and the ptxas shipped with Triton assemble
 3. holds each compiled kernel's shared memory against the target's limit, and reads its registers and stack
    (spills) from the binary.
 
-    python profiles/cuda_compile.py --jobs 2                      # kernel checks and tiny fast decodes, every family
-    python profiles/cuda_compile.py --workload checks             # the kernel checks alone (~2 min)
+    python profiles/cuda_compile.py --jobs 2                      # kernel checks and tiny fast decodes (~10 min, 2 cores)
+    python profiles/cuda_compile.py --workload checks --jobs 2    # the kernel checks alone (~3.5 min)
     python profiles/cuda_compile.py --triton /tmp/triton-3.6      # compile with another Triton (the GPU machine's)
 
 Workloads (`--workload`, several allowed): `checks`, gdtool.kernels.check's kernel and experts checks on their
