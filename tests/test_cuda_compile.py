@@ -167,6 +167,18 @@ def test_a_recorded_launch_compiles_as_its_tensors_do():
     assert _compile(*odd, 90).hash != _compile(*even, 90).hash
 
 
+def test_the_stand_in_target_leaves_the_compile_key_as_a_launch_has_it():
+    """Triton's key of a compile holds the environment variables it lists (`get_cache_invalidating_env_vars`); a
+    variable set by the stand-in target (TRITON_DEFAULT_FP_FUSION, once, to silence Triton 3.9's warning) made every
+    key differ from the GPU launch's, the code the same (the cuda test below, on an H100 at 5e87ec2)."""
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import cuda_compile
+    from triton._C.libtriton import get_cache_invalidating_env_vars
+    before = get_cache_invalidating_env_vars()
+    with cuda_compile.targeting(90):
+        assert get_cache_invalidating_env_vars() == before
+
+
 @pytest.mark.cuda
 def test_the_compile_on_a_cpu_is_the_gpus():
     """What cuda_compile compiles for a launch (its arguments as `Pointer` stand-ins, the stand-in driver naming
