@@ -391,7 +391,7 @@ def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
 def test_matrix_vector_kernel_compiles_for_hopper_with_pdl(late, monkeypatch):
     """The kernel's PDL branches never run under the interpreter (no PDL on a CPU): a gate/up launch of
     `gemv.rms_gemv`, caught as it would launch on an H200 (PDL on), compiles here for sm_90 down to the device code
-    (`profiles/kernel_registers.py`), with its launch trigger where the setting puts it: after the wait, or in
+    as that launch compiles there (`profiles/kernel_registers.py`, `cuda_compile.py`), with its launch trigger where the setting puts it: after the wait, or in
     the tile loop's last round (a branch inside the loop)."""
     if not fast_triton.HAVE_TRITON:
         pytest.skip("no Triton")
@@ -403,7 +403,9 @@ def test_matrix_vector_kernel_compiles_for_hopper_with_pdl(late, monkeypatch):
         torch.randn(256, 256, dtype=torch.bfloat16)
     (fn, args, kwargs), = kernel_registers.launches(lambda: gemv.rms_gemv(x, g, 1e-5, w, w, config=(8, 4, 2)))
     assert kwargs["PDL"] and kwargs["LATE_TRIGGER"] is late and kwargs["ITERS"] > 1
-    ptx = kernel_registers.compile_sm90(fn, list(args), kwargs).asm["ptx"]
+    import cuda_compile
+    with cuda_compile.targeting(90):
+        ptx = cuda_compile.compile_launch(fn, list(args), kwargs).asm["ptx"]
     wait, trigger = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
     assert ptx.count("griddepcontrol.launch_dependents") == 1 and wait < trigger
     assert (trigger > ptx.index("Loop Header")) is late, "the trigger is inside the tile loop exactly where it is late"
