@@ -20,8 +20,8 @@ NVIDIA backend lowers a kernel to PTX and the ptxas shipped with Triton assemble
 
 Workloads (`--workload`, several allowed): `checks`, gdtool.kernels.check's kernel and experts checks on their
 small shapes, bf16 and fp16 (every kernel, its configs and switches); `decode`, a few greedy and sampled steps
-of `kernels="fast"` on each tiny family of tests/fastcases.py and gpt-oss (the launches the fast forward and
-step make, batch 1 and 6), bf16. The interpreter's numbers are not checked here (the tests do that): only what
+of `kernels="fast"` on each tiny family of tests/fastcases.py, gpt-oss and OLMoE (step-graph: the launches the
+fast forward and step make, batch 1 and 6), bf16. The interpreter's numbers are not checked here (the tests do that): only what
 each launch compiles to. Shapes are tiny, so the real presets' tile sizes are not among the launches.
 
 It prints a line per compiled launch (kernel, constexprs, warps, stages, PDL; shared bytes, registers, stack)
