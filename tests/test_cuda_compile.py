@@ -210,3 +210,17 @@ def test_ncu_details_read_as_compile_vs_ncu_compares_them():
     assert not compile_vs_ncu.agree(dict(mine, shared=139264, registers=128), gate_up)
     assert compile_vs_ncu.agree(dict(kernel="_router_kernel", registers=30, grid=64, shared=64), rows[0])
     assert not compile_vs_ncu.agree(dict(kernel="_router_kernel", registers=30, grid=64, shared=65), rows[0])
+
+
+def test_cuda_compile_refuses_bad_arguments_by_name(tmp_path, capsys):
+    """A Triton folder without Triton, a workload file that is not there, an unknown capability, no jobs: each
+    refused before anything runs, naming the argument and what to give."""
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import cuda_compile
+    for argv, message in ((["--triton", str(tmp_path)], "no triton package there (pip install --target"),
+                          (["--code", str(tmp_path / "none.py")], "no such file"),
+                          (["--arch", "75"], "--arch 75: give one of"),
+                          (["--jobs", "0"], "--jobs: give 1 or more")):
+        with pytest.raises(SystemExit) as exit_:
+            cuda_compile.main(argv)
+        assert exit_.value.code == 2 and message in capsys.readouterr().err, argv
