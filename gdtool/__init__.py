@@ -9,7 +9,8 @@
 import warnings as _warnings
 
 from .core.compat import untested_transformers as _untested_transformers
-from .loops.decode import MODES, DecodeOutput, decode
+from .core.modes import MODES
+from .loops.decode import DecodeOutput, decode
 from .loops.decoder import Decoder
 from .core.models import PRESETS, load_model, random_prompts
 from .measure.timing import ProfileResult, add_device_busy, profile

@@ -492,7 +492,7 @@ def main(argv=None) -> int:
     DEVICE = args.device
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter mishandles bf16
     device = torch.device(DEVICE)
-    env = bench.environment(device)
+    env = gdtool.measure.record.environment(device)
     env["copy_gb_s"] = bench.copy_bandwidth(device) / 1e9
     env["triton"] = getattr(fast_triton.triton, "__version__", None)
     env["commit"] = env.get("commit") or os.environ.get("GDTOOL_COMMIT")

@@ -360,7 +360,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
-    env = bench.environment(device)
+    env = gdtool.measure.record.environment(device)
     copy_bytes_s = bench.copy_bandwidth(device)
     env["copy_gb_s"] = copy_bytes_s / 1e9
     (out / "env.json").write_text(json.dumps(env, indent=2) + "\n")

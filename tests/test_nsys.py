@@ -443,7 +443,7 @@ def test_cli_reads_exports_and_prints_json(tmp_path, capsys):
 
 
 def test_run_config_names_and_commands(tmp_path):
-    cfg = nsys.RunConfig("llama-1b", 16, "step-graph", "graph", eos=False, settings=(("eos_poll_interval", 16),))
+    cfg = nsys.TraceConfig("llama-1b", 16, "step-graph", "graph", eos=False, settings=(("eos_poll_interval", 16),))
     assert cfg.name == "llama-1b_b16_step-graph_graph_noeos_eos_poll_interval16"
     assert nsys.parse_name(cfg.name + ".sqlite.gz") == dict(model="llama-1b", batch=16, mode="step-graph",
                                                               trace="graph")
@@ -452,9 +452,9 @@ def test_run_config_names_and_commands(tmp_path):
         assert flag in cmd
     assert cmd[cmd.index("--set") + 1] == "eos_poll_interval=16" and "--no-eos" in cmd
     with pytest.raises(ValueError, match="trace="):
-        nsys.RunConfig("llama-1b", 1, "eager", "kernel")
+        nsys.TraceConfig("llama-1b", 1, "eager", "kernel")
     with pytest.raises(ValueError, match="mode="):
-        nsys.RunConfig("llama-1b", 1, "graph", "node")
+        nsys.TraceConfig("llama-1b", 1, "graph", "node")
 
 
 def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys):
@@ -477,7 +477,7 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
     from gdtool.measure import record
     env = record.environment()  # before subprocess.run plays nsys: it runs git and nvidia-smi
     monkeypatch.setattr(recording.subprocess, "run", fake_run)
-    monkeypatch.setattr(recording, "environment", lambda nsys_path=None: env)
+    monkeypatch.setattr(record, "environment", lambda device=None, nsys=None: env)
     monkeypatch.setenv("GDTOOL_NSYS", str(tmp_path / "nsys"))
     (tmp_path / "nsys").write_text("#!/bin/sh\n")
     (tmp_path / "nsys").chmod(0o755)
@@ -504,7 +504,7 @@ def test_session_plumbing_with_a_stand_in_for_nsys(tmp_path, monkeypatch, capsys
         return result
     monkeypatch.setattr(recording.subprocess, "run", short_run)
     with pytest.raises(AssertionError, match=r"ran \[3\] steps but the export holds \[4\]"):
-        nsys.record(nsys.RunConfig("tiny-llama", 16, "step-graph", "graph", repeat=1), out)
+        nsys.record(nsys.TraceConfig("tiny-llama", 16, "step-graph", "graph", repeat=1), out)
 
 
 def test_missing_nsys_is_a_clear_error(monkeypatch, tmp_path, capsys):
@@ -578,7 +578,7 @@ def test_session_on_gpu(tmp_path, mode):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs a GPU")
-    cfg = nsys.RunConfig("tiny-llama", 2, mode, "node", max_new_tokens=6, prompt_len=8, repeat=1, eos=False)
+    cfg = nsys.TraceConfig("tiny-llama", 2, mode, "node", max_new_tokens=6, prompt_len=8, repeat=1, eos=False)
     df, ran = nsys.record(cfg, tmp_path, fixture=True)  # record() checks steps and totals itself
     assert len(df) == ran["decodes"][0]["steps"] == 5
     assert (df["mode"] == mode).all() and (df["device_busy_us"] > 0).all()

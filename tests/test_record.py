@@ -23,10 +23,16 @@ def test_environment_has_the_same_keys_everywhere():
     assert env["device"] == "cpu" and env["gpu"] is None and env["device_name"] == env["cpu"]
     assert env["git_commit"] and len(env["git_commit"]) == 40 and env["git_commit_source"] == "git"
     assert isinstance(env["git_dirty"], bool)
-    for made in (bench.environment(), nsys.environment(), record.environment(nsys=None)):
-        assert tuple(made) == record.ENV_KEYS
+    assert tuple(record.environment(nsys=None)) == record.ENV_KEYS
     line = record.describe(env)
     assert "no CUDA GPU" in line and env["torch"] in line and env["git_commit"][:10] in line
+
+
+def test_the_old_environment_names_warn_and_give_the_one_record():
+    for old in (bench.environment, nsys.environment):
+        with pytest.warns(DeprecationWarning, match="gdtool.measure.record.environment"):
+            made = old()
+        assert tuple(made) == record.ENV_KEYS
 
 
 def test_commit_from_the_environment_where_there_is_no_git(monkeypatch):
@@ -69,10 +75,10 @@ def test_every_command_names_its_configs_this_way():
     cfg = RunConfig("llama-1b", "step-graph", 16, 16, "geom:128:512", 512)
     assert cfg.hash == hashlib.sha1(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:12]
     assert cfg.name == "llama-1b_b16_poll16_step-graph_geom128cap512"
-    assert nsys.RunConfig("llama-1b", 1, "eager", "graph", eos=False).name == "llama-1b_b1_eager_graph_noeos"
+    assert nsys.TraceConfig("llama-1b", 1, "eager", "graph", eos=False).name == "llama-1b_b1_eager_graph_noeos"
     assert ProfileConfig("llama-1b", 1, "step-graph", eos=False, kernels="compiled").name == \
         "llama-1b_b1_step-graph_compiled_noeos"
-    for c in (cfg, nsys.RunConfig("m", 1, "eager", "node"), bench.BenchConfig("m", 1), ProfileConfig("m", 1, "eager")):
+    for c in (cfg, nsys.TraceConfig("m", 1, "eager", "node"), bench.BenchConfig("m", 1), ProfileConfig("m", 1, "eager")):
         assert isinstance(c, record.Config) and len(c.hash) == 12
 
 

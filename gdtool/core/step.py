@@ -96,9 +96,7 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 class Step:
     """forward + select + update over one `State`; every mode calls this object."""
 
-    def __init__(self, model, cache, state: State, settings: Settings, prompt_width: int, cache_kw: str | None = None,
-                 logits_to_keep: bool | None = None, feed: Feed | None = None):
-        # cache_kw and logits_to_keep: what the feed now derives from the model (kept for callers that pass them)
+    def __init__(self, model, cache, state: State, settings: Settings, prompt_width: int, *, feed: Feed | None = None):
         self.model, self.cache, self.state, self.settings = model, cache, state, settings
         self.prompt_width = prompt_width
         self.last_slot = state.mask.shape[1] - 1

@@ -60,6 +60,10 @@ import torch
 
 from . import options
 from ..measure import record
+from ..core.deprecation import renamed
+from ..core.models import load_model, random_prompts
+from ..core.modes import DEFAULT_KERNELS
+from ..loops.decoder import Decoder
 
 PEERS = ("generate", "generate-static", "gpt-fast")
 COMPILED_PEERS = ("generate-static", "gpt-fast")
@@ -68,7 +72,6 @@ PEER_LABELS = {
     "generate-static": "HF generate static+compile",
     "gpt-fast": "gpt-fast-style step",
 }
-DEFAULT_KERNELS = "hf"
 # Runners that compile and capture nothing are warmed with a short run: it loads the same kernels.
 SHORT_WARMUP_TOKENS = 16
 # gpt-fast-style warm-up: three steps let cudagraph trees warm up, record, then replay.
@@ -237,20 +240,30 @@ def _dynamo_stats() -> dict:
 
 # ----------------------------------------------------------------------------- runners
 # Each factory returns once(new_tokens) -> Sample. The driver calls it for the warm-up, then
-# `repeats` times with cfg.max_new_tokens.
+# `repeats` times with cfg.max_new_tokens, then once.close() where it has one.
 
-def _gdtool_runner(model, prompt, mode: str, kernels: str):
-    import gdtool
+class _GdtoolRunner:
+    """once(new_tokens) for one of gdtool's modes: a Decoder keeps its engine (graphs, cache, buffers) while the
+    length stays, so the timed runs replay the graph the last run of that length captured, as a serving loop or
+    an RL rollout would."""
 
-    extra = {} if kernels == DEFAULT_KERNELS else {"kernels": kernels}
+    def __init__(self, model, prompt, mode: str, kernels: str):
+        self.model, self.prompt, self.mode, self.kernels = model, prompt, mode, kernels
+        self.decoder = None
 
-    def once(new_tokens: int) -> Sample:
-        out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=mode,
-                            max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, **extra)
+    def __call__(self, new_tokens: int) -> Sample:
+        if self.decoder is None:
+            self.decoder = Decoder(self.model, self.mode, max_graphs=1, kernels=self.kernels, do_sample=False,
+                                   eos_token_id=None, max_new_tokens=new_tokens)
+        elif self.decoder.settings.max_new_tokens != new_tokens:
+            self.decoder.configure(max_new_tokens=new_tokens)
+        out = self.decoder.generate(self.prompt.input_ids, self.prompt.attention_mask)
         return Sample(decode_s=out.timings["decode_s"], prefill_s=out.timings["prefill_s"],
                       steps=out.steps, tokens=out.tokens)
 
-    return once
+    def close(self) -> None:
+        if self.decoder is not None:
+            self.decoder.close()
 
 
 def _generate_runner(model, prompt, static: bool):
@@ -406,7 +419,7 @@ def _plan(model, prompt, cfg: BenchConfig, device: torch.device) -> list[_Planne
         runner = mode if kernels == DEFAULT_KERNELS else f"{mode}+{kernels}"
         plan.append(_Planned(
             RunnerResult(runner, "gdtool", f"gdtool {runner}", kernels=kernels),
-            lambda mode=mode, kernels=kernels: _gdtool_runner(model, prompt, mode, kernels),
+            lambda mode=mode, kernels=kernels: _GdtoolRunner(model, prompt, mode, kernels),
             # compiled kernels key on the cache length: warm them with the timed length
             min(cfg.max_new_tokens, SHORT_WARMUP_TOKENS) if mode == "eager" and kernels == DEFAULT_KERNELS
             else cfg.max_new_tokens,
@@ -433,17 +446,17 @@ def _plan(model, prompt, cfg: BenchConfig, device: torch.device) -> list[_Planne
 def run_config(model, cfg: BenchConfig, log=print, on_runner=None) -> list[RunnerResult]:
     """Run every gdtool mode and peer of one config on `model`; returns one result per runner
     (`on_runner(result)` is called after each)."""
-    import gdtool
-
     device = next(model.parameters()).device
-    prompt = gdtool.random_prompts(model, batch=cfg.batch, lengths=(cfg.prompt_len, cfg.prompt_len), seed=cfg.seed)
+    prompt = random_prompts(model, batch=cfg.batch, lengths=(cfg.prompt_len, cfg.prompt_len), seed=cfg.seed)
     results = []
     for planned in _plan(model, prompt, cfg, device):
         result = planned.result
         if planned.make_once is not None:
             attrs_before = set(vars(model))
+            once = None
             try:
-                _measure(result, planned.make_once(), cfg, planned.warmup_tokens, planned.expects_graphs)
+                once = planned.make_once()
+                _measure(result, once, cfg, planned.warmup_tokens, planned.expects_graphs)
                 if result.kernels == "fast":  # which of gdtool's kernels ran (and where HF's stayed, why)
                     from ..kernels.step import compiles
                     used = compiles(model)
@@ -455,6 +468,7 @@ def run_config(model, cfg: BenchConfig, log=print, on_runner=None) -> list[Runne
                 result.status = f"error: {type(error).__name__}: {message}"
                 result.samples.clear()
             finally:
+                getattr(once, "close", lambda: None)()
                 _cleanup(model, attrs_before)
         results.append(result)
         timing = ""
@@ -580,10 +594,7 @@ def format_table(summary, header: str) -> str:
     return "\n".join(lines)
 
 
-def environment(device: torch.device | None = None) -> dict:
-    """Where the numbers came from: the environment record of `gdtool.measure.record` (GPU, driver, library
-    versions, git commit, date; ``device_name`` is the GPU's or the CPU's name)."""
-    return record.environment(device)
+environment = renamed(record.environment, "gdtool.frontends.bench.environment")
 
 
 def save(df, summary, cfg: BenchConfig, env: dict, out_dir: Path) -> list[str]:
@@ -617,8 +628,7 @@ def saved(cfg: BenchConfig, out_dir: Path):
 # ----------------------------------------------------------------------------- command line
 
 def _mode_item(value: str) -> str:
-    from ..loops.decode import MODES
-    from ..kernels.step import KERNELS
+    from ..core.modes import KERNELS, MODES
     if value in ("none", "all"):
         return value
     mode, plus, kernels = value.partition("+")
@@ -684,7 +694,6 @@ def _main(args, modes, peers) -> int:
     import pandas as pd
     import transformers
 
-    import gdtool
     transformers.logging.set_verbosity_error()  # generate()'s per-call advice would drown the table
     out = options.Output(args.json)
     kernels = tuple(dict.fromkeys(args.kernels))
@@ -720,7 +729,7 @@ def _main(args, modes, peers) -> int:
                     continue
                 if model is None:
                     t0 = time.perf_counter()
-                    model = gdtool.load_model(model_name, seed=args.seed, device=device)
+                    model = load_model(model_name, seed=args.seed, device=device)
                     log(f"[bench] loaded {model_name} in {time.perf_counter() - t0:.1f} s")
                     if args.fuse_projections:
                         from ..kernels.fuse import fuse_projections
@@ -731,7 +740,7 @@ def _main(args, modes, peers) -> int:
                         log(f"[bench] fused {fused} projection groups (q/k/v, gate/up)")
                 if env is None:
                     copy_bytes_s = copy_bandwidth(device)
-                    env = environment(device)
+                    env = record.environment(device)
                     env["copy_gb_s"] = copy_bytes_s / 1e9
                     log(f"[bench] {env['device_name']}: copy bandwidth {copy_bytes_s / 1e9:.0f} GB/s (read + write)")
                 results = run_config(model, cfg, log=log, on_runner=lambda result: bar.update(1))
@@ -757,7 +766,7 @@ def _main(args, modes, peers) -> int:
     keep = [c for c in ["config", "batch", "runner", "status", "tok_s", "ms_per_step", "gb_s", "floor_pct", "warmup_s",
                         "dynamo_graphs", "dynamo_recompiles"] if c in everything.columns]
     keep += [c for c in everything.columns if c.startswith("x_")]
-    env = env or environment(device)
+    env = env or record.environment(device)
     out.say(f"results in {args.out}")
     out.document({
         "bench": names, "device": env["device_name"], "captured": device.type == "cuda",

@@ -138,7 +138,7 @@ class Parser(argparse.ArgumentParser):
                                      f"llama-1b on a CUDA GPU, tiny-llama on a CPU; here {here})")
 
     def add_mode(self, default, choices=None, extra_help=""):
-        from ..loops.decode import MODES
+        from ..core.modes import MODES
         choices = tuple(choices or MODES)
         return self.list_option("--mode", "--modes", item=choice_item("mode", choices + ("all",)), default=default,
                                 help=f"decode modes: {', '.join(choices)}, or all{extra_help}")
@@ -307,7 +307,7 @@ def poll_item(value: str) -> str:
 
 
 def kernels_item(value: str) -> str:
-    from ..kernels.step import KERNELS
+    from ..core.modes import KERNELS
     if value not in KERNELS:
         raise ValueError(f"unknown kernels {value!r}; choose from {', '.join(KERNELS)}")
     return value
@@ -321,7 +321,7 @@ def lengths_item(value: str) -> str:
 
 def expand_modes(modes, choices=None) -> list[str]:
     """'all' -> every mode (of `choices`); duplicates dropped, order kept."""
-    from ..loops.decode import MODES
+    from ..core.modes import MODES
     choices = list(choices or MODES)
     out = []
     for m in modes:
@@ -369,7 +369,7 @@ def _poll(text):
 
 
 def _kernels(text):
-    from ..kernels.step import KERNELS
+    from ..core.modes import KERNELS
     if text not in KERNELS:
         raise ValueError
     return text

@@ -264,7 +264,7 @@ def _nsys(args, modes) -> int:
                         if poll != "default":
                             extra["eos_poll_interval"] = poll_value(poll)
                         for mode in modes:
-                            configs.append(nsys.RunConfig(model, batch, mode, trace, args.max_new_tokens,
+                            configs.append(nsys.TraceConfig(model, batch, mode, trace, args.max_new_tokens,
                                                           args.prompt_len, args.repeat or 2, args.seed,
                                                           not args.no_eos, tuple(sorted(extra.items()))))
     folder = Path(args.out or NSYS_OUT)

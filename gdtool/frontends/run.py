@@ -22,11 +22,6 @@ from ..loops.decode import decode
 from ..core.models import load_model, random_prompts
 
 
-def environment(device=None) -> dict:
-    """The environment record of `gdtool.measure.record` (kept here for callers of the old name)."""
-    return record.environment(device)
-
-
 def _prompt_lengths(text: str) -> tuple[int, int]:
     items = options.split(text)
     try:

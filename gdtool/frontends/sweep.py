@@ -54,6 +54,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from ..core.models import load_model, random_prompts
+from ..core.modes import MODES, SPECS
+from ..loops.decoder import Decoder
 from ..measure import record, workloads
 from ..measure.polls import POLL_ORDER, poll_label, poll_order, poll_value
 
@@ -70,8 +73,6 @@ __all__ = [
     "sweep",
 ]
 
-# Known defaults of gdtool.decode's eos_poll_interval, for naming runs that leave it unset.
-_DEFAULT_POLL = {"eager": "1", "forward-graph": "1", "step-graph": "16"}
 
 METRICS = ["tokens", "tokens_per_s", "steps", "steps_per_s", "wasted_steps", "host_syncs", "polls",
            "replays", "us_per_token", "decode_s", "prefill_s", "warmup_s", "capture_s", "total_s"]
@@ -159,7 +160,7 @@ def grid(models, modes, batches, polls, lengths, *, max_new_tokens: int | None =
             for mode in _as_list(modes):
                 for batch in _as_list(batches):
                     for poll in _as_list(polls):
-                        poll = poll_label(poll) if poll is not None else _DEFAULT_POLL.get(mode, "default")
+                        poll = poll_label(poll) if poll is not None else _default_poll_label(mode)
                         configs.append(RunConfig(_model_name(model), mode, batch, poll, dist.name, new,
                                                  prompt_len, sample, seed))
     return configs
@@ -176,6 +177,13 @@ def _eos_ids(model) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
+def _default_poll_label(mode: str) -> str:
+    """The poll label of a run that leaves eos_poll_interval unset: the mode's default interval, or "default" where
+    the host never polls (device-loop) or the mode is unknown."""
+    spec = SPECS.get(mode)
+    return str(spec.default_poll) if spec is not None and spec.host_steps else "default"
+
+
 def _decode_kwargs(model, cfg: RunConfig, repeat: int) -> tuple[dict, torch.LongTensor | None]:
     targets = cfg.lengths_for(repeat)
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, seed=cfg.seed * 1000 + repeat,
@@ -186,57 +194,47 @@ def _decode_kwargs(model, cfg: RunConfig, repeat: int) -> tuple[dict, torch.Long
 
 
 class Engines:
-    """Decodes for a sweep, reusing one engine (one warm-up and capture) per (model, mode, batch,
-    max_new_tokens, prompt, sampling, EOS on/off) across polling policies and repetitions, as a
-    serving loop would. Without the core's `Engine` it falls back to `gdtool.decode`, which
-    captures on every call (capture time is reported apart and excluded from ``decode_s`` either way)."""
+    """Decodes for a sweep through one `Decoder` (gdtool/loops/decoder.py) that keeps one engine (one warm-up
+    and capture) at a time: consecutive configs with the same model, mode and settings replay it across polling
+    policies and repetitions, as a serving loop would; anything else (batch, lengths, EOS on/off, sampling)
+    captures anew (capture time is reported apart and excluded from ``decode_s``)."""
 
     def __init__(self):
-        self.key, self.engine = None, None
+        self.key, self.decoder, self.poll = None, None, None
 
-    @staticmethod
-    def _key(model, cfg: RunConfig):
-        return (id(model), cfg.mode, cfg.batch, cfg.max_new_tokens, cfg.prompt_len, cfg.sample, cfg.dist.eos,
-                cfg.seed)
+    def _decoder(self, model, cfg: RunConfig, settings: dict) -> Decoder:
+        """The Decoder for these settings, made anew where model, mode or settings changed; its polling set."""
+        key = (id(model), cfg.mode, tuple(sorted(settings.items())))
+        if key != self.key:
+            self.close()
+            self.decoder = Decoder(model, cfg.mode, max_graphs=1, **settings)
+            self.key, self.poll = key, None
+        if poll_value(cfg.poll) != self.poll:
+            self.poll = poll_value(cfg.poll)
+            self.decoder.configure(eos_poll_interval=self.poll)
+        return self.decoder
 
-    @staticmethod
-    def _engine_class():
-        try:
-            from ..loops.decode import Engine
-            from ..core.settings import resolve
-        except ImportError:  # a core without a reusable engine
-            return None, None
-        return Engine, resolve
-
-    def is_warm(self, model, cfg: RunConfig) -> bool:
+    def is_warm(self, model, cfg: RunConfig, prompt, repeat: int = 0) -> bool:
         """True when the next decode of ``cfg`` replays a graph this object already captured and ran."""
-        return self.engine is not None and self.key == self._key(model, cfg)
+        if self.decoder is None:
+            return False
+        kwargs, targets = _decode_kwargs(model, cfg, repeat)
+        settings = {k: v for k, v in kwargs.items() if k != "seed"}
+        if self.key != (id(model), cfg.mode, tuple(sorted(settings.items()))):
+            return False
+        return self.decoder.signature(prompt.input_ids, prompt.attention_mask, targets) in self.decoder.engines
 
     def decode(self, model, cfg: RunConfig, prompt, repeat: int):
         kwargs, targets = _decode_kwargs(model, cfg, repeat)
-        poll = poll_value(cfg.poll)
-        Engine, resolve = self._engine_class()
-        if Engine is None:
-            import gdtool
-            if poll is not None:
-                kwargs["eos_poll_interval"] = poll
-            return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode,
-                                 target_lengths=targets, **kwargs), targets
-        key = self._key(model, cfg)
-        if key != self.key:
-            self.close()
-            explicit = {k: v for k, v in kwargs.items() if k not in ("max_new_tokens", "seed")}
-            settings = resolve(model, cfg.max_new_tokens, explicit)
-            self.engine = Engine(model, cfg.mode, settings, prompt.input_ids, with_targets=targets is not None)
-            self.key = key
-        out = self.engine.run(prompt.input_ids, prompt.attention_mask, target_lengths=targets,
-                              seed=kwargs["seed"], eos_poll_interval=poll)
+        seed = kwargs.pop("seed")
+        out = self._decoder(model, cfg, kwargs).generate(prompt.input_ids, prompt.attention_mask, seed=seed,
+                                                         target_lengths=targets)
         return out, targets
 
     def close(self):
-        if self.engine is not None:
-            self.engine.close()
-        self.key, self.engine = None, None
+        if self.decoder is not None:
+            self.decoder.close()
+        self.key, self.decoder = None, None
 
 
 def _check(cfg: RunConfig, out, targets) -> int:
@@ -344,8 +342,7 @@ def profile_per_token(result) -> dict:
 
 
 def _prompt(model, cfg: RunConfig):
-    import gdtool
-    return gdtool.random_prompts(model, batch=cfg.batch, lengths=cfg.prompt_len, seed=cfg.seed)
+    return random_prompts(model, batch=cfg.batch, lengths=cfg.prompt_len, seed=cfg.seed)
 
 
 def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, start_repeat: int = 0,
@@ -359,7 +356,7 @@ def run_config(model, cfg: RunConfig, *, repeats: int = 3, warmup: int = 1, star
     engines = engines or Engines()
     try:
         prompt = _prompt(model, cfg)
-        for _ in range(0 if engines.is_warm(model, cfg) else warmup):
+        for _ in range(0 if engines.is_warm(model, cfg, prompt, start_repeat) else warmup):
             engines.decode(model, cfg, prompt, start_repeat)
         rows = []
         for repeat in range(start_repeat, start_repeat + repeats):
@@ -408,15 +405,13 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     ``redo=True`` measures the grid's configs again), and ``<out>.json`` gets the environment
     (`gdtool.measure.record`). ``max_seconds`` stops before starting a config past that
     budget (``df.attrs["complete"]`` says whether the grid is done)."""
-    import gdtool
     loaded = {_model_name(m): m for m in _as_list(models) if not isinstance(m, str)}
     if configs is None:
         configs = grid(models, modes, batches, polls, lengths, max_new_tokens=max_new_tokens,
                        prompt_len=prompt_len, sample=sample, seed=seed)
-    known = getattr(gdtool, "MODES", None)
     for cfg in configs:
-        if known and cfg.mode not in known:
-            raise ValueError(f"mode {cfg.mode!r} is not one of gdtool.MODES {tuple(known)}")
+        if cfg.mode not in MODES:
+            raise ValueError(f"mode {cfg.mode!r} is not one of gdtool.MODES {MODES}")
     path = Path(out) if out is not None else None
     results = record.Results(path, dtype=_DTYPES, first=_FIRST)
     if path is not None:
@@ -445,7 +440,7 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             engines.close()
             current["model"] = None
             _free()
-            current["model"] = loaded.get(cfg.model) or gdtool.load_model(cfg.model, seed=0, device=device,
+            current["model"] = loaded.get(cfg.model) or load_model(cfg.model, seed=0, device=device,
                                                                             dtype=dtype)
             current["name"] = cfg.model
         return current["model"]

@@ -16,6 +16,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from . import plot
+from ..core.models import load_model
 from .sweep import RunConfig, poll_label, poll_order, run_config
 
 __all__ = ["Explorer", "explorer"]
@@ -124,11 +125,10 @@ class Explorer:
 
     def run_selected(self) -> list[dict]:
         """Run the selected config now (one warm-up, ``repeats`` timed), append its rows, redraw."""
-        import gdtool
         cfg = self.selected_config()
         model = self.models.get(cfg.model)
         if model is None:
-            model = self.models[cfg.model] = gdtool.load_model(cfg.model)
+            model = self.models[cfg.model] = load_model(cfg.model)
         done = self.df[self.df["config_hash"] == cfg.hash]["repeat"] if "config_hash" in self.df else []
         start = int(max(done) + 1) if len(done) else 0
         rows = run_config(model, cfg, repeats=self.repeats, warmup=1, start_repeat=start)

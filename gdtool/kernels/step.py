@@ -62,12 +62,11 @@ from ..core import compat, feed, graphs, sampling
 from . import attention, experts, forward, fuse, gemv, linear, ops, tail
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
+from ..core.modes import DEFAULT_KERNELS, FORWARD_ONLY_MODES, KERNELS, check_kernels_name  # noqa: F401 (KERNELS: re-exported)
 from ..core.step import Step, new_state
 
-KERNELS = ("hf", "compiled", "fast")
-DEFAULT_KERNELS = "hf"
-# What runs compiled in each mode: the whole step where the mode captures the whole step.
-FORWARD_ONLY_MODES = ("eager", "forward-graph")
+# The kernels options, and what runs compiled in each mode (the whole step where the mode captures the whole
+# step; the forward alone elsewhere), are named in `gdtool.core.modes`.
 # Inductor without CUDA graphs (gdtool captures); random draws through ATen, so the compiled step
 # consumes the generator exactly as the HF step does and draws the same noise.
 INDUCTOR_OPTIONS = {"triton.cudagraphs": False, "fallback_random": True}
@@ -86,9 +85,7 @@ def watched(model, kernels: str):
 def check_kernels(kernels, device: torch.device | None = None, model=None, mode: str | None = None) -> str:
     """The kernels choice, validated; on 'compiled', whether inductor can build kernels here and the
     model is one the graph modes accept (eager mode too: its compiled forward has the same needs)."""
-    if kernels not in KERNELS:
-        raise ValueError(f"kernels={kernels!r} is not one of {KERNELS}: 'hf' runs HF's kernels (bitwise generate()), "
-                         "'compiled' fuses the step with torch.compile, 'fast' adds gdtool's decode kernels to it")
+    check_kernels_name(kernels)
     if kernels != DEFAULT_KERNELS and device is not None:
         compilers = ("g++", "clang++", "c++")
         if device.type == "cpu" and not (os.environ.get("CXX") or any(shutil.which(c) for c in compilers)):
@@ -107,10 +104,10 @@ def check_kernels(kernels, device: torch.device | None = None, model=None, mode:
 
 
 def new_step(kernels: str, mode: str, *args, **kwargs) -> Step:
-    """The step object a mode drives: HF's kernels, or the compiled step (same buffers, same arguments)."""
+    """The step object a mode drives: HF's kernels, or the compiled step (same buffers, same arguments).
+    `kernels` is checked by the caller (`check_kernels`)."""
     if kernels == DEFAULT_KERNELS:
         return Step(*args, **kwargs)
-    check_kernels(kernels)
     return CompiledStep(*args, part="forward" if mode in FORWARD_ONLY_MODES else "step", kernels=kernels, **kwargs)
 
 
@@ -269,7 +266,7 @@ class CompiledStep(Step):
     def _one_kernel_tail(self) -> bool:
         """Greedy after the fast forward, nothing recorded, no forced lengths, tested on this device: the step's
         tail in one kernel (`tail`)."""
-        return self._eager_argmax() and not tail.applies(self.state, self.state.mask.device)
+        return self._eager_argmax() and not tail.refusal(self.state, self.state.mask.device)
 
     @contextmanager
     def _scopes(self):

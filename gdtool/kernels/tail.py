@@ -31,8 +31,8 @@ PATH = "greedy tail in one kernel"  # its kernel path's name (triton.CUDA_TESTED
 _ON = env_flag("GDTOOL_ONE_KERNEL_TAIL", default=True)
 
 
-def applies(state, device) -> str:
-    """'' where `update` can run the tail of this state's step on `device`, else why not."""
+def refusal(state, device) -> str:
+    """'' where `update` can run the tail of this state's step on `device`, else why not (as `experts.refusal`)."""
     if not _ON:
         return "GDTOOL_ONE_KERNEL_TAIL=0"
     if state.targets is not None:
@@ -118,7 +118,7 @@ if HAVE_TRITON:
 
 
 def update(scores: torch.Tensor, step, counters: list) -> None:
-    """The argmax of `scores` [B, V] (float32) as the next token, `step.update` of it (`applies` says where) and
+    """The argmax of `scores` [B, V] (float32) as the next token, `step.update` of it (`refusal` says where not) and
     every counter (one-element int64 tensors) + 1, in two kernels: the argmax's first stage, then `_tail`."""
     s = step.state
     b, _ = scores.shape

@@ -1,4 +1,4 @@
-"""The three decode loops. They drive the same `Step` and differ only in where a step runs.
+"""The four decode loops (`gdtool.core.modes`). They drive the same `Step` and differ only in where a step runs.
 
     eager          per step the host runs forward, select, update, and reads the "all finished" flag
     forward-graph  the model forward is one CUDA-graph replay; select, update and the check stay eager
@@ -20,13 +20,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core import compat, feed, graphs, ranges
-from ..kernels import step as fast
+from ..core.capture import capture_phases
+from ..core.modes import DEFAULT_POLL, MODES, check_mode
+from ..kernels import step as kernel_step
 from ..core.settings import UNSET, Settings, resolve
 from ..core.step import State, new_state, seed_seen
 from ..core.syncs import Counter, hidden_waits
 
-MODES = ("eager", "forward-graph", "step-graph", "device-loop")
-DEFAULT_POLL = {"eager": 1, "forward-graph": 1, "step-graph": 16, "device-loop": 0}
+__all__ = ["MODES", "DecodeOutput", "Engine", "check_run", "decode"]
 WARMUP_STEPS = 2
 
 
@@ -96,11 +97,6 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
         engine.close()
 
 
-def check_mode(mode: str) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is not one of {MODES}")
-
-
 def check_samples(num_samples, unsupported: dict, settings: Settings | None = None) -> None:
     """num_samples is gdtool's name for generate()'s num_return_sequences (refused by that name)."""
     sequences = unsupported.get("num_return_sequences")
@@ -129,7 +125,7 @@ def repeat_samples(input_ids, attention_mask, target_lengths, num_samples: int, 
 
 def check_poll(eos_poll_interval, mode: str):
     poll = DEFAULT_POLL[mode] if eos_poll_interval is None else eos_poll_interval
-    if mode == "device-loop" and poll != 0:
+    if check_mode(mode).device_loop and poll != 0:
         raise ValueError(f"eos_poll_interval={eos_poll_interval!r}: the device loop checks the flag on the device after "
                          "every step and stops exactly; leave eos_poll_interval unset (or 0), and use "
                          "steps_per_launch=N to read tokens every N steps")
@@ -141,9 +137,18 @@ def check_poll(eos_poll_interval, mode: str):
     return poll
 
 
-def check_model(model, mode: str, device: torch.device) -> None:
-    """Refuse, with the reason, what gdtool cannot decode as generate() does in `mode` (`feed.check`)."""
+def check_run(model, mode: str, kernels: str, capture: bool | None) -> str:
+    """What a decode or a Decoder checks of its model and choices before any work: the mode, the model
+    (`feed.check`: refused, with the reason, where gdtool cannot decode it as generate() does in `mode`), the
+    kernels (`kernel_step.check_kernels`) and capture. Returns the kernels choice."""
+    check_mode(mode)
+    device = next(model.parameters()).device
     feed.check(model, mode, device)
+    kernels = kernel_step.check_kernels(kernels, device, model, mode)
+    if capture and not graphs.can_capture(device):
+        raise ValueError(f"capture=True needs a CUDA device, and the model is on {device}; use capture=None to run "
+                         "the graph modes uncaptured (same step function) where there is no CUDA")
+    return kernels
 
 
 def check_input_ids(input_ids) -> None:
@@ -227,16 +232,12 @@ class Engine:
     def __init__(self, model, mode: str, settings: Settings, input_ids: torch.Tensor, return_scores: bool = False,
                  with_targets: bool = False, capture: bool | None = None, cache_len: int | None = None,
                  return_logprobs: bool = False, kernels: str = "hf"):
-        check_mode(mode)
         check_input_ids(input_ids)
+        self.kernels = check_run(model, mode, kernels, capture)
         device = next(model.parameters()).device
-        check_model(model, mode, device)
-        self.kernels = fast.check_kernels(kernels, device, model, mode)
-        if capture and not graphs.can_capture(device):
-            raise ValueError(f"capture=True needs a CUDA device, and the model is on {device}; use capture=None to run "
-                             "the graph modes uncaptured (same step function) where there is no CUDA")
         self.model, self.mode, self.settings, self.device = model, mode, settings, device
-        self.captures_enabled = mode != "eager" and capture is not False and graphs.can_capture(device)
+        self.spec = check_mode(mode)
+        self.captures_enabled = self.spec.captures and capture is not False and graphs.can_capture(device)
         self.batch, self.width = input_ids.shape
         self.cache_len = cache_len or compat.cache_length(model, self.width, settings.max_new_tokens)
         self.cache = compat.static_cache(model, self.cache_len)
@@ -245,9 +246,7 @@ class Engine:
         self.state: State = new_state(input_ids, torch.ones_like(input_ids), settings, self.cache_len, vocab,
                                       return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None,
                                       return_logprobs)
-        cache_kw, logits_to_keep = compat.forward_kwargs(model)
-        self.step = fast.new_step(self.kernels, mode, model, self.cache, self.state, settings, self.width, cache_kw,
-                                  logits_to_keep)
+        self.step = kernel_step.new_step(self.kernels, mode, model, self.cache, self.state, settings, self.width)
         self.feed = self.step.feed
         # sliding-window layers take another branch once their window is full: one graph per phase
         self.phases = self.feed.phases(settings.max_new_tokens)
@@ -263,7 +262,7 @@ class Engine:
         t_start = time.perf_counter()
         settings, state, device = self.settings, self.state, self.device
         poll = check_poll(eos_poll_interval, self.mode)
-        if (steps_per_launch is not None or on_chunk is not None) and self.mode != "device-loop":
+        if (steps_per_launch is not None or on_chunk is not None) and not self.spec.device_loop:
             raise ValueError("steps_per_launch and on_chunk belong to mode='device-loop'; the other modes return to "
                              "the host every step")
         if steps_per_launch is not None and (isinstance(steps_per_launch, bool) or not isinstance(steps_per_launch, int)
@@ -297,10 +296,10 @@ class Engine:
             trail = {0: generator.get_state()} if settings.do_sample else None
             with self.feed.decoding():
                 experts = feed.experts_implementation(self.model)
-                if self.mode != "eager" and n > 1 and not self.graphs:
+                if self.spec.captures and n > 1 and not self.graphs:
                     explicit_waits += self._capture(generator, timings, waits)
                 t0 = time.perf_counter()
-                if self.mode == "device-loop":
+                if self.spec.device_loop:
                     steps, polls, loop_waits = self._device_loop(steps_per_launch, on_chunk, generator)
                 else:
                     steps, polls, loop_waits = self._loop(poll, trail, generator, waits)
@@ -318,7 +317,7 @@ class Engine:
         scores = tuple(state.scores[i].clone() for i in range(used)) if state.scores is not None else None
         timings["total_s"] = time.perf_counter() - t_start
         replays = steps if self.graphs else 0
-        if self.mode == "device-loop":
+        if self.spec.device_loop:
             replays = self._launches() - launches_before
         return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
@@ -359,56 +358,23 @@ class Engine:
 
     def _capture(self, generator, timings, waits) -> int:
         """Warm up and capture this mode's graph, one per phase of the sliding layers; leave state, cache
-        and generator as after the prefill."""
+        and generator as after the prefill. Returns the host waits it made."""
         feed.check_prefilled(self.cache, self.mode, self.model)
-        snapshot, layers, rng = self.state.snapshot(), self.feed.snapshot(), generator.get_state()
-        fn = self.step.forward if self.mode == "forward-graph" else self.step
-        keep = self.mode == "device-loop"  # the WHILE node embeds the captured cudaGraph_t
-        syncs = 0
-        constants = None
-        for phase in dict.fromkeys(p for p, _, _ in self.phases):
-            def enter(phase=phase):  # every warm-up step and the capture start in this phase
-                self.feed.enter_phase(phase, layers)
-            steps = min(WARMUP_STEPS, self.cache_len - self.width)
-            t0 = time.perf_counter()
-            with ranges.span(ranges.WARMUP):
-                if self.captures_enabled:
-                    offset = generator.get_offset()
-                    with hidden_waits(self.device, waits):
-                        # the first step watched for what a graph cannot hold (HF's kernels: fast.watched)
-                        constants = graphs.warm_up(fn, 1, fast.watched(self.model, self.kernels), before=enter)
-                        if self.rng_increment is None:
-                            self.rng_increment = generator.get_offset() - offset  # one step's draws (device loop)
-                        graphs.warm_up(fn, steps - 1, before=enter)
-                    _sync(self.device)
-                    syncs += 1
-                else:
-                    # the same warm-up steps, run for real and undone below, so a CPU tests the undoing too
-                    for _ in range(steps):
-                        enter()
-                        fn()
-            timings["warmup_s"] += time.perf_counter() - t0
-            t0 = time.perf_counter()
-            with ranges.span(ranges.CAPTURE):
-                enter()
-                if self.captures_enabled:
-                    # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
-                    torch.cuda.empty_cache()
-                reserved = torch.cuda.memory_reserved(self.device) if self.captures_enabled else 0
-                # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
-                self.graphs[phase] = graphs.capture(fn, self.device, keep_graph=keep, model=self.model,
-                                                    constants=constants) \
-                    if self.captures_enabled else graphs.Uncaptured(fn, self.feed.frozen_counters())
-                if self.captures_enabled:  # a private pool shares no segment, so its growth is the pool's size
-                    self.graph_pool_bytes += torch.cuda.memory_reserved(self.device) - reserved
-                self.captures += self.captures_enabled
-                syncs += self.captures_enabled  # torch.cuda.graph synchronizes before capturing
-            timings["capture_s"] += time.perf_counter() - t0
-            self.state.restore(snapshot)
-            self.feed.restore(layers)
-            compat.rewind(self.cache, self.width)
-            generator.set_state(rng)
-        if self.mode == "device-loop":
+        fn = self.step.forward if self.spec.graph == "forward" else self.step
+        captured = capture_phases(fn, self.step, (p for p, _, _ in self.phases), capture=self.captures_enabled,
+                                  width=self.width, warmup_steps=min(WARMUP_STEPS, self.cache_len - self.width),
+                                  model=self.model, watch=kernel_step.watched(self.model, self.kernels),
+                                  # the WHILE node embeds the captured cudaGraph_t
+                                  keep_graph=self.spec.device_loop, generator=generator, waits=waits)
+        self.graphs = captured.graphs
+        self.captures += captured.captures
+        self.graph_pool_bytes += captured.pool_bytes
+        if self.rng_increment is None:
+            self.rng_increment = captured.rng_increment
+        timings["warmup_s"] += captured.warmup_s
+        timings["capture_s"] += captured.capture_s
+        syncs = captured.syncs
+        if self.spec.device_loop:
             from .devloop import DeviceLoop
             sampling = self.settings.do_sample and self.captures_enabled
             for phase, _, last in self.phases:
@@ -462,13 +428,15 @@ class Engine:
 
     def _loop(self, poll, trail, generator, waits):
         """Run decode steps 1..N-1 until a poll finds every row finished. Returns (steps, polls, waits)."""
-        state, step, n, mode, device = self.state, self.step, self.settings.max_new_tokens, self.mode, self.device
+        state, step, n, graph, device = self.state, self.step, self.settings.max_new_tokens, self.spec.graph, self.device
+        # where the whole step is captured the host polls the flag; eager and forward-graph check it
+        check = ranges.EOS_POLL if graph == "step" else ranges.EOS_CHECK
         polls = syncs = 0
         flag = _FlagReader(state.done, device) if poll == "async" else None
         if flag is not None:
             flag.copy()  # the prefill token's flag, read after step 1 is launched
         if poll != "async" and poll >= 1:
-            with ranges.span(ranges.EOS_CHECK if mode != "step-graph" else ranges.EOS_POLL):
+            with ranges.span(check):
                 polls, syncs = 1, 1
                 ranges.count_syncs()
                 if bool(state.done):
@@ -476,26 +444,25 @@ class Engine:
         steps = 0
         for j in range(1, n):
             with ranges.span(ranges.STEP, j):
-                if mode == "eager":
+                if graph is None:
                     with ranges.span(ranges.FORWARD), hidden_waits(device, waits):
                         logits = step.forward()
                     with ranges.span(ranges.SELECT):
                         next_tokens = step.select(logits)
                     with ranges.span(ranges.UPDATE):
                         step.update(next_tokens)
-                elif mode == "forward-graph":
-                    graph = self.graphs[self.feed.phase_of(j)]
+                elif graph == "forward":
+                    forward = self.graphs[self.feed.phase_of(j)]
                     with ranges.span(ranges.REPLAY):
-                        graph.replay()
+                        forward.replay()
                     with ranges.span(ranges.SELECT):
-                        step.update(step.select(graph.output))
+                        step.update(step.select(forward.output))
                 else:
                     with ranges.span(ranges.REPLAY):
                         self.graphs[self.feed.phase_of(j)].replay()
                 steps = j
                 if trail is not None:
                     trail[j] = generator.get_state()
-                check = ranges.EOS_POLL if mode == "step-graph" else ranges.EOS_CHECK
                 if poll == "async":
                     with ranges.span(check):
                         flag.copy()

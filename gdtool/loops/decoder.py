@@ -27,10 +27,9 @@ import torch
 
 from ..core import compat
 from ..core import signature as signatures
-from .decode import (DecodeOutput, Engine, _infer_mask, check_input_ids, check_mode, check_model, check_poll,
-                     check_samples, repeat_samples)
-from ..kernels.step import check_kernels
+from .decode import DecodeOutput, Engine, _infer_mask, check_input_ids, check_poll, check_run, check_samples, repeat_samples
 from ..core.graphs import can_capture
+from ..core.modes import check_mode
 from ..core.settings import SUPPORTED, resolve
 
 # Keywords a Decoder takes besides generate()'s settings; `configure()` may change them.
@@ -41,11 +40,11 @@ OPTIONS = ("max_new_tokens", "return_scores", "return_logprobs", "num_samples", 
 class Decoder:
     """Decode with `model` again and again, capturing a graph once per signature (LRU, `max_graphs`).
 
-    mode: one of gdtool.MODES ("step-graph" by default). max_graphs: engines (graph + static cache +
+    mode: one of gdtool.MODES ("step-graph" by default; `gdtool.core.modes`). max_graphs: engines (graph + static cache +
     buffers) kept at once; the least recently used is closed when a new one is needed. buckets:
     increasing prompt widths; a prompt is left-padded to the smallest bucket that holds it (wider
-    prompts run at their own width). Settings: those of `gdtool.decode()` (kernels: "hf" or
-    "compiled", see gdtool/kernels/step.py), resolved against `model.generation_config` as generate()
+    prompts run at their own width). Settings: those of `gdtool.decode()` (kernels: "hf", "compiled" or
+    "fast", see gdtool/kernels/step.py), resolved against `model.generation_config` as generate()
     resolves them (again whenever that config changes).
     """
 
@@ -53,13 +52,12 @@ class Decoder:
                  max_new_tokens: int | None = None, return_scores: bool = False, return_logprobs: bool = False,
                  num_samples: int = 1, eos_poll_interval: int | str | None = None, capture: bool | None = None,
                  kernels: str = "hf", **settings):
-        check_mode(mode)
+        check_mode(mode)  # before anything else is read
         if isinstance(max_graphs, bool) or not isinstance(max_graphs, int) or max_graphs < 1:
             raise ValueError(f"max_graphs={max_graphs!r} must be an int >= 1 (engines kept at once)")
         self.model, self.mode, self.max_graphs = model, mode, max_graphs
         self.buckets = _check_buckets(buckets)
         self.device = next(model.parameters()).device
-        check_model(model, mode, self.device)
         self.captures = 0          # graphs captured over this Decoder's life
         self.evictions = 0         # engines closed to stay under max_graphs
         self.engines: OrderedDict = OrderedDict()  # Signature -> Engine, least recently used first
@@ -82,11 +80,8 @@ class Decoder:
             else:
                 settings[name] = value  # unknown or refused names are reported by resolve()
         check_samples(options["num_samples"], settings)
-        if options["capture"] and not can_capture(self.device):
-            raise ValueError(f"capture=True needs a CUDA device, and the model is on {self.device}; use capture=None "
-                             "to run the graph modes uncaptured where there is no CUDA")
+        options["kernels"] = check_run(self.model, self.mode, options["kernels"], options["capture"])
         check_poll(options["eos_poll_interval"], self.mode)
-        options["kernels"] = check_kernels(options["kernels"], self.device, self.model, self.mode)
         resolved = self._resolve(options, settings)
         check_samples(options["num_samples"], {}, resolved)
         self._settings, self._options = settings, options
@@ -178,7 +173,7 @@ class Decoder:
         cache_len = compat.cache_length(self.model, width, settings.max_new_tokens)
         return signatures.of(self.model, mode=self.mode, batch=batch, width=width, cache_len=cache_len,
                              settings=settings, targets=targets,
-                             captured=self.mode != "eager" and self._options["capture"] is not False
+                             captured=check_mode(self.mode).captures and self._options["capture"] is not False
                              and can_capture(next(self.model.parameters()).device),
                              return_scores=self._options["return_scores"],
                              return_logprobs=self._options["return_logprobs"],

@@ -52,15 +52,22 @@ thread (it is not attributed to a step).
 from .export import (COPY_DTOH, GRAPH_LAUNCH_CALLS, KEEP_TABLES, MEMORY_PAGEABLE, MODES, NVTX_DOMAIN_CREATE,
                      NVTX_PUSH_POP, NVTX_START_END, PHASES, POLL_PHASES, READ_TABLES, STEP_COLUMNS, SYNC_CALLS,
                      TRACES, check_totals, parse_name, read, slim, timeline, totals)
+from . import recording
 from .plots import plot_steps, plot_timeline, plot_timelines
-from .recording import (RunConfig, environment, export_command, find_nsys, profile_command, record, session,
+from .recording import (TraceConfig, environment, export_command, find_nsys, profile_command, record, session,
                       target, target_command)
 from .tables import (SUMMARY_KEYS, TABLE_COLUMNS, agreement, format_table, load_sessions, per_token, summarize_exports,
                      summary)
 
 __all__ = ["COPY_DTOH", "GRAPH_LAUNCH_CALLS", "KEEP_TABLES", "MEMORY_PAGEABLE", "MODES", "NVTX_DOMAIN_CREATE",
            "NVTX_PUSH_POP", "NVTX_START_END", "PHASES", "POLL_PHASES", "READ_TABLES", "STEP_COLUMNS", "SUMMARY_KEYS",
-           "SYNC_CALLS", "TABLE_COLUMNS", "TRACES", "RunConfig", "agreement", "check_totals", "environment",
+           "SYNC_CALLS", "TABLE_COLUMNS", "TRACES", "TraceConfig", "agreement", "check_totals", "environment",
            "export_command", "find_nsys", "format_table", "load_sessions", "parse_name", "per_token", "plot_steps",
            "plot_timeline", "plot_timelines", "profile_command", "read", "record", "session", "slim",
            "summarize_exports", "summary", "target", "target_command", "timeline", "totals"]
+
+
+def __getattr__(name):
+    if name == "RunConfig":  # the old name of TraceConfig, kept for one release (the warning comes from recording)
+        return recording.RunConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

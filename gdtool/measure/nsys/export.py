@@ -23,8 +23,11 @@ import numpy as np
 import pandas as pd
 
 from ...core import ranges
+from ...core.modes import HOST_STEPPED_MODES
 
-MODES = ("eager", "forward-graph", "step-graph")  # gdtool.MODES, without importing torch to read an export
+# the modes an export has one row per step of: those whose steps the host runs (the device loop runs its steps
+# in one launch, no range per step)
+MODES = HOST_STEPPED_MODES
 TRACES = ("graph", "node")
 
 # NVTX_EVENTS.eventType values (ENUM_NSYS_EVENT_TYPE): push/pop and start/end ranges, domain creation.
@@ -489,12 +492,12 @@ def timeline(path, decode: int = -1, first_step: int = 1, steps: int = 4, domain
 
 
 def parse_name(name: str) -> dict:
-    """Inverse of `RunConfig.name` for its leading fields: model, batch, mode, trace."""
+    """Inverse of `TraceConfig.name` for its leading fields: model, batch, mode, trace."""
     stem = Path(name).name.split(".sqlite")[0]
     m = re.match(r"^(?P<model>[^_]+)_b(?P<batch>\d+)_(?P<mode>[a-z-]+)_(?P<trace>graph|node)(?:_|$)", stem)
     if not m:
         raise ValueError(f"{name!r} is not named <model>_b<batch>_<mode>_<trace>[...]; name exports as "
-                         f"RunConfig.name does")
+                         f"TraceConfig.name does")
     return dict(m.groupdict(), batch=int(m["batch"]))
 
 

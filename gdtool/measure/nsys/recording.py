@@ -5,7 +5,7 @@ The command is `python -m gdtool profile --nsys` (gdtool.frontends.profile); thi
 knows no command line but the target's own few flags.
 
     from gdtool.measure.nsys import recording
-    steps, table = recording.session([recording.RunConfig("tiny-llama", 1, "eager", "graph")], "my-session")
+    steps, table = recording.session([recording.TraceConfig("tiny-llama", 1, "eager", "graph")], "my-session")
 """
 from __future__ import annotations
 
@@ -21,20 +21,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from pathlib import Path
 
 import pandas as pd
 
 from ...core import ranges
+from ...core.deprecation import renamed
 from .. import record as results  # `record` is this module's recording function
 from .export import MODES, TRACES, check_totals, read, slim
 from .tables import summary
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(results.Config):
-    """One profiled decode: its name (``llama-1b_b1_eager_graph``) names the files it writes; ``hash``
-    as every run config has it (`gdtool.measure.record.Config`)."""
+class TraceConfig(results.Config):
+    """One decode recorded under nsys (`RunConfig` until this release: that name was also the sweep's). Its name
+    (``llama-1b_b1_eager_graph``) names the files it writes; ``hash`` as every run config has it
+    (`gdtool.measure.record.Config`)."""
     model: str
     batch: int
     mode: str
@@ -91,7 +94,15 @@ def _nsys_env(nsys: str) -> dict:
     return env
 
 
-def target_command(cfg: RunConfig) -> list[str]:
+
+def __getattr__(name):
+    if name == "RunConfig":  # the old name, kept for one release
+        warnings.warn("gdtool.measure.nsys.RunConfig is deprecated and goes in the next release: use TraceConfig "
+                      "(gdtool.frontends.sweep.RunConfig is the sweep's)", DeprecationWarning, stacklevel=2)
+        return TraceConfig
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+def target_command(cfg: TraceConfig) -> list[str]:
     """The profiled program: `repeat` decodes of one config in a fresh Python (the last is the one to read)."""
     args = ["--model", cfg.model, "--mode", cfg.mode, "--batch", str(cfg.batch), "--max-new-tokens",
             str(cfg.max_new_tokens), "--prompt-len", str(cfg.prompt_len), "--repeat", str(cfg.repeat),
@@ -102,7 +113,7 @@ def target_command(cfg: RunConfig) -> list[str]:
     return [sys.executable, "-c", program, *args]
 
 
-def profile_command(nsys: str, cfg: RunConfig, report: Path) -> list[str]:
+def profile_command(nsys: str, cfg: TraceConfig, report: Path) -> list[str]:
     # --sample/--cpuctxsw off: with them a short decode writes gigabytes of raw data.
     return [nsys, "profile", "-t", "cuda,nvtx", "--sample=none", "--cpuctxsw=none",
             f"--cuda-graph-trace={cfg.trace}", "-o", str(report), "--force-overwrite", "true", *target_command(cfg)]
@@ -163,9 +174,7 @@ def _parse_settings(pairs) -> dict:
     return settings
 
 
-def environment(nsys: str | None = None) -> dict:
-    """The sidecar of every result file: the environment record of `gdtool.measure.record`, with nsys's version."""
-    return results.environment(nsys=nsys)
+environment = renamed(results.environment, "gdtool.measure.nsys.environment")
 
 
 def _run_text(cmd) -> str:
@@ -175,7 +184,7 @@ def _run_text(cmd) -> str:
         return ""
 
 
-def record(cfg: RunConfig, out: Path, nsys: str | None = None, keep_report: bool = False, fixture: bool = False,
+def record(cfg: TraceConfig, out: Path, nsys: str | None = None, keep_report: bool = False, fixture: bool = False,
            timeout: float = 1800) -> tuple[pd.DataFrame, dict]:
     """Profile one config under nsys, export sqlite, gzip it into `out`, and read it. Returns (steps, target JSON)."""
     nsys = nsys or find_nsys()
@@ -237,7 +246,7 @@ def session(configs, out, nsys: str | None = None, keep_report: bool = False, fi
     out = Path(out)
     nsys = nsys or find_nsys()
     out.mkdir(parents=True, exist_ok=True)
-    results.write_sidecar(out / "env.json", environment(nsys), session=dict(configs=[c.name for c in configs]))
+    results.write_sidecar(out / "env.json", results.environment(nsys=nsys), session=dict(configs=[c.name for c in configs]))
     steps_file = results.Results(out / "steps.csv", dtype={"model": str, "mode": str, "trace": str, "settings": str},
                                  first=())
     from tqdm.auto import tqdm  # the commands' bar (options.progress), without importing the command line

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from .export import MODES, parse_name, read
+from ...core.modes import MODES
+from .export import parse_name, read
 
 SUMMARY_KEYS = ("model", "batch", "mode", "trace", "settings")
 _MEDIANS = ("wall_us", "host_us", "sync_us", "device_busy_us", "device_span_us", "gpu_idle_us", "gpu_gap_us",
@@ -147,7 +148,7 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, model: str | None = No
     table["busy_ratio"] = table["busy_in_process"] / table["busy_nsys"]
     table["host_ratio"] = table["host_in_process"] / table["host_nsys"]
     table["busy_within_10pct"] = [abs(r - 1) <= 0.10 if r == r else None for r in table["busy_ratio"]]
-    order = list(MODES) + ["device-loop"]
+    order = list(MODES)
     table = table.sort_values(["batch", "mode"], key=lambda c: c.map(order.index) if c.name == "mode" else c)
     table = table.reset_index(drop=True)
     table.attrs["model"] = model
@@ -157,7 +158,7 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, model: str | None = No
 def summarize_exports(paths) -> pd.DataFrame:
     """`summary` of each export, one row per export, with the columns its name gives (``file``, ``config``,
     ``model``, ``batch``, ``mode``, ``trace``, and ``implementation``: decode's kernels, 'compiled' where the
-    recording's settings said so, else 'hf'); an export not named as `RunConfig.name` names them gets
+    recording's settings said so, else 'hf'); an export not named as `TraceConfig.name` names them gets
     ``model`` '?'."""
     rows = []
     for path in paths:
