@@ -8,6 +8,7 @@
     models.py     named model presets (random weights in real shapes) and local checkpoints
     ranges.py     NVTX ranges (domain "gdtool"); syncs.py: the host waits a step makes, counted
     compat.py     the few places where transformers versions differ
+    reexports.py  a package's guard against setting a name it only re-exports (`guard`)
 
 The lowest layer: it imports nothing else of gdtool. docs/architecture.md draws the layers.
 """
