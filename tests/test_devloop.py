@@ -171,6 +171,28 @@ def test_without_cuda_the_loop_runs_uncaptured():
         devloop.check_device_loop_support()
 
 
+# -- CPU: the package's names are set where they are read ------------------------------------------
+
+def test_the_package_refuses_a_setting_it_only_copies(monkeypatch):
+    """gdtool.loops.devloop re-exports its modules' names; a test or probe that sets one on the package would
+    change nothing the loop reads (silently), so the package refuses it and names the module(s) to set."""
+    with pytest.raises(AttributeError, match=r"devloop\.MIN_TORCH is a copy of devloop\.support\.MIN_TORCH: set it"):
+        devloop.MIN_TORCH = (2, 0)
+    with pytest.raises(AttributeError, match=r"devloop\._bindings is a copy of devloop\.support\._bindings and "
+                                             r"devloop\.nvrtc\._bindings and devloop\.loop\._bindings: set it there"):
+        monkeypatch.setattr(devloop, "_bindings", lambda: None)
+    with pytest.raises(AttributeError, match=r"devloop\.decode_philox is a copy of devloop\.nodes\.decode_philox:"):
+        devloop.decode_philox = None
+    assert devloop.MIN_TORCH == devloop.support.MIN_TORCH == (2, 8)
+    assert devloop._bindings is devloop.support._bindings is devloop.nvrtc._bindings is devloop.loop._bindings
+    assert devloop.DeviceLoop is devloop.loop.DeviceLoop and devloop.compile_kernels is devloop.nvrtc.compile_kernels
+    monkeypatch.setattr(devloop.support, "MIN_TORCH", (99, 0))   # where _explain reads it
+    assert "torch>=99.0" in devloop._explain(**GOOD)
+    devloop._not_a_copy = 1   # a name of its own is the package's to hold
+    assert devloop._not_a_copy == 1
+    del devloop._not_a_copy
+
+
 # -- CPU: reading torch's RNG arguments out of kernel nodes ----------------------------------------
 
 def philox(seed_ptr=0x7F0000001000, offset_ptr=0x7F0000002000, intragraph=8, captured=True):

@@ -11,6 +11,7 @@
     ranges.py     NVTX ranges (domain "gdtool"); syncs.py: the host waits a step makes, counted
     compat.py     the few places where transformers versions differ
     deprecation.py  old names kept for one release, warning with the new one (`renamed`)
+    reexports.py  a package's guard against setting a name it only re-exports (`guard`)
 
 The lowest layer: it imports nothing else of gdtool. docs/architecture.md draws the layers.
 """

@@ -109,22 +109,6 @@ __all__ = ["FAMILIES", "Layer", "Plan", "block_args", "is_moe_block", "make_forw
            "TUNED_FROM", "Config", "GroupedConfig", "OssConfig", "experts_config", "grouped_config",
            "grouped_slots", "runs_grouped"]
 
-import sys as _sys
-import types as _types
+from ...core.reexports import guard as _guard
 
-_MODULES = ("tiles", "reference", "router", "oss", "small", "grouped", "blocks")
-
-
-class _Package(_types.ModuleType):
-    """The package's names are copies of its modules' own: assigning one here would change nothing the kernels
-    read (a test or probe that means to change a setting would silently not), so it is refused, naming where."""
-
-    def __setattr__(self, name, value):
-        homes = [m for m in _MODULES if name in vars(self) and hasattr(vars(self)[m], name)]
-        if homes:
-            raise AttributeError(f"gdtool.kernels.experts.{name} is a copy of " + " and ".join(
-                f"experts.{m}.{name}" for m in homes) + ": set it there, where it is read")
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package
+_guard(__name__, ("tiles", "reference", "router", "oss", "small", "grouped", "blocks"))
