@@ -51,8 +51,8 @@ The package, by job, each module importing only those listed before it:
 
 A test or probe changes a name in the module that reads it, not here: the names below are copies, so
 assigning one of them here would change nothing the loop reads, and is refused, naming the modules that
-hold it. A name a module imports from an earlier one is a copy too: cuda-python's modules are read as
-`support._bindings`, `nvrtc._bindings` and `loop._bindings`, so a stand-in for them goes into each.
+hold it. cuda-python's modules are read through `support._bindings` everywhere, so a stand-in for them
+goes there.
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ import torch
 
 from .nodes import _check_body_nodes, find_philox_arguments, references
 from .nvrtc import _current_context, _kernels
-from .support import _bindings, _check, check_device_loop_support
+from . import support
+from .support import _check, check_device_loop_support
 
 
 # -- the loop condition, uncaptured ----------------------------------------------------------------
@@ -138,7 +139,7 @@ class DeviceLoop:
     # -- building the parent graph --
     def _build(self, body) -> None:
         check_device_loop_support(self.device)
-        cu, nvrtc = _bindings()
+        cu, nvrtc = support._bindings()
         self._cu = cu
         try:
             raw = body.raw_cuda_graph()

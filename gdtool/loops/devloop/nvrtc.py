@@ -11,7 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .support import _bindings, _check
+from . import support
+from .support import _check
 
 
 # One module per (context, architecture) per process: the condition kernel and the RNG writer.
@@ -78,7 +79,7 @@ def compile_kernels(capability: tuple[int, int], nvrtc=None) -> tuple[bytes, str
     """Compile the loop's kernels with NVRTC: (image, target). CUBIN for the device's architecture, or PTX
     for the newest older one NVRTC knows (the driver then compiles it). Needs no GPU."""
     if nvrtc is None:
-        _, nvrtc = _bindings()
+        _, nvrtc = support._bindings()
     arch = capability[0] * 10 + capability[1]
     try:
         supported = [int(a) for a in _nvrtc_check(nvrtc, nvrtc.nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")]
@@ -157,7 +158,7 @@ def release_kernels() -> None:
     """Unload the cached condition-kernel modules (after every DeviceLoop is closed)."""
     if not _kernel_cache:
         return
-    cu, _ = _bindings()
+    cu, _ = support._bindings()
     with _kernel_lock:
         for kernels in _kernel_cache.values():
             cu.cuModuleUnload(kernels.module)
