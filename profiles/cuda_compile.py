@@ -18,7 +18,7 @@ NVIDIA backend lowers a kernel to PTX and the ptxas shipped with Triton assemble
     python profiles/cuda_compile.py --workload checks --jobs 2    # the kernel checks alone (~3.5 min)
     python profiles/cuda_compile.py --triton /tmp/triton-3.6      # compile with another Triton (the GPU machine's)
 
-Workloads (`--workload`, several allowed): `checks`, gdtool.kernels.check's kernel and experts checks on their
+Workloads (`--workload`, several allowed): `checks`, gdtool.kernels.testing's kernel and experts checks on their
 small shapes, bf16 and fp16 (every kernel, its configs and switches); `decode`, a few greedy and sampled steps
 of `kernels="fast"` on each tiny family of tests/fastcases.py, gpt-oss and OLMoE (step-graph: the launches the
 fast forward and step make, batch 1 and 6), bf16. The interpreter's numbers are not checked here (the tests do that): only what
@@ -57,15 +57,15 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 WORKLOADS = {
     "checks": """
 import torch, test_fast_tail
-from gdtool.kernels import attention, check
+from gdtool.kernels import attention, testing
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16):
-    check.check_all("cpu", dtype)
-    check.check_experts_all("cpu", dtype)
-    check.check_experts_all("cpu", dtype, routed=True)
+    testing.check_all("cpu", dtype)
+    testing.check_experts_all("cpu", dtype)
+    testing.check_experts_all("cpu", dtype, routed=True)
     attention._FUSED_COMBINE = False   # the combine in a kernel of its own (GDTOOL_FUSED_COMBINE=0)
     for sinks in (False, True):
-        check.check_attention(3, 8, 2, 32, 90, 70, dtype, "cpu", gen, 5, sinks=sinks)
+        testing.check_attention(3, 8, 2, 32, 90, 70, dtype, "cpu", gen, 5, sinks=sinks)
     attention._FUSED_COMBINE = True
 test_fast_tail.check(range(4))   # the greedy tail (its buffers are integers)
 """,

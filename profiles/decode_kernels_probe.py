@@ -2,7 +2,7 @@
 
 Parts, in the order given (each writes its file as soon as it ends; a part past --budget-s is skipped):
 
-  check      every kernel against float64 on fresh random inputs (`gdtool.kernels.check`), small shapes
+  check      every kernel against float64 on fresh random inputs (`gdtool.kernels.testing`), small shapes
              and the Llama 1B / 8B shapes, bf16            -> check.csv
   gemv       each projection of llama-1b and llama-8b (qkv+RoPE, o, gate/up, down, lm_head), batch 1
              and 4: µs per call and TB/s (weight bytes + activations over time), for cuBLAS
@@ -38,8 +38,9 @@ import torch.nn.functional as F
 
 import gdtool
 from gdtool.frontends import bench
-from gdtool.kernels import attention as fast_attention, check as fast_check, gemv as fast_gemv
+from gdtool.kernels import attention as fast_attention, gemv as fast_gemv, testing
 from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fast_triton
+from gdtool.measure import accuracy, roofline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dot_gemv  # noqa: E402  (profiles/dot_gemv.py: the tensor-core probe)
@@ -322,13 +323,13 @@ def _decode(model, prompt, args, **kw):
 
 
 def _accuracy_row(model, model_name, batch, mode, pdl, prompt_len):
-    """fast.accuracy's per-position table folded into one row: for HF's kernels and kernels="fast", the
+    """accuracy.accuracy's per-position table folded into one row: for HF's kernels and kernels="fast", the
     largest and mean |logit - float32 reference| and the share of top-1 tokens equal to the reference's."""
     try:
         if next(model.parameters()).dtype == torch.float32:   # a tiny model on a CPU (the dry run): its bf16 copy
             model = copy.deepcopy(model).to(torch.bfloat16)
         with fast_triton.pdl(pdl):
-            df = fast.accuracy(model, batch=batch, prompt_len=prompt_len, steps=16, kernels="fast")
+            df = accuracy.accuracy(model, batch=batch, prompt_len=prompt_len, steps=16, kernels="fast")
         row = dict(model=model_name, batch=batch, kernels="fast and hf vs float32 (teacher-forced)", mode=mode,
                    pdl=pdl, max_abs_logit=float(df.max_abs_logit.max()))
         for name in ("hf", "fast"):
@@ -353,7 +354,7 @@ def part_step(args, rows):
             if kernels == "agree":  # teacher-forced agreement with HF's kernels (compare_kernels)
                 try:
                     with fast_triton.pdl(pdl):
-                        df = fast.compare_kernels(model, batch=batch, prompt_len=args.prompt_len, steps=16,
+                        df = accuracy.compare_kernels(model, batch=batch, prompt_len=args.prompt_len, steps=16,
                                                   kernels="fast")
                     row = dict(model=model_name, batch=batch, kernels="fast vs hf (teacher-forced)", mode=mode,
                                pdl=pdl, top1_agreement=float(df.top1_agreement.mean()),
@@ -448,7 +449,7 @@ def parse_args(argv):
                                       "1:fast:device-loop:0,64:compiled:step-graph:0,64:fast:step-graph:0,"
                                       "1:fast:device-loop:1",
                    help="step part: batch:kernels:mode:pdl, in order (kernels 'agree': compare_kernels, fast vs hf; "
-                        "'accuracy': fast.accuracy, fast's and hf's bf16 logits each against float32)")
+                        "'accuracy': accuracy.accuracy, fast's and hf's bf16 logits each against float32)")
     p.add_argument("--sweep", default="small", choices=("none", "small", "full"),
                    help="gemv part: tile configs besides the default (small: two neighbours), for --sweep-models")
     p.add_argument("--sweep-models", default="llama-1b", help="the models whose projections --sweep sweeps")
@@ -493,7 +494,7 @@ def main(argv=None) -> int:
     DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float16  # the interpreter mishandles bf16
     device = torch.device(DEVICE)
     env = gdtool.measure.record.environment(device)
-    env["copy_gb_s"] = bench.copy_bandwidth(device) / 1e9
+    env["copy_gb_s"] = roofline.copy_bandwidth(device) / 1e9
     env["triton"] = getattr(fast_triton.triton, "__version__", None)
     env["commit"] = env.get("commit") or os.environ.get("GDTOOL_COMMIT")
     (out / "env.json").write_text(json.dumps(env, indent=2) + "\n")
@@ -503,7 +504,7 @@ def main(argv=None) -> int:
         rows = []
         try:
             if part == "check":
-                results = fast_check.check_all(DEVICE, DTYPE)
+                results = testing.check_all(DEVICE, DTYPE)
                 rows = [vars(r) for r in results]
             elif part == "gemv":
                 part_gemv(args, rows)

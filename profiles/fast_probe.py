@@ -45,6 +45,7 @@ import gdtool
 import gdtool.kernels.fuse
 from gdtool.frontends import bench
 from gdtool.kernels import step as fast, sampling as fast_sampling
+from gdtool.measure import accuracy, roofline
 from gdtool.core import sampling
 from gdtool.core.settings import Settings
 
@@ -211,11 +212,11 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
             vocab = model.config.get_text_config().vocab_size
             continuation = torch.randint(3, vocab, (args.agreement_batch, args.steps),
                                          generator=torch.Generator().manual_seed(1))
-            hf = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf")
+            hf = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf")
             t1 = time.perf_counter()
-            compiled = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
+            compiled = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
             compile_s = time.perf_counter() - t1
-            df = fast.agreement(hf["logits"], compiled["logits"])
+            df = accuracy.agreement(hf["logits"], compiled["logits"])
             df.insert(0, "model", name)
             df.insert(1, "variant", "compiled")
             df["batch"], df["prompt_len"] = args.agreement_batch, args.prompt_len
@@ -224,8 +225,8 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
             if name in args.fused_models:
                 gdtool.kernels.fuse.fuse_projections(model)
                 t1 = time.perf_counter()
-                run = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
-                fdf = fast.agreement(hf["logits"], run["logits"])
+                run = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled")
+                fdf = accuracy.agreement(hf["logits"], run["logits"])
                 fdf.insert(0, "model", name)
                 fdf.insert(1, "variant", "compiled-fused")
                 fdf["batch"], fdf["prompt_len"] = args.agreement_batch, args.prompt_len
@@ -234,7 +235,7 @@ def part_agreement(args, out: Path, copy_bytes_s: float) -> list[dict]:
                              fused_max_abs_logit_diff=float(fdf.max_abs_logit_diff.max()),
                              fused_step_ms=run["step_ms"], fused_compile_and_capture_s=time.perf_counter() - t1)
             pd.concat(tables).to_csv(out / "agreement.csv", index=False)
-            nbytes = bench.step_bytes(model, args.agreement_batch, args.prompt_len, args.steps)["bytes_per_step"]
+            nbytes = roofline.step_bytes(model, args.agreement_batch, args.prompt_len, args.steps)["bytes_per_step"]
             summary = dict(model=name, batch=args.agreement_batch, prompt_len=args.prompt_len, positions=len(df),
                            top1_agreement=float(df.top1_agreement.mean()),
                            min_top1_agreement=float(df.top1_agreement.min()),
@@ -361,7 +362,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     env = gdtool.measure.record.environment(device)
-    copy_bytes_s = bench.copy_bandwidth(device)
+    copy_bytes_s = roofline.copy_bandwidth(device)
     env["copy_gb_s"] = copy_bytes_s / 1e9
     (out / "env.json").write_text(json.dumps(env, indent=2) + "\n")
     result = {"probe": "fast", "device": env["device_name"], "torch": env["torch"],

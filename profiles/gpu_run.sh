@@ -57,7 +57,7 @@
 #   agree          the same probe's teacher-forced agreement of kernels="fast" with HF's kernels (top-1 share, largest
 #                  logit difference; compare_kernels) for each of AGREE_MODELS (qwen3-30b-a3b,gpt-oss-20b) at
 #                  AGREE_BATCHES (1,16,64): the per-preset agreement the MoE issue asks for
-#   accuracy       the same probe's fast.accuracy for each of ACCURACY_MODELS (gpt-oss-20b) at ACCURACY_BATCHES (1,16):
+#   accuracy       the same probe's accuracy() for each of ACCURACY_MODELS (gpt-oss-20b) at ACCURACY_BATCHES (1,16):
 #                  kernels="fast"'s and HF's bf16 logits, each against the model cast to float32 (largest and mean
 #                  error, top-1 share): whether fast rounds more than HF's kernels where `agree` finds them apart
 #   kernels-qk     the same, quick: the float64 checks, then Gemma-3-1B's and Qwen3-8B's projections at 1 and 4

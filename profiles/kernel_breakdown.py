@@ -7,7 +7,7 @@ to the launch by correlation id, so it needs `--cuda-graph-trace=node`), and pri
 time and count per kernel class (matmul: cuBLAS/CUTLASS GEMM and GEMV; attention; Triton (inductor's
 fused kernels); gdtool's MoE experts kernels; other) and the kernels that take the most time. With `--model`
 (a preset), the matmul class's bandwidth: the bytes of the model's linear weights in bfloat16 over its matmul
-time per step; and the bytes a step must read at the export's batch (`bench.step_bytes`: of a mixture of
+time per step; and the bytes a step must read at the export's batch (`roofline.step_bytes`: of a mixture of
 experts, the stacked expert tensors its tokens hit on average) over the whole busy time, and each experts kernel's
 time per call and bandwidth over the expert bytes it reads; of a model whose layers differ in their attention
 (sliding window or full), the attention's time per kind of layer.
@@ -104,8 +104,8 @@ def linear_weight_bytes(model: str, itemsize: int = 2) -> int:
 
 def step_weight_bytes(model: str, batch: int) -> int:
     """The weight bytes one decode step of preset `model` at `batch` rows reads (bf16), as the bench counts
-    them (`gdtool.frontends.bench.step_bytes`): built on the meta device."""
-    from gdtool.frontends.bench import step_bytes
+    them (`gdtool.measure.roofline.step_bytes`): built on the meta device."""
+    from gdtool.measure.roofline import step_bytes
     return step_bytes(_meta_model(model), batch, 0, 0)["weight_bytes"]
 
 
@@ -118,10 +118,10 @@ EXPERT_TENSORS = {"_gate_up_kernel": "gate_up_proj", "_grouped_gate_up_kernel": 
 def experts_by_kernel(kernels: pd.DataFrame, launches: int, model: str, batch: int) -> pd.DataFrame | None:
     """gdtool's experts kernels, one row each: calls and own µs per launch, µs per call, and for the gate/up and
     down kernels the bytes a call reads (bf16; of the stacked tensor, the share of experts a step of `batch`
-    tokens hits on average, `bench.expert_hit_share`, as the bench's floor counts them) and the bandwidth that
+    tokens hits on average, `roofline.expert_hit_share`, as the bench's floor counts them) and the bandwidth that
     makes over the call's own time. None without experts kernels or an experts module in the preset."""
     from gdtool.core.feed import experts_modules
-    from gdtool.frontends.bench import expert_hit_share
+    from gdtool.measure.roofline import expert_hit_share
     experts = kernels[kernels["class"] == "experts"]
     modules = experts_modules(_meta_model(model))
     if experts.empty or not modules:

@@ -9,6 +9,7 @@ import torch
 
 import gdtool
 from gdtool.frontends import bench
+from gdtool.measure import roofline
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
@@ -157,7 +158,7 @@ def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):
     model = load("tiny-llama")  # tied embeddings: the head reads the table, counted once
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
-    b = bench.step_bytes(model, batch=3, prompt_len=10, max_new_tokens=6)
+    b = roofline.step_bytes(model, batch=3, prompt_len=10, max_new_tokens=6)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     assert b["weight_bytes"] == params * 4
     assert b["kv_bytes"] == 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * (10 + 3) * 3 * 4
@@ -169,7 +170,7 @@ def test_step_bytes_counts_weights_once_and_the_mean_live_cache(load):
     all_params = sum(p.numel() for p in untied.parameters())
     # an untied input embedding is looked up, not read: one row per sequence
     expected = (all_params - 500 * 32 + 3 * 32) * 4
-    assert bench.step_bytes(untied, batch=3, prompt_len=10, max_new_tokens=6)["weight_bytes"] == expected
+    assert roofline.step_bytes(untied, batch=3, prompt_len=10, max_new_tokens=6)["weight_bytes"] == expected
 
 
 def _cfg(**kw):
@@ -245,8 +246,9 @@ def test_compiled_peers_really_compile_on_cuda(tmp_path, capsys):
 
 def test_step_bytes_of_a_mixture_of_experts_count_the_experts_hit():
     import gdtool
-    from gdtool.frontends import bench
+    from gdtool.measure import roofline
     model = gdtool.load_model("tiny-qwen3-moe")   # 8 experts, 2 per token
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    one, many = bench.step_bytes(model, 1, 8, 8)["weight_bytes"], bench.step_bytes(model, 512, 8, 8)["weight_bytes"]
+    one = roofline.step_bytes(model, 1, 8, 8)["weight_bytes"]
+    many = roofline.step_bytes(model, 512, 8, 8)["weight_bytes"]
     assert one < many <= total and many > 0.99 * total   # batch 1 reads 2 of 8 experts; a big batch all of them

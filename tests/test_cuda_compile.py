@@ -96,7 +96,7 @@ def test_the_compile_check_fails_what_the_interpreter_runs_but_a_gpu_cannot(tmp_
 
 
 def test_every_kernel_of_gdtool_compiles_for_hopper():
-    """Every launch of gdtool.kernels.check's kernel and experts checks (bf16 and fp16, every kernel, its
+    """Every launch of gdtool.kernels.testing's kernel and experts checks (bf16 and fp16, every kernel, its
     configs and switches, PDL off and on) compiles for sm_90a and fits its shared memory; no kernel of the
     package goes unlaunched."""
     run, summary = _run("--workload", "checks", "--require-all", "--jobs", "2")

@@ -21,7 +21,8 @@ import torch
 
 import gdtool
 import gdtool.loops.devloop
-from gdtool.kernels import check as fast_check, experts, forward as fast_forward, step as fast, triton as fast_triton
+from gdtool.kernels import experts, forward as fast_forward, step as fast, testing, triton as fast_triton
+from gdtool.measure import accuracy
 from interpreter import run_interpreted
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -62,9 +63,9 @@ def _against_hf_blocks(dtype=torch.float32, tokens=(1, 3), grouped_tokens=(24,))
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_experts_torch_reference_against_float64(dtype):
-    results = fast_check.check_experts_all("cpu", dtype, impl="reference")
+    results = testing.check_experts_all("cpu", dtype, impl="reference")
     bad = [r for r in results if not r.ok or not r.reference_error <= r.tolerance]
-    assert not bad, fast_check.table(bad)
+    assert not bad, testing.table(bad)
 
 
 def test_the_package_refuses_a_setting_it_only_copies():
@@ -88,15 +89,15 @@ def test_experts_reference_equals_hf_blocks():
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_experts_triton_kernels_under_the_interpreter():
     code = ("import sys, torch\nsys.path.insert(0, 'tests')\n"
-            "from gdtool.kernels import check as fast_check, experts\nimport test_experts as t\n"
+            "from gdtool.kernels import experts, testing\nimport test_experts as t\n"
             "for dt in (torch.float32, torch.float16):\n"
-            "    bad = [r for r in fast_check.check_experts_all('cpu', dt) if not r.ok]\n"
-            "    assert not bad, fast_check.table(bad)\n"
+            "    bad = [r for r in testing.check_experts_all('cpu', dt) if not r.ok]\n"
+            "    assert not bad, testing.table(bad)\n"
             "experts.tiles.MAX_CHUNK = 32  # weight rows read in several chunks; gpt-oss's in several steps and tiles\n"
             "assert experts.tiles._chunks(64) == (32, 2)\n"
             "oss = experts.OssConfig(gate_up_cols=16, down_cols=16, block_k=32)\n"
-            "bad = [r for r in fast_check.check_experts_all('cpu', torch.float32, seed=1, oss_config=oss) if not r.ok]\n"
-            "assert not bad, fast_check.table(bad)\n"
+            "bad = [r for r in testing.check_experts_all('cpu', torch.float32, seed=1, oss_config=oss) if not r.ok]\n"
+            "assert not bad, testing.table(bad)\n"
             "experts.tiles.MAX_CHUNK = 4096\n"
             "g = torch.Generator().manual_seed(5)\n"
             "x, r = torch.randn(40, 64, generator=g), torch.randn(8, 64, generator=g)\n"
@@ -121,7 +122,7 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
     norm folded, close to the unrouted block; a second call bitwise equal to the first, the router's counts
     back at zero; with the router's and (routed and stacked) down's early loads (`Config.router_early`,
     `down_early`: one to five chunks), bitwise equal to it."""
-    code = ("import dataclasses, random, torch\nfrom gdtool.kernels import check, experts, triton as fast_triton\n"
+    code = ("import dataclasses, random, torch\nfrom gdtool.kernels import experts, testing, triton as fast_triton\n"
             "rng = random.Random(3)\n"
             "for trial in range(10):\n"
             "    e = rng.choice([4, 8, 16, 32]); k = rng.choice([1, 2, 4]); m = rng.randint(1, 6)\n"
@@ -133,9 +134,9 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    plain = experts.Config(cfg.router_rows, cfg.gate_up_rows, cfg.down_rows, chunk=cfg.chunk)\n"
             "    dt = torch.float32 if trial % 2 else torch.float16\n"
             "    shape = ('sweep', m, e, h, i, k, norm_topk, wf, shared)\n"
-            "    bad = [r for r in check.check_experts(*shape, dt, 'cpu', torch.Generator().manual_seed(trial),\n"
+            "    bad = [r for r in testing.check_experts(*shape, dt, 'cpu', torch.Generator().manual_seed(trial),\n"
             "                                          config=cfg) if not r.ok]\n"
-            "    assert not bad, (cfg, check.table(bad))\n"
+            "    assert not bad, (cfg, testing.table(bad))\n"
             "    g = torch.Generator().manual_seed(100 + trial)\n"
             "    x = torch.randn(m, h, generator=g).to(dt); res = torch.randn(m, h, generator=g).to(dt)\n"
             "    args = (x, torch.randn(e, h, generator=g).to(dt) / 8, torch.randn(e, 2 * i, h, generator=g).to(dt) / 8,\n"
@@ -166,8 +167,8 @@ def test_routed_and_stacked_small_kernels_under_the_interpreter():
             "    early = experts.block_triton(*args, config=dataclasses.replace(cfg, router_early=True, down_early=True))\n"
             "    assert torch.equal(late, early), (i, chunk)\n"
             "# the small kernels routed in the router (and stacked down) at every token count\n"
-            "bad = [r for r in check.check_experts_all('cpu', torch.float32, routed=True) if not r.ok]\n"
-            "assert not bad, check.table(bad)\n"
+            "bad = [r for r in testing.check_experts_all('cpu', torch.float32, routed=True) if not r.ok]\n"
+            "assert not bad, testing.table(bad)\n"
             "assert not fast_triton._COUNTS[('router', 'cpu')].any()\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
@@ -211,7 +212,7 @@ def test_grouped_align_kernel_over_a_seeded_sweep():
     routing uniform or piled on the first k experts (every token on the same experts: runs of several
     tiles); slots and tiles are first filled with 7, so any slot the kernel leaves unwritten shows."""
     code = ("import random, sys, torch\nsys.path.insert(0, 'tests')\n"
-            "from gdtool.kernels import check, experts\nfrom gdtool.kernels.triton import next_pow2, triton\n"
+            "from gdtool.kernels import experts, testing\nfrom gdtool.kernels.triton import next_pow2, triton\n"
             "rng = random.Random(11)\n"
             "for trial in range(16):\n"
             "    e = rng.choice([2, 8, 16, 32, 60, 128]); k = min(e, rng.choice([1, 2, 4, 8])); m = rng.randint(1, 64)\n"
@@ -222,7 +223,7 @@ def test_grouped_align_kernel_over_a_seeded_sweep():
             "    slots = experts.grouped_slots(m * k, e, bm)\n"
             "    order, tiles = torch.full((slots,), 7, dtype=torch.int32), torch.full((slots // bm,), 7, dtype=torch.int32)\n"
             "    experts.align(ids, order, tiles, e, bm)\n"
-            "    r = check._check_grouped_order('sweep', f'e={e} k={k} m={m} bm={bm}', torch.float32, ids.long(), order, tiles)\n"
+            "    r = testing._check_grouped_order('sweep', f'e={e} k={k} m={m} bm={bm}', torch.float32, ids.long(), order, tiles)\n"
             "    assert r.ok, (e, k, m, bm, r.note)\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
@@ -325,7 +326,7 @@ def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
     assert len(row) == 1 and row.compiles.iloc[0] == 1, table
     assert "MoE blocks 2/2: layers 0-1 in gdtool's kernels" in row.kernels.iloc[0]
     assert "batch 12: matrix products" in row.kernels.iloc[0]   # why the fast forward did not take it
-    agreement = fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
+    agreement = accuracy.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
     assert (agreement.top1_agreement == 1.0).all() and (agreement.max_abs_logit_diff < 1e-4).all(), agreement
 
 
@@ -373,7 +374,7 @@ def test_fast_forward_on_cpu_runs_the_moe_families(family, monkeypatch):
 def _teacher_forced_logits(model, kernels, batch=2, steps=6, seed=1):
     prompt = gdtool.random_prompts(model, batch=batch, lengths=(3, 6), seed=seed)
     continuation = torch.randint(3, 4096, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
-    return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+    return accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
 
 
 def test_fast_step_on_cpu_gpt_oss_runs_the_experts_operator(monkeypatch):
@@ -428,7 +429,7 @@ def test_fast_step_sees_an_in_place_weight_update():
     continuation = torch.randint(3, 4096, (2, 5), generator=torch.Generator().manual_seed(2))
 
     def logits(kernels):
-        return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+        return accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
     before = logits("fast")
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -446,9 +447,9 @@ def test_fast_step_sees_an_in_place_weight_update():
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_experts_kernels_on_cuda(dtype):
-    results = fast_check.check_experts_all("cuda", dtype, large=dtype == torch.bfloat16)
+    results = testing.check_experts_all("cuda", dtype, large=dtype == torch.bfloat16)
     bad = [r for r in results if not r.ok]
-    assert not bad, fast_check.table(bad)
+    assert not bad, testing.table(bad)
     assert not _against_hf_blocks_cuda(dtype)
 
 
@@ -458,9 +459,9 @@ def test_experts_kernels_routed_in_the_router_on_cuda():
     at one token) at every token count, at real shapes in bf16 against float64 (gpt-oss's and the grouped ones as
     they are); Qwen3-30B-A3B's block at one token three times with k rounds of a max and a min: bitwise the same
     (the counts back at zero); and with the packed top-k (`Config.packed`, the default), bitwise the same again."""
-    results = fast_check.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
+    results = testing.check_experts_all("cuda", torch.bfloat16, large=True, routed=True)
     bad = [r for r in results if not r.ok]
-    assert not bad, fast_check.table(bad)
+    assert not bad, testing.table(bad)
     gen = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(1, 2048, device="cuda", generator=gen).bfloat16()
     args = (x, torch.randn(128, 2048, device="cuda", generator=gen).bfloat16() / 45,
@@ -532,10 +533,10 @@ def test_fast_moe_step_on_cuda_captured_equals_uncaptured(family, batch):
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)
     if family == "gpt_oss":  # against the compiled HF forward with HF's blocks (see the CPU test)
-        agreement = fast.agreement(_teacher_forced_logits(model, "compiled", steps=8),
+        agreement = accuracy.agreement(_teacher_forced_logits(model, "compiled", steps=8),
                                    _teacher_forced_logits(model, "fast", steps=8))
     else:
-        agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
+        agreement = accuracy.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all(), agreement
 
 
@@ -547,14 +548,14 @@ def test_fast_moe_step_on_cuda_sees_an_in_place_weight_update():
     continuation = torch.randint(3, 4096, (2, 6), generator=torch.Generator().manual_seed(2))
 
     def logits(kernels):
-        return fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
+        return accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
     before = logits("fast")
     with torch.no_grad():
         for layer in model.model.layers:
             layer.mlp.experts.down_proj.data.copy_(torch.randn_like(layer.mlp.experts.down_proj) * 0.2)
     after = logits("fast")
     assert (after - before).abs().max() > 1e-2
-    assert (fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast").top1_agreement > 0.4).all()
+    assert (accuracy.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast").top1_agreement > 0.4).all()
 
 
 # The zoo's mixture-of-experts architectures with kernels="fast": a known family's blocks in gdtool's kernels,

@@ -14,6 +14,7 @@ import gdtool.kernels.fuse
 from gdtool.loops.decode import WARMUP_STEPS
 import gdtool.core.step
 from gdtool.kernels import step as fast, sampling as fast_sampling
+from gdtool.measure import accuracy
 from gdtool.core import sampling
 from gdtool.core.settings import Settings
 
@@ -220,7 +221,7 @@ def test_compiled_forward_in_eager_and_forward_graph(model):
 
 @pytest.mark.slow
 def test_compare_kernels_reports_agreement(model):
-    df = fast.compare_kernels(model, batch=2, prompt_len=5, steps=6)
+    df = accuracy.compare_kernels(model, batch=2, prompt_len=5, steps=6)
     assert list(df.position) == [1, 2, 3, 4, 5]
     assert (df.top1_agreement == 1.0).all()
     assert (df.max_abs_logit_diff < 1e-4 * df.max_abs_logit.clip(lower=1)).all()  # fp32 rounding only
@@ -356,12 +357,12 @@ def test_teacher_forced_across_a_sliding_window_edge_keeps_each_step_in_its_phas
     for prompt_len, steps in ((4, 10), (6, 5), (7, 4)):  # the window fills at step 5, 3, 2
         prompt = gdtool.random_prompts(model, batch=2, lengths=(prompt_len, prompt_len), seed=prompt_len)
         continuation = torch.randint(3, vocab, (2, steps), generator=torch.Generator().manual_seed(steps))
-        hf = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture=False)
+        hf = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "hf", capture=False)
         whole = _full_forward_logits(model, prompt, continuation)
         assert (hf["logits"] - whole).abs().max() < 1e-4, (prompt_len, steps)
-        compiled = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled",
+        compiled = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, "compiled",
                                        capture=False)
-        df = fast.agreement(hf["logits"], compiled["logits"])
+        df = accuracy.agreement(hf["logits"], compiled["logits"])
         assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), (prompt_len, steps, df)
 
 
@@ -397,12 +398,12 @@ def test_teacher_forced_warms_up_and_captures_as_the_decode_loops_do(monkeypatch
     logits = {}
     for kernels in ("hf", "compiled"):
         watched.clear()
-        logits[kernels] = fast.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation,
+        logits[kernels] = accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation,
                                               kernels)["logits"]
         assert watched == [model if kernels == "hf" else None, None] and len(captured) > 0, (kernels, watched)
     table = fast.compiles(model)
     assert (table.compiles == 1).all() and table.fullgraph.all() and (table.note == "").all(), table
-    df = fast.agreement(logits["hf"], logits["compiled"])
+    df = accuracy.agreement(logits["hf"], logits["compiled"])
     assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4).all(), df
 
 
@@ -412,10 +413,10 @@ def test_accuracy_measures_against_float32_and_leaves_the_model_as_it_was(monkey
     model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.bfloat16)
     before = {name: p.clone() for name, p in model.state_dict().items()}
     calls = []
-    forced = fast.teacher_forced
-    monkeypatch.setattr(fast, "teacher_forced", lambda m, *a: calls.append((next(m.parameters()).dtype, a[-1]))
+    forced = accuracy.teacher_forced
+    monkeypatch.setattr(accuracy, "teacher_forced", lambda m, *a: calls.append((next(m.parameters()).dtype, a[-1]))
                         or forced(m, *a))
-    df = fast.accuracy(model, batch=2, prompt_len=6, steps=5, kernels="hf")
+    df = accuracy.accuracy(model, batch=2, prompt_len=6, steps=5, kernels="hf")
     # the float32 reference runs uncaptured (HF's float32 experts copy from the host: no graph holds them)
     assert calls == [(torch.bfloat16, None), (torch.float32, False)], calls
     assert list(df.position) == [1, 2, 3, 4] and (df.hf_top1 == 1.0).all(), df
@@ -423,10 +424,10 @@ def test_accuracy_measures_against_float32_and_leaves_the_model_as_it_was(monkey
     after = model.state_dict()
     assert all(after[name].dtype == p.dtype and torch.equal(after[name], p) for name, p in before.items())
     with pytest.raises(ValueError, match="float32 already"):
-        fast.accuracy(gdtool.load_model("tiny-llama", seed=0), steps=3)
+        accuracy.accuracy(gdtool.load_model("tiny-llama", seed=0), steps=3)
     gdtool.kernels.fuse.fuse_projections(model)
     with pytest.raises(ValueError, match="fuse_projections"):
-        fast.accuracy(model, steps=3)
+        accuracy.accuracy(model, steps=3)
 
 
 def test_compiled_step_refuses_linear_attention_layers():

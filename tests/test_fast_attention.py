@@ -117,7 +117,7 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
     own forward): `kernels="fast"`'s compiled HF forward runs their sdpa calls in the kernels, says so, and decodes
     HF's tokens."""
     code = ("import random, sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
-            "from gdtool.kernels import attention, check, step\n"
+            "from gdtool.kernels import attention, step, testing\n"
             "t._against_hf_sdpa()\n"
             "gen = torch.Generator().manual_seed(2)\n"
             "rng = random.Random(2)\n"
@@ -136,7 +136,7 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
             "    out = attention.mask_attention(q4, nan_k, nan_v, mask4, scale)\n"
             "    assert torch.equal(out, clean), (m, hq, hkv, d, c, live, pad)\n"
             "    torch.testing.assert_close(clean.reshape(m, hq * d), known)\n"
-            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad)\n"
+            "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad)\n"
             "    assert r.ok, r\n"
             "attention.COMBINE_ELEMENTS = 4096\n"
             "calls, kernel = [], attention.split_kv\n"
@@ -314,7 +314,7 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
     caches). Under the interpreter, over a seeded sweep of rows, grouped heads, cache and live lengths, left padding
     and sinks: the output equals the two-kernel form's bit for bit (the same plan: every case here keeps
     split_plan's chunks), again on a second call (the counts back at zero), and the float64 check passes."""
-    code = ("import random, torch\nfrom gdtool.kernels import attention, check, triton as fast_triton\n"
+    code = ("import random, torch\nfrom gdtool.kernels import attention, testing, triton as fast_triton\n"
             "import test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(0)\n"
             "rng = random.Random(0)  # a seeded sweep, and the edges: one live slot, every slot live\n"
@@ -332,7 +332,7 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
             "    one, again = attention.split_kv(*args), attention.split_kv(*args)\n"
             "    assert torch.equal(one, two) and torch.equal(again, two), (m, hq, hkv, live, (one - two).abs().max())\n"
             "    assert not fast_triton._COUNTS[('attention', 'cpu')].any()  # every count set back to 0\n"
-            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
             "    assert r.ok, r\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
@@ -348,7 +348,7 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
     its last program), over a seeded sweep of rows, grouped heads, cache and live lengths, padding and sinks: the float64
     check passes; and `mask_attention` (the mask alone says which slots attend) reads no masked slot's key or
     value, NaN there giving the clean caches' bits."""
-    code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
+    code = ("import random, torch\nfrom gdtool.kernels import attention, testing\nimport test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(5)\n"
             "rng = random.Random(5)\n"
             "blocks, kinds, default = set(), set(), attention.EARLY_ELEMENTS\n"
@@ -362,7 +362,7 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
             "    kinds.add('one chunk' if splits == 1 else 'fused' if fused else 'loop' if chunk > attention.early_keys(chunk, d)\n"
             "              else 'two kernels')\n"
             "    blocks.add((chunk // attention.BLOCK_S, (live - 1) % chunk // attention.BLOCK_S))\n"
-            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
             "    assert r.ok, (attention.TARGET_PROGRAMS, r)\n"
             "    q, kc, vc, mask, slot, scale, _ = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, False)\n"
             "    mask[:, live:] = 0\n"
@@ -386,7 +386,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
     padding and sinks: the float64 check passes, the fused combine equals the two-kernel form bit for bit, and
     the result differs from the one-block plan (one read of the partials) by rounding only, by nothing where
     the live chunks fit one block."""
-    code = ("import random, torch\nfrom gdtool.kernels import attention, check\nimport test_fast_attention as t\n"
+    code = ("import random, torch\nfrom gdtool.kernels import attention, testing\nimport test_fast_attention as t\n"
             "gen = torch.Generator().manual_seed(1)\n"
             "rng = random.Random(1)\n"
             "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
@@ -415,7 +415,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
             "    one = attention.split_kv(*args)\n"
             "    attention._FUSED_COMBINE = False\n"
             "    assert torch.equal(one, two), (m, hq, hkv, live, (one - two).abs().max())\n"
-            "    r = check.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
             "    assert r.ok, r\n"
             "assert one_block, 'no case had its live chunks in one block'\n"
             "print('ok')\n")
@@ -429,9 +429,9 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
     real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64 and Qwen3-30B-A3B's 32/4 x 128 at 384 slots, the
     fused plan; 8 rows, sinks) and a seeded sweep, each twice (the counts reset), and tiny-llama's fast step
     captured equal to itself uncaptured, with the fused combine and without it."""
-    from gdtool.kernels import check
+    from gdtool.kernels import testing
     gen = torch.Generator(device="cuda").manual_seed(0)
-    check._impl.triton = True
+    testing._impl.triton = True
     shapes = [(1, 4, 1, 256, 512, 200, 0, False), (1, 32, 8, 64, 384, 384, 0, False), (1, 32, 4, 128, 384, 300, 0, False),
               (8, 32, 8, 64, 384, 150, 7, False), (4, 64, 8, 64, 256, 100, 3, True), (1, 4, 1, 256, 512, 1, 0, False),
               (1, 4, 1, 256, 4200, 4150, 0, True)]  # ~260 chunks: the combine reads them a block at a time
@@ -444,7 +444,7 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
         for m, hq, hkv, d, c, live, pad, sinks in shapes:
             monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", True)
             for _ in range(2):
-                r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad, sinks=sinks)
+                r = testing.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad, sinks=sinks)
                 assert r.ok, r
         model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
         prompt = gdtool.random_prompts(model, batch=2, lengths=(5, 12), seed=0)   # tiny-llama's line: 2 rows
@@ -464,9 +464,9 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
     """`mask_attention` on the GPU (the split kernel with every slot counted live, HF's boolean mask read in place):
     at real shapes in bf16 (Llama's 32/8 x 64 at 64 rows, Qwen3's 32/8 x 128, a seeded sweep), NaN in every masked
     slot gives the bits clean caches give (no masked slot read), its float64 error within twice that of the fast
-    step's call with the live length known (`check.judge`), and the float64 check passes there; then tiny-llama at
+    step's call with the live length known (`testing.judge`), and the float64 check passes there; then tiny-llama at
     12 rows (the compiled HF forward), captured equal to itself uncaptured, the step's note naming the kernels."""
-    from gdtool.kernels import check, step as fast_step
+    from gdtool.kernels import step as fast_step, testing
     gen, cpu_gen = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
     shapes = [(64, 32, 8, 64, 384, 256, 3), (16, 32, 8, 128, 512, 300, 5), (1, 32, 8, 128, 4200, 4100, 0),
               (1, 4, 1, 256, 4200, 4100, 0)]  # the last: 259 chunks, combined a block of 64 at a time
@@ -489,11 +489,11 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
         assert torch.equal(out, clean), (m, hq, hkv, d, c, live, pad)
         # another kernel variant (its loads masked otherwise), not bitwise (H200: 4 bf16 ulps apart at 2 of 131072
         # outputs, 5260519): against float64, mask_attention's error within 2x the fast step's call's (+ one unit)
-        exact = check.exact_attention(q, kc, vc, mask, scale)
-        r = check.judge("mask_attention", f"{(m, hq, hkv, d, c, live, pad)}", torch.bfloat16, clean.reshape(m, hq * d),
-                        known, exact)
+        exact = testing.exact_attention(q, kc, vc, mask, scale)
+        r = testing.judge("mask_attention", f"{(m, hq, hkv, d, c, live, pad)}", torch.bfloat16,
+                          clean.reshape(m, hq * d), known, exact)
         assert r.ok, r
-        r = check.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
+        r = testing.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
         assert r.ok, r
     model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
     prompt = gdtool.random_prompts(model, batch=12, lengths=(5, 12), seed=0)

@@ -4,7 +4,7 @@ embedding, and sliding layers whose window rolls (tiny-gemma3: a window of 8, so
 On a CPU (float32): the torch references inside the step decode HF's tokens with prompts shorter and longer
 than the window and decodes that cross it, in every mode; teacher-forced, their logits equal HF's; under
 Triton's interpreter the kernels themselves decode the same tokens. The kernels alone against float64:
-tests/test_fast_kernels.py (gdtool/kernels/check.py's Gemma rows); the full window's roll against HF's own
+tests/test_fast_kernels.py (gdtool/kernels/testing.py's Gemma rows); the full window's roll against HF's own
 update, bit for bit (reference, interpreter, CUDA). On CUDA (bf16): captured equals uncaptured across the
 window's edge, and gemma-3-1b's teacher-forced agreement with HF's kernels.
 """
@@ -15,6 +15,7 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 from gdtool.kernels import step as fast, forward as fast_decoder, triton as fast_triton
+from gdtool.measure import accuracy
 from interpreter import run_interpreted
 
 pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test_fast.py
@@ -62,7 +63,7 @@ def test_fast_forward_teacher_forced_equals_hf_across_the_window():
     the window, continuations across its edge: top-1 always agrees, logits within float32 rounding."""
     model = gdtool.load_model("tiny-gemma3", seed=0)
     for prompt_len, steps in ((4, 3), (5, 10), (12, 6)):
-        df = fast.compare_kernels(model, batch=2, prompt_len=prompt_len, steps=steps, kernels="fast", capture=False)
+        df = accuracy.compare_kernels(model, batch=2, prompt_len=prompt_len, steps=steps, kernels="fast", capture=False)
         assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-4 * df.max_abs_logit + 1e-5).all(), df
 
 
@@ -86,12 +87,12 @@ WINDOW_ROLLS = ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None),
 
 
 def test_window_roll_reference_is_hfs_update_bit_for_bit():
-    from gdtool.kernels import check
+    from gdtool.kernels import testing
     gen = torch.Generator().manual_seed(0)
-    check._impl.triton = False
+    testing._impl.triton = False
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         for b, hkv, w, d, config in WINDOW_ROLLS:
-            r = check.check_window_roll(b, hkv, w, d, dtype, "cpu", gen, config)
+            r = testing.check_window_roll(b, hkv, w, d, dtype, "cpu", gen, config)
             assert r.ok, r
 
 
@@ -99,11 +100,11 @@ def test_window_roll_reference_is_hfs_update_bit_for_bit():
 def test_window_roll_kernel_under_the_interpreter_is_hfs_update_bit_for_bit():
     """The one-kernel roll, then the last slot written, against HF's StaticSlidingWindowLayer.update: every dtype
     (a copy: float64 too), one chunk of slots and several, windows of 1 and 512."""
-    code = ("import torch\nfrom gdtool.kernels import check\nfrom test_fast_gemma3 import WINDOW_ROLLS\n"
-            "gen = torch.Generator().manual_seed(0)\ncheck._impl.triton = True\n"
+    code = ("import torch\nfrom gdtool.kernels import testing\nfrom test_fast_gemma3 import WINDOW_ROLLS\n"
+            "gen = torch.Generator().manual_seed(0)\ntesting._impl.triton = True\n"
             "for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):\n"
             "    for b, hkv, w, d, config in WINDOW_ROLLS:\n"
-            "        r = check.check_window_roll(b, hkv, w, d, dtype, 'cpu', gen, config)\n"
+            "        r = testing.check_window_roll(b, hkv, w, d, dtype, 'cpu', gen, config)\n"
             "        assert r.ok, r\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
@@ -130,7 +131,7 @@ def test_fast_step_on_cuda_gemma3_captured_equals_uncaptured(batch):
             loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
             assert torch.equal(loop.tokens, captured.tokens)
     # captured teacher forcing, one graph per window phase: across the window's edge (it fills at step 6)
-    agreement = fast.compare_kernels(model, batch=batch, prompt_len=3, steps=10, kernels="fast")
+    agreement = accuracy.compare_kernels(model, batch=batch, prompt_len=3, steps=10, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all(), agreement
 
 
@@ -139,12 +140,12 @@ def test_fast_step_on_cuda_gemma3_captured_equals_uncaptured(batch):
 def test_window_roll_kernel_on_cuda_is_hfs_update_bit_for_bit(dtype):
     """In place on the GPU, where the programs and threads of one launch run at once: no slot read after it is
     overwritten (gemma-3-1b's and gemma-3-4b's windows, 1 to 8 rows)."""
-    from gdtool.kernels import check
+    from gdtool.kernels import testing
     gen = torch.Generator(device="cuda").manual_seed(0)
-    check._impl.triton = True
+    testing._impl.triton = True
     shapes = WINDOW_ROLLS + tuple((m, hkv, w, 256, None) for m in (1, 4, 8) for hkv, w in ((1, 512), (2, 1024)))
     for b, hkv, w, d, config in shapes:
-        r = check.check_window_roll(b, hkv, w, d, dtype, "cuda", gen, config)
+        r = testing.check_window_roll(b, hkv, w, d, dtype, "cuda", gen, config)
         assert r.ok, r
 
 
@@ -155,7 +156,7 @@ def test_fast_step_on_cuda_gemma3_1b_rounds_no_more_than_hf(batch):
     and its teacher-forced logits (inside the window) are as close to float32's as HF's own bf16 kernels are."""
     model = gdtool.load_model("gemma-3-1b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies, fast_decoder.plan(model, batch, 64).reason
-    df = fast.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
+    df = accuracy.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
     print(df.to_string())
     assert df.fast_mean_error.mean() <= 1.25 * df.hf_mean_error.mean(), df
     assert "Gemma3" in fast.compiles(model).kernels.iloc[-1]

@@ -9,7 +9,7 @@ one forward of the Triton kernels under the interpreter against the torch refere
 bf16 and fp16 at small and real Llama / Qwen shapes, PDL on and off, and the fast step of each family (Llama,
 Qwen2, Qwen3, Mistral) captured against itself uncaptured, at one pass of rows and at two; the seeded sweep in
 bf16, every mode bit for bit its uncaptured twin's.
-Tolerances: gdtool/kernels/check.py (relative L2 error against float64, by dtype).
+Tolerances: gdtool/kernels/testing.py (relative L2 error against float64, by dtype).
 """
 import os
 import sys
@@ -21,7 +21,8 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 import fastcases
-from gdtool.kernels import step as fast, check as fast_check, forward as fast_decoder, gemv, triton as fast_triton
+from gdtool.kernels import step as fast, testing, forward as fast_decoder, gemv, triton as fast_triton
+from gdtool.measure import accuracy
 from interpreter import run_interpreted
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,17 +31,17 @@ pytestmark = pytest.mark.xdist_group("dynamo")  # compile counts: see tests/test
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_torch_references_against_float64(dtype):
-    results = fast_check.check_all("cpu", dtype, impl="reference")
+    results = testing.check_all("cpu", dtype, impl="reference")
     bad = [r for r in results if not r.ok or not r.reference_error <= r.tolerance]
-    assert not bad, fast_check.table(bad)
+    assert not bad, testing.table(bad)
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
 def test_triton_kernels_under_the_interpreter():
-    code = ("import torch\nfrom gdtool.kernels import check as fast_check\n"
+    code = ("import torch\nfrom gdtool.kernels import testing\n"
             "for dt in (torch.float32, torch.float16):\n"
-            "    bad = [r for r in fast_check.check_all('cpu', dt) if not r.ok]\n"
-            "    assert not bad, fast_check.table(bad)\n"
+            "    bad = [r for r in testing.check_all('cpu', dt) if not r.ok]\n"
+            "    assert not bad, testing.table(bad)\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
 
@@ -238,7 +239,7 @@ def test_fast_forward_agrees_with_hf_teacher_forced_on_cpu():
     """compare_kernels: the fast forward (torch references, float32) against HF's kernels, fed the same
     tokens: every position's top-1 agrees, logits within float32 rounding."""
     model = gdtool.load_model("tiny-qwen3", seed=0)
-    df = fast.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
+    df = accuracy.compare_kernels(model, batch=2, prompt_len=6, steps=6, kernels="fast")
     assert (df.top1_agreement == 1.0).all() and (df.max_abs_logit_diff < 1e-3 * df.max_abs_logit + 1e-4).all(), df
 
 
@@ -418,9 +419,9 @@ def test_matrix_vector_kernel_compiles_for_hopper_with_pdl(late, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_triton_kernels_on_cuda(dtype, pdl):
     with fast_triton.pdl(pdl):
-        results = fast_check.check_all("cuda", dtype, large=dtype == torch.bfloat16)
+        results = testing.check_all("cuda", dtype, large=dtype == torch.bfloat16)
     bad = [r for r in results if not r.ok]
-    assert not bad, fast_check.table(bad)
+    assert not bad, testing.table(bad)
 
 
 @pytest.mark.cuda
@@ -452,7 +453,7 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
     if gdtool.loops.devloop.device_loop_support() is None:
         loop = _decode(model, prompt, kernels="fast", max_new_tokens=24, mode="device-loop")
         assert torch.equal(loop.tokens, captured.tokens)
-    agreement = fast.compare_kernels(model, batch=batch, prompt_len=8, steps=8, kernels="fast")
+    agreement = accuracy.compare_kernels(model, batch=batch, prompt_len=8, steps=8, kernels="fast")
     assert (agreement.top1_agreement > 0.4).all()
 
 
@@ -467,7 +468,7 @@ def test_fast_step_on_cuda_qwen3_8b_rounds_no_more_than_hf(batch, monkeypatch):
         monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(batch))
     model = gdtool.load_model("qwen3-8b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies
-    df = fast.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
+    df = accuracy.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
     print(df.to_string())
     assert df.fast_mean_error.mean() <= 1.25 * df.hf_mean_error.mean(), df
     assert "q/k norm" in fast.compiles(model).kernels.iloc[-1]

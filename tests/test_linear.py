@@ -10,6 +10,7 @@ import torch
 import gdtool
 from gdtool.kernels import linear
 from gdtool.kernels import step as fast
+from gdtool.measure import accuracy
 
 import moe
 from interpreter import run_interpreted
@@ -156,13 +157,13 @@ def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
         "assert torch.equal(hf.tokens, mine.tokens) and torch.equal(mine.tokens, again.tokens)\n"
         "# the operator on a seeded sweep of shapes (rows 1-4, K and N not powers of two, with and without a bias)\n"
         "import random\n"
-        "from gdtool.kernels import check\n"
+        "from gdtool.kernels import testing\n"
         "rng = random.Random(24)\n"
         "for case in range(10):\n"
         "    m, n, k = rng.randint(1, 4), rng.randint(1, 300), rng.randint(1, 300)\n"
         "    dt, bias = rng.choice((torch.float32, torch.float16)), rng.random() < 0.7\n"
-        "    r = check.check_gemv(m, n, k, dt, 'cpu', torch.Generator().manual_seed(case), False, False, False, bias=bias)\n"
-        "    assert r.ok, check.table([r])\n"
+        "    r = testing.check_gemv(m, n, k, dt, 'cpu', torch.Generator().manual_seed(case), False, False, False, bias=bias)\n"
+        "    assert r.ok, testing.table([r])\n"
         "print('ok')\n")
     run_interpreted(code, timeout=900)
 
@@ -184,7 +185,7 @@ def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
         kernels = fast.compiles(model).query("step.str.contains('_fast')").kernels.str.contains(note)
         assert kernels.any() if fused else kernels.all(), fast.compiles(model)   # fused: the unfused steps' rows too
         if not fused:
-            agreement = fast.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
+            agreement = accuracy.compare_kernels(model, batch=2, prompt_len=8, steps=8, kernels="fast")
             assert (agreement.top1_agreement > 0.4).all(), agreement
 
 

@@ -1,6 +1,7 @@
 """Faster kernels for the same step: `kernels="compiled"` and `kernels="fast"` (docs/fast.md).
 
-    step.py       the compiled step that composes them (`CompiledStep`, `KERNELS`, `compiles`, `compare_kernels`)
+    step.py       the compiled step that composes them (`CompiledStep`, `KERNELS`, `new_step`)
+    compiled.py   the compiled functions kept on the model, one per shape key (`compiles`, `forget`)
     forward.py    the decode forward of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) in gdtool's
                   own kernels (`kernels="fast"`); which path runs at which batch (`forward.line_paths`)
     gemv.py       matrix-vector products, the norm before them and the rotary after them fused in:
@@ -21,7 +22,8 @@
     fuse.py       q/k/v and gate/up as one weight each
     ops.py        each kernel behind one call: Triton where it runs, the torch reference elsewhere
     triton.py     what the kernels need from Triton, and whether it is there; the PDL switch
-    check.py      every kernel against float64 on fresh random inputs
+    testing.py    a test harness: every kernel against float64 on fresh random inputs (`check_all`,
+                  `check_experts_all`; `check.py`, its old name, an alias for one release)
 
 Above the core (it composes `core.step.Step`), below the loops that run it. A new kernel family is a
 module of its own here (or a package of them, as `experts/`), with its torch reference and its entry in `ops.py`.

@@ -14,8 +14,8 @@ attention that reads the cache without copying it, gpt-oss's with its sinks: `at
 
 What changes with the kernels: logits differ from HF's by rounding (inductor fuses and reorders
 float arithmetic), so tokens can differ from generate() where two logits are within rounding of
-each other (`compare_kernels()` measures that: teacher-forced top-1 agreement and the largest
-logit difference). What does not change: the step is a deterministic function of its buffers, so
+each other (`gdtool.measure.accuracy.compare_kernels()` measures that: teacher-forced top-1 agreement
+and the largest logit difference). What does not change: the step is a deterministic function of its buffers, so
 it is bitwise equal to itself run uncaptured (`capture=False` calls the same compiled function).
 Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same noise, same candidate
 rule); without top-k it uses `core/sampling.py`'s sorting top-p.
@@ -35,42 +35,54 @@ side of "full" for the length of each call (`core.feed.Feed.pinned`, which after
 step would have left the true counts), so the step compiles once per phase, not once per step.
 Linear-attention and state-space layers are refused (use kernels="hf").
 
-Compiled functions are kept on the model, one per shape key (batch, prompt width, cache length,
-settings, which buffers exist), each with its own code object so dynamo's recompile limit never
+Compiled functions are kept on the model (`compiled.py`), one per shape key (batch, prompt width, cache
+length, settings, which buffers exist), each with its own code object so dynamo's recompile limit never
 sends a long sweep back to eager; a second `decode()` with the same shapes compiles nothing.
 `compiles(model)` lists them with their compile counts (more than 1 for a key, with no
 `torch._dynamo.reset()` in between, is a recompile and is warned about).
 
     out = gdtool.decode(model, ids, mask, mode="step-graph", max_new_tokens=256, kernels="compiled")
-    df = gdtool.kernels.step.compare_kernels(model, batch=4, prompt_len=128, steps=64)   # agreement per position
-    gdtool.kernels.step.compiles(model)                                                   # DataFrame, one row per key
+    df = gdtool.measure.accuracy.compare_kernels(model, batch=4, prompt_len=128, steps=64)  # agreement per position
+    gdtool.kernels.step.compiles(model)                                    # DataFrame, one row per key
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import shutil
 import time
-import types
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
-from ..core import compat, feed, graphs, sampling
-from . import attention, experts, forward, fuse, gemv, linear, ops, tail
+from ..core import compat, feed, sampling
+from . import attention, experts, forward, gemv, linear, ops, tail
 from . import sampling as fast_sampling  # beside the core sampling it speeds up
 from . import triton as fast_triton  # not the triton package itself
 from ..core.modes import DEFAULT_KERNELS, FORWARD_ONLY_MODES, KERNELS, check_kernels_name  # noqa: F401 (KERNELS: re-exported)
-from ..core.step import Step, new_state
+from ..core.step import Step
+from .compiled import (_ATTR, _Compiled, _fresh, _graphs_compiled, _is_graph_break, _key, _name,
+                       _no_function_modes, compiled_nothing, compiles, forget)
 
 # The kernels options, and what runs compiled in each mode (the whole step where the mode captures the whole
 # step; the forward alone elsewhere), are named in `gdtool.core.modes`.
 # Inductor without CUDA graphs (gdtool captures); random draws through ATen, so the compiled step
 # consumes the generator exactly as the HF step does and draws the same noise.
 INDUCTOR_OPTIONS = {"triton.cudagraphs": False, "fallback_random": True}
-_ATTR = "_gdtool_compiled_steps"
+
+# One-release deprecation aliases: the accuracy harness moved up to gdtool.measure.accuracy. The measurement
+# layer stands above this one, so it is imported by name, only when an old name is asked for (`__getattr__`).
+_MOVED = {name: "gdtool.measure.accuracy" for name in ("teacher_forced", "compare_kernels", "accuracy", "agreement")}
+
+
+def __getattr__(name: str):
+    if name in _MOVED:
+        warnings.warn(f"gdtool.kernels.step.{name} moved to {_MOVED[name]}.{name}; the old name goes in the next "
+                      "release", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(_MOVED[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def watched(model, kernels: str):
@@ -143,17 +155,6 @@ def _update_only(step, tokens):
     step.update(tokens)
 
 
-@dataclass
-class _Compiled:
-    """One compiled function for one shape key."""
-    fn: object
-    name: str
-    compiles: int = 0
-    compile_s: float = 0.0
-    fullgraph: bool = True
-    calls: int = 0
-    note: str = ""                # why it was split, or why it was compiled again
-    kernels: str = "compiled"     # which kernels the step runs: for "fast", the decode forward's or why not
 
 
 class CompiledStep(Step):
@@ -324,6 +325,8 @@ class CompiledStep(Step):
         return result
 
 
+# The table of compiled functions is compiled.py's; making an entry stays here, beside INDUCTOR_OPTIONS, which it
+# reads at each compile (profiles/fresh_compiles.py sets `step.INDUCTOR_OPTIONS` for a run).
 def _compiled_for(step: CompiledStep, body, phase: int | None = None) -> _Compiled:
     """The model's compiled function for this step's shape key (and window phase: how many window sizes are
     full, None without sliding layers), made on first use."""
@@ -357,256 +360,3 @@ def _kernels_note(step: CompiledStep) -> str:
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
     return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
-
-
-def _fresh(fn):
-    # dynamo caches compiled graphs on the code object, up to a recompile limit (8) shared by every
-    # shape; a copy of the code per shape key keeps each key's cache to itself.
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-
-
-def _key(step: CompiledStep) -> tuple:
-    """What the compiled graph is specialized on: the buffers' shapes and dtypes, and for the whole
-    step also the settings and the prompt width (python constants in select and update)."""
-    buffers = tuple((name, tuple(t.shape), t.dtype, str(t.device)) for name, t in sorted(vars(step.state).items())
-                    if isinstance(t, torch.Tensor))
-    param = next(step.model.parameters())
-    base = (step.part, param.dtype, str(param.device), fuse.is_fused(step.model), step.kernels,
-            step.fast_forward, step.moe_plan.key() if step.moe_plan is not None else (), step.sinks_kernel,
-            step.split_kernel,
-            step.linear_plan.key() if step.linear_plan is not None else ())
-    if step.part == "forward":
-        return base + tuple(b for b in buffers if b[0] in ("tokens", "positions", "mask"))
-    return base + buffers + (step.settings, step.prompt_width, fast_sampling.TIE_SLACK)
-
-
-def _name(step: CompiledStep) -> str:
-    batch, cache_len = step.state.mask.shape
-    name = f"{step.part}_b{batch}_w{step.prompt_width}_c{cache_len}"
-    if step.part == "step":
-        s = step.settings
-        name += f"_n{s.max_new_tokens}_" + ("sample" if s.do_sample else "greedy")
-    if step.kernels != "compiled":
-        name += f"_{step.kernels}"
-    return name
-
-
-@contextmanager
-def _no_function_modes():
-    # A caller's TorchFunctionMode (gdtool's host-read counter on a CPU) would be traced into the graph
-    # and make every call under a different mode stack a recompile; the compiled step reads nothing on
-    # the host, so there is nothing for such a mode to see. Set them aside for the call.
-    modes = []
-    while getattr(torch._C, "_len_torch_function_stack", lambda: 0)() > 0:
-        modes.append(torch._C._pop_torch_function_stack())
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
-            torch._C._push_on_torch_function_stack(mode)
-
-
-def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-    return int(counters["stats"]["unique_graphs"])
-
-
-def _is_graph_break(error: Exception) -> bool:
-    import torch._dynamo.exc as exc
-    kinds = tuple(getattr(exc, name) for name in ("Unsupported", "UserError") if hasattr(exc, name))
-    return isinstance(error, kinds)
-
-
-def compiles(model) -> "pandas.DataFrame":
-    """One row per compiled step kept on `model`: shape key name, compiles, compile seconds (first
-    calls, warm-up included), whether it is one graph, calls, and a note on any break or recompile.
-    (Warnings say the same, but decode() records warnings raised during its warm-up on CUDA.)"""
-    import pandas as pd
-    columns = ["step", "kernels", "compiles", "compile_s", "fullgraph", "calls", "note"]
-    return pd.DataFrame([{c: getattr(e, "name" if c == "step" else c) for c in columns}
-                         for e in getattr(model, _ATTR, {}).values()], columns=columns)
-
-
-def compiled_nothing(model) -> bool:
-    """Whether every step kept on `model` ran without torch.compile by design (kernels="fast": gdtool's forward and,
-    greedy, its one-kernel tail; the fast forward alone in forward-graph): no dynamo graph is then expected of it."""
-    entries = list(getattr(model, _ATTR, {}).values())
-    return bool(entries) and all(entry.fn is None for entry in entries)
-
-
-def forget(model) -> None:
-    """Drop the compiled steps kept on `model` (they hold inductor's code, not device memory)."""
-    model.__dict__.pop(_ATTR, None)
-
-
-# -- kernels against kernels ---------------------------------------------------------------------
-
-@torch.inference_mode()
-def teacher_forced(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, continuation: torch.Tensor,
-                   kernels: str = "compiled", capture: bool | None = None) -> dict:
-    """Feed `continuation` [B, T] through the decode step token by token, whatever it would pick.
-
-    The step is the one `decode(mode="step-graph", kernels=kernels)` runs, greedy, with its float32
-    scores (= logits) recorded, captured where CUDA is available (capture=None) or called directly; over
-    sliding-window layers, one graph (or uncaptured step) per window phase, as the decode loops run them.
-    Position 0 comes from the prefill, which runs HF's kernels either way. Returns
-    {"logits": [T, B, V] float32, "step_ms": device time per step (CUDA, captured) or wall time}.
-    """
-    from ..core.settings import resolve
-
-    check_kernels(kernels, input_ids.device)
-    batch, width = input_ids.shape
-    steps = continuation.shape[1]
-    if continuation.shape[0] != batch or steps < 2:
-        raise ValueError(f"continuation must be [batch={batch}, T>=2] token ids; got {tuple(continuation.shape)}")
-    settings = resolve(model, steps, dict(do_sample=False, eos_token_id=None, pad_token_id=0, repetition_penalty=1.0))
-    device = input_ids.device
-    cache_len = width + steps - 1
-    cache = compat.static_cache(model, cache_len)
-    vocab = model.config.get_text_config().vocab_size
-    state = new_state(input_ids, attention_mask, settings, cache_len, vocab, True, None)
-    cache_kw, logits_to_keep = compat.forward_kwargs(model)
-    step = new_step(kernels, "step-graph", model, cache, state, settings, width, cache_kw, logits_to_keep)
-    forced = continuation.to(device=device, dtype=torch.long)
-    step.prefill(input_ids, attention_mask.long())
-    state.tokens.copy_(forced[:, :1])
-    use_graph = graphs.can_capture(device) and capture is not False
-    snapshot, windows = state.snapshot(), step.feed.snapshot()
-    by_phase = {}  # one graph per phase of the sliding layers, entered as the decode loops enter it
-    for phase in dict.fromkeys(step.feed.phase_of(j) for j in range(1, steps)):
-        def enter(phase=phase):
-            step.feed.enter_phase(phase, windows)
-        if use_graph:
-            # as the decode loops warm up: HF's kernels watched in the first step (what the capture cannot hold
-            # is refused with its cause; the constants the step copies from the host are pinned), then a second
-            constants = graphs.warm_up(step, 1, watched(model, kernels), before=enter)
-            graphs.warm_up(step, 1, before=enter)
-            enter()
-            by_phase[phase] = graphs.capture(step, device, model=model, constants=constants)
-        else:
-            enter()
-            # each replay with the counters a graph captured now would hold
-            by_phase[phase] = graphs.Uncaptured(step, step.feed.frozen_counters())
-            by_phase[phase].replay()  # compile outside the timed loop
-        state.restore(snapshot)
-        compat.rewind(cache, width)
-        step.feed.restore(windows)  # the sliding windows as the prefill left them (rewind leaves them)
-    timer = _Timer(device)
-    timer.start()
-    for j in range(1, steps):
-        by_phase[step.feed.phase_of(j)].replay()
-        state.tokens.copy_(forced[:, j:j + 1])
-    step_ms = timer.stop() / (steps - 1)
-    for graph in by_phase.values():
-        graph.close()
-    return {"logits": state.scores.clone(), "step_ms": step_ms}
-
-
-class _Timer:
-    def __init__(self, device):
-        self.cuda = device.type == "cuda"
-
-    def start(self):
-        if self.cuda:
-            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-            self.events[0].record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if self.cuda:
-            self.events[1].record()
-            self.events[1].synchronize()
-            return self.events[0].elapsed_time(self.events[1])
-        return (time.perf_counter() - self.t0) * 1e3
-
-
-def compare_kernels(model, batch: int = 4, prompt_len: int = 32, steps: int = 32, seed: int = 0,
-                    capture: bool | None = None, kernels: str = "compiled") -> "pandas.DataFrame":
-    """Teacher-forced comparison of `kernels` ("compiled" or "fast") with HF's kernels, one row per position.
-
-    Both steps are fed the same random prompt and the same random continuation; per decode position
-    (1..steps-1, position 0 is the shared prefill): share of rows whose top-1 token agrees, the
-    largest absolute logit difference, the largest |logit| (for scale), and each step's time.
-    """
-    force = _forcing(model, batch, prompt_len, steps, seed)
-    hf, compiled = force("hf", capture), force(kernels, capture)
-    df = _labelled(agreement(hf["logits"], compiled["logits"]), model, batch, prompt_len, kernels)
-    df["hf_step_ms"], df["compiled_step_ms"] = hf["step_ms"], compiled["step_ms"]
-    return df
-
-
-def _forcing(model, batch: int, prompt_len: int, steps: int, seed: int):
-    """teacher_forced over one seeded random prompt and continuation, as a function of the kernels (and capture)."""
-    from ..core.models import random_prompts
-
-    prompt = random_prompts(model, batch=batch, lengths=(prompt_len, prompt_len), seed=seed)
-    vocab = model.config.get_text_config().vocab_size
-    continuation = torch.randint(3, vocab, (batch, steps), generator=torch.Generator().manual_seed(seed + 1))
-    return lambda kernels, capture=None: teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation,
-                                                        kernels, capture)
-
-
-def _labelled(df, model, batch: int, prompt_len: int, kernels: str):
-    """df with the run's model, dtype, batch, prompt length and kernels as its first columns."""
-    name = getattr(model, "gdtool_name", type(model).__name__)
-    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
-    columns = dict(model=name, dtype=dtype, batch=batch, prompt_len=prompt_len, kernels=kernels)
-    for column, value in reversed(list(columns.items())):
-        df.insert(0, column, value)
-    return df
-
-
-def accuracy(model, batch: int = 4, prompt_len: int = 32, steps: int = 16, seed: int = 0,
-             kernels: str = "fast") -> "pandas.DataFrame":
-    """How far `kernels` and HF's kernels each land from float32, one row per decode position.
-
-    Two bf16 (or fp16) forwards agree only up to rounding, and on random weights the logits are so flat
-    that top-1 flips between any two of them (compare_kernels). The question that has an answer is
-    whether gdtool's kernels round more than HF's own: the same teacher-forced steps (compare_kernels'
-    prompt and continuation), then the model upcast to float32 (its weights exactly as they were) and
-    run with HF's kernels, uncaptured, as the reference, then cast back. Per position: each one's mean
-    and largest |logit - reference| over rows and vocabulary, and its rows whose top-1 token is the
-    reference's.
-    """
-    import pandas as pd
-
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float32:
-        raise ValueError("accuracy() measures a bf16 or fp16 model against itself in float32; this model is "
-                         "float32 already: use compare_kernels(model)")
-    if fuse.is_fused(model):
-        raise ValueError("accuracy() casts the model to float32 and back, which would leave fused projections' "
-                         "shared weight behind; call it on a model without fuse_projections")
-    force = _forcing(model, batch, prompt_len, steps, seed)
-    ran = {name: force(name)["logits"] for name in dict.fromkeys(("hf", kernels))}
-    try:
-        model.float()
-        # uncaptured: HF's float32 experts (grouped_mm's fallback) read their offsets on the host, which no
-        # graph holds (the H200 at 9e35b5d, gpt-oss-20b); the reference needs no graph
-        reference = force("hf", capture=False)["logits"]
-    finally:
-        model.to(dtype)
-    ref = reference[1:]
-    columns = {"position": range(1, steps)}
-    for name, logits in ran.items():
-        error = (logits[1:] - ref).abs()
-        columns[f"{name}_mean_error"] = error.mean(dim=(1, 2)).cpu().numpy()
-        columns[f"{name}_max_error"] = error.amax(dim=(1, 2)).cpu().numpy()
-        columns[f"{name}_top1"] = (logits[1:].argmax(-1) == ref.argmax(-1)).float().mean(-1).cpu().numpy()
-    columns["max_abs_logit"] = ref.abs().amax(dim=(1, 2)).cpu().numpy()
-    return _labelled(pd.DataFrame(columns), model, batch, prompt_len, kernels)
-
-
-def agreement(reference: torch.Tensor, other: torch.Tensor) -> "pandas.DataFrame":
-    """Per decode position of two [T, B, V] logits tensors (position 0, the prefill, left out): share
-    of rows with the same top-1 token, largest |difference|, largest |reference logit|."""
-    import pandas as pd
-
-    a, b = reference[1:].float(), other[1:].float()
-    return pd.DataFrame({
-        "position": range(1, reference.shape[0]),
-        "top1_agreement": (a.argmax(-1) == b.argmax(-1)).float().mean(-1).cpu().numpy(),
-        "max_abs_logit_diff": (a - b).abs().amax(dim=(1, 2)).cpu().numpy(),
-        "max_abs_logit": a.abs().amax(dim=(1, 2)).cpu().numpy(),
-    })

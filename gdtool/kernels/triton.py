@@ -113,7 +113,7 @@ def usable(*tensors) -> bool:
 # of a max and a min by the routed cuda test. At 5260519 50 of tests-kernels' 51 tests passed
 # (kernel-paths-5260519.txt), the MASK_ONLY and PACKED switches among them; the one that failed was the compiled
 # HF forward's split-KV attention (attention.SPLIT_PATH), on its assertion between two kernel variants (4 bf16 ulps
-# apart at 2 of 131072 outputs). That assertion is now against float64 (`check.judge`), and at 98b1af8 the test
+# apart at 2 of 131072 outputs). That assertion is now against float64 (`testing.judge`), and at 98b1af8 the test
 # passed, with the routed test and the captured fast MoE steps now that packed is experts_config's one-token default
 # (`tests-pick`, 10 passed: pytest-cuda-pick-98b1af8.log). The fused combine's one-load form (the combine in the
 # split kernel by default where the cache is short; one chunk a head finished in the split kernel) passed its cuda
