@@ -59,11 +59,10 @@ def capture_phases(fn, step, phases, *, capture: bool, width: int, warmup_steps:
             enter()
             if capture:
                 # torch.cuda.graph empties the cache on entry: do it first, or that release hides the pool's growth
-                torch.cuda.empty_cache()
-                reserved = torch.cuda.memory_reserved(device)
+                reserved = _reserved(device, empty_first=True)
                 out.graphs[phase] = graphs.capture(fn, device, keep_graph=keep_graph, model=model, constants=constants)
                 # a private pool shares no segment, so its growth is the pool's size
-                out.pool_bytes += torch.cuda.memory_reserved(device) - reserved
+                out.pool_bytes += _reserved(device) - reserved
                 out.captures += 1
                 out.syncs += 1  # torch.cuda.graph synchronizes before capturing
             else:
@@ -93,6 +92,16 @@ def _warm_up(fn, enter, out: Phases, capture: bool, steps: int, watch, generator
         if offset is not None and out.rng_increment is None:
             out.rng_increment = generator.get_offset() - offset  # one step's draws (the device loop reads it)
         graphs.warm_up(fn, steps - 1, before=enter)
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     out.syncs += 1
     return constants
+
+
+def _reserved(device, empty_first: bool = False) -> int:
+    """Bytes the caching allocator holds on `device` (0 off CUDA: a test stands a CPU in for a capture)."""
+    if device.type != "cuda":
+        return 0
+    if empty_first:
+        torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved(device)
