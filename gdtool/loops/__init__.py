@@ -3,6 +3,7 @@
     decode.py     `decode()` and its `Engine`: prefill, warm-up, capture, the step loop, EOS polling
     decoder.py    `Decoder`: graphs kept across calls, keyed by their signature
     devloop.py    the whole rollout in one launch: a WHILE node that runs on the device
+    rollout.py    `rollout()`: many prompts through fixed slots, static batches or finished slots refilled
 
 They run the core's step, or the kernels' compiled step, and carry the core's ranges and sync
 counters that the measurement layer reads.
