@@ -5,6 +5,7 @@
     feed.py       how a model's step is fed: inputs, masks, cache positions; what is refused (`Unsupported`)
     sampling.py   capture-safe token selection: argmax, penalties, warpers, multinomial
     step.py       the decode step: one function over device buffers (`Step`), shared by every loop
+    rollout_step.py  a step whose rows are their own sequences, each written at its own cache column (`RowStep`)
     graphs.py     CUDA-graph capture of a step function (`CaptureError`); signature.py: what a graph bakes in
     capture.py    warm-up and capture of a step, one graph per sliding-window phase (`capture_phases`)
     models.py     named model presets (random weights in real shapes) and local checkpoints

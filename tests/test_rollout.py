@@ -1,0 +1,391 @@
+"""gdtool.rollout: refill="off" is generate() on each static batch, bit for bit; refill="host" (each slot its own
+sequence, finished slots refilled between steps) is generate() on each prompt alone, in float64 greedy: the same
+tokens, log-probabilities within 1e-9. Prompts, slot counts and EOS ids come from seeded draws.
+
+The presets' random weights tie the head to the embedding, so greedy decoding repeats the last prompt token
+whatever the attention sees. The models here get a random untied head (`_lively`): each token then depends on
+the whole context, so a row that attended to a wrong column would show in its tokens.
+"""
+import random
+
+import pytest
+import torch
+
+import gdtool
+from gdtool.core import rollout_step
+from gdtool.core.settings import resolve
+from reference import generate
+
+N = 10
+FAMILIES = ["tiny-llama", "tiny-qwen2", "tiny-qwen3"]
+_models: dict = {}
+
+
+def _lively(name: str, dtype=torch.float64, **overrides):
+    """A preset (or a tiny zoo model, "zoo:<model_type>") with a seeded random head of its own."""
+    key = (name, dtype, tuple(sorted(overrides.items())))
+    if key not in _models:
+        if name.startswith("zoo:"):
+            import zoo
+            model = zoo.build(name[4:], dtype=dtype, **overrides)
+        else:
+            model = gdtool.load_model(name, seed=0, dtype=dtype, **overrides)
+        config = model.config.get_text_config()
+        gen = torch.Generator().manual_seed(123)
+        head = torch.randn(config.vocab_size, config.hidden_size, generator=gen, dtype=torch.float64)
+        model.lm_head.weight = torch.nn.Parameter(head.to(dtype), requires_grad=False)
+        _models[key] = model
+    return _models[key]
+
+
+def _prompts(model, count: int, seed: int, lengths=(1, 9)) -> list[list[int]]:
+    rng = random.Random(seed)
+    vocab = model.config.get_text_config().vocab_size
+    return [[rng.randrange(3, vocab) for _ in range(rng.randint(*lengths))] for _ in range(count)]
+
+
+def _alone(model, prompt, n=N, **settings):
+    """generate() on one prompt (batch 1, no padding): its new tokens and the log-probability of each under
+    generate's processed scores."""
+    tokens, scores = generate(model, torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long), n,
+                              **settings)
+    tokens = tokens[0].tolist()
+    logprobs = torch.stack([torch.log_softmax(s[0], dim=-1)[t] for s, t in zip(scores, tokens)])
+    return tokens, logprobs
+
+
+def _eos_cases(model, prompts, seed: int, n=N) -> dict:
+    """EOS settings by name, drawn from each prompt's greedy continuation without EOS."""
+    free = [_alone(model, p, n, eos_token_id=None, pad_token_id=0)[0] for p in prompts]
+    rng = random.Random(seed)
+    seen = {t for row in free for t in row}
+    never = next(t for t in range(3, 4096) if t not in seen)
+    long = set(rng.sample(range(len(prompts)), 2))
+    # most rows end within their first 3 tokens, two run to the cap: the lengths of a long tail
+    tail = {row[rng.randrange(3)] for i, row in enumerate(free) if i not in long} - {t for i in long for t in free[i]}
+    mixed = {free[i][rng.randrange(n)] for i in rng.sample(range(len(prompts)), 3)}
+    return {"none": dict(eos_token_id=None, pad_token_id=0),
+            "first": dict(eos_token_id=sorted({row[0] for row in free}), pad_token_id=0),
+            "never": dict(eos_token_id=[never], pad_token_id=0),
+            "mixed": dict(eos_token_id=sorted(mixed), pad_token_id=0),
+            "tail": dict(eos_token_id=sorted(tail), pad_token_id=0)}
+
+
+def _assert_alone(model, prompts, out, n=N, tolerance=1e-9, **settings):
+    assert [(s.prompt_index, s.sample_index) for s in out.sequences] == [(i, 0) for i in range(len(prompts))]
+    eos = settings.get("eos_token_id") or []
+    for i, (prompt, seq) in enumerate(zip(prompts, out.sequences)):
+        tokens, logprobs = _alone(model, prompt, n, **settings)
+        assert seq.tokens.tolist() == tokens, (i, seq.tokens.tolist(), tokens)
+        assert seq.length == len(tokens)
+        assert seq.finish_reason == ("eos" if tokens[-1] in eos else "length")
+        assert seq.logprobs.dtype == torch.float32
+        assert (seq.logprobs - logprobs).abs().max().item() <= tolerance, i
+    assert out.useful_tokens == sum(s.length for s in out.sequences)
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_host_equals_generate_alone(name):
+    """Every family x slot count (1, 2, 3, 5, more than the prompts) x EOS case (all at the cap, all 1 token, EOS
+    set but never hit, mixed, long tail): each sequence is generate() on its prompt alone."""
+    model = _lively(name)
+    prompts = _prompts(model, 7, seed=FAMILIES.index(name))
+    cases = _eos_cases(model, prompts, seed=1)
+    lengths, grouped = {}, False
+    for case, settings in cases.items():
+        for slots in (1, 2, 3, 5, 9):
+            out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+            _assert_alone(model, prompts, out, **settings)
+            assert out.row_steps == out.prefilled_rows + slots * out.decode_steps
+            assert out.prefilled_rows == len(prompts)
+            grouped |= out.prefills < out.prefilled_rows  # prompts of one width prefilled together
+            lengths[case] = [s.length for s in out.sequences]
+    assert grouped
+    assert set(lengths["none"]) == set(lengths["never"]) == {N}
+    assert set(lengths["first"]) == {1}
+    assert len(set(lengths["mixed"])) > 1
+    assert sorted(lengths["tail"])[-2:] == [N, N] and sorted(lengths["tail"])[-3] <= 3
+
+
+def test_host_with_repetition_penalty_resets_each_slot():
+    """The seen-mask is per sequence: a refilled slot forgets the tokens of the sequence before it."""
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 6, seed=5)
+    settings = dict(_eos_cases(model, prompts, seed=2)["mixed"], repetition_penalty=1.5)
+    for slots in (1, 4):
+        out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+        _assert_alone(model, prompts, out, **settings)
+
+
+def test_host_eager_attention():
+    """Eager attention: the same tokens. Its softmax runs in float32 even in a float64 model (transformers'
+    `eager_attention_forward`), and a float32 sum over the rollout's longer cache rounds differently, so the
+    log-probabilities agree to float32 rounding (measured: up to 9e-7), not to 1e-9 as with sdpa."""
+    model = _lively("tiny-llama", attn_implementation="eager")
+    prompts = _prompts(model, 5, seed=29)
+    settings = _eos_cases(model, prompts, seed=9)["mixed"]
+    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", **settings)
+    _assert_alone(model, prompts, out, tolerance=1e-5, **settings)
+
+
+@pytest.mark.parametrize("window", [None, 4096], ids=["no-window", "window-longer-than-cache"])
+def test_host_mistral(window):
+    model = _lively("zoo:mistral", sliding_window=window)
+    prompts = _prompts(model, 5, seed=7)
+    settings = _eos_cases(model, prompts, seed=3)["mixed"]
+    for slots in (2, 3):
+        out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+        _assert_alone(model, prompts, out, **settings)
+
+
+def _generate_batches(model, prompts, slots, num_samples, seed, **settings):
+    """generate() on each static batch in turn (left-padded, rows repeated num_samples times), as a caller would
+    run them: the cache length generate() remembers on the model carries over, one seed before the first."""
+    rows = [p for p in prompts for _ in range(num_samples)]
+    if hasattr(model, "_previous_max_cache_length"):
+        del model._previous_max_cache_length
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = []
+    for first in range(0, len(rows), slots):
+        batch = rows[first:first + slots]
+        width = max(map(len, batch))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=N, cache_implementation="static",
+                             disable_compile=True, output_scores=True, return_dict_in_generate=True, **settings)
+        tokens = ref.sequences[:, width:]
+        logprobs = torch.stack([torch.log_softmax(s, dim=-1).gather(1, tokens[:, j:j + 1])[:, 0]
+                                for j, s in enumerate(ref.scores)], dim=1)
+        out.append((tokens, logprobs, len(ref.scores)))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["eager", "step-graph"])
+@pytest.mark.parametrize("case", ["greedy", "sampling"])
+def test_off_is_generate_on_each_batch(mode, case):
+    model = _lively("tiny-llama", dtype=torch.float32)
+    prompts = _prompts(model, 5, seed=11)
+    samples = 2 if case == "sampling" else 1
+    settings = dict(pad_token_id=0, eos_token_id=_eos_cases(model, prompts, seed=4)["mixed"]["eos_token_id"])
+    if case == "sampling":
+        settings.update(do_sample=True, temperature=0.9, top_k=40, repetition_penalty=1.2)
+    for slots in (2, 3):
+        refs = _generate_batches(model, prompts, slots, samples, seed=3, **settings)
+        del model._previous_max_cache_length
+        out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, num_samples=samples, refill="off",
+                             mode=mode, seed=3, **settings)
+        assert [(s.prompt_index, s.sample_index) for s in out.sequences] == \
+            [(p, k) for p in range(len(prompts)) for k in range(samples)]
+        for i, seq in enumerate(out.sequences):
+            tokens, logprobs, _ = refs[i // slots]
+            row = i % slots
+            assert seq.batch == i // slots and seq.slot == row
+            assert torch.equal(seq.tokens, tokens[row, :seq.length])
+            assert torch.equal(seq.logprobs, logprobs[row, :seq.length])
+            after = tokens[row, seq.length:]
+            assert (after == 0).all() and (seq.length == N or seq.finish_reason == "eos")
+        needed = sum(used - 1 for _, _, used in refs)
+        # eager checks EOS every step; step-graph polls every 16 steps, so it may run past the last EOS
+        assert out.decode_steps == needed if mode == "eager" else out.decode_steps >= needed
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4])
+def test_off_and_host_agree(slots):
+    model = _lively("tiny-qwen2")
+    prompts = _prompts(model, 8, seed=13)
+    settings = _eos_cases(model, prompts, seed=5)["mixed"]
+    off = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="off", **settings)
+    host = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+    for a, b in zip(off.sequences, host.sequences):
+        assert (a.prompt_index, a.sample_index, a.finish_reason) == (b.prompt_index, b.sample_index, b.finish_reason)
+        assert torch.equal(a.tokens, b.tokens)
+        assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-9
+    assert off.useful_tokens == host.useful_tokens
+
+
+@pytest.mark.parametrize("refill", ["off", "host"])
+def test_without_logprobs(refill):
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 4, seed=23)
+    settings = _eos_cases(model, prompts, seed=8)["mixed"]
+    out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill=refill, return_logprobs=False, **settings)
+    assert all(s.logprobs is None for s in out.sequences)
+    assert [s.tokens.tolist() for s in out.sequences] == [_alone(model, p, **settings)[0] for p in prompts]
+    assert out.to_frame()["logprob"].isna().all()
+
+
+def test_same_seed_same_rollout_and_callbacks():
+    model = _lively("tiny-llama", dtype=torch.float32)
+    prompts = _prompts(model, 6, seed=17)
+    eos = _eos_cases(model, prompts, seed=6)["mixed"]
+    runs = {}
+    for refill, settings in (("host", {}), ("off", dict(do_sample=True, num_samples=2))):
+        for attempt in range(2):
+            finished = []
+            out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill=refill, seed=9,
+                                 on_finished=finished.append, **eos, **settings)
+            assert sorted(id(s) for s in finished) == sorted(id(s) for s in out.sequences)
+            runs.setdefault(refill, []).append([(s.tokens.tolist(), s.logprobs.tolist(), s.finish_reason)
+                                                for s in out.sequences])
+        assert runs[refill][0] == runs[refill][1]
+
+
+def test_figures_add_up_and_refill_keeps_rows_busy():
+    model = _lively("tiny-qwen3")
+    prompts = _prompts(model, 12, seed=19)
+    settings = _eos_cases(model, prompts, seed=7)["tail"]
+    off = gdtool.rollout(model, prompts, slots=4, max_new_tokens=N, refill="off", **settings)
+    host = gdtool.rollout(model, prompts, slots=4, max_new_tokens=N, refill="host", **settings)
+    lengths = [s.length for s in off.sequences]
+    assert max(lengths) == N and sorted(lengths)[len(lengths) // 2] <= 3  # a long tail
+    for out in (off, host):
+        assert out.useful_tokens == sum(lengths)
+        assert out.row_step_share == pytest.approx(out.useful_tokens / out.row_steps)
+        assert out.prefilled_rows == len(prompts)
+        assert out.host_syncs > 0 and out.prefill_s > 0 and out.decode_s > 0 and out.tokens_per_s > 0
+        frame = out.to_frame()
+        assert list(frame["length"]) == lengths and len(frame) == len(prompts)
+    # off: 3 full batches of 4 rows, each running its prefill and its decode steps
+    assert off.row_steps == 4 * (off.decode_steps + off.prefills)
+    assert host.row_steps == host.prefilled_rows + 4 * host.decode_steps
+    assert host.row_step_share > off.row_step_share
+    assert host.decode_steps < off.decode_steps
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_mask_is_the_rows_columns(attn):
+    """What transformers builds from the rollout's 2-D mask: causal(q_offset + q >= kv) AND the 2-D mask, where
+    q_offset is the cache's shared counter. With the rollout's cache answering q_offset = C - 1, the 4-D mask is
+    the 2-D mask itself, row by row; with the shared counter (0: the rollout's writes never advance it) the causal
+    part would hide every column but the first."""
+    model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.float64, attn_implementation=attn)
+    slots, cache_len = 3, 12
+    settings = resolve(model, 4, dict(eos_token_id=None, pad_token_id=0))
+    state = rollout_step.new_row_state(slots, cache_len, settings, 4096, torch.device("cpu"), False)
+    step = rollout_step.RowStep(model, rollout_step.row_cache(model, cache_len), state, settings)
+    state.mask.copy_(torch.tensor([[1] * 3 + [0] * 9, [1] * 12, [1] * 7 + [0] * 5]))
+
+    def built():
+        inputs = step.feed.decode(state.tokens, state.positions, state.mask, state.index)
+        mask = inputs["attention_mask"]
+        mask = mask["full_attention"] if isinstance(mask, dict) else mask
+        assert mask.shape == (slots, 1, 1, cache_len)
+        return mask if mask.dtype == torch.bool else mask == 0
+
+    with torch.inference_mode(), step.decoding():
+        assert torch.equal(built(), state.mask.bool()[:, None, None, :])
+    with torch.inference_mode(), step.feed.decoding():
+        shared = built()
+        assert shared[..., 0].all() and not shared[..., 1:].any()
+
+
+def test_per_row_write_lands_in_each_rows_column():
+    model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.float64)
+    cache = rollout_step.row_cache(model, 6)
+    shape = (3, 2, 1, 16)  # slots, key/value heads, one token, head dim
+    for layer in cache.layers:
+        layer.lazy_initialization(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
+    columns = torch.tensor([[4], [0], [2]])
+    new = torch.arange(3 * 2 * 16, dtype=torch.float64).view(3, 2, 1, 16) + 1
+    with rollout_step.row_writes(cache, columns):
+        keys, values = cache.update(new, -new, 0)
+    assert keys is cache.layers[0].keys and values is cache.layers[0].values
+    for row, column in enumerate(columns[:, 0].tolist()):
+        assert torch.equal(keys[row, :, column], new[row, :, 0])
+        assert torch.equal(values[row, :, column], -new[row, :, 0])
+        others = [c for c in range(6) if c != column]
+        assert not keys[row][:, others].any()
+    assert "update" not in vars(cache.layers[0]) and "get_query_offset" not in vars(cache)
+
+
+# -- refusals and bad input: one ValueError each, before any forward --------------------------------------------
+
+BAD_INPUT = [
+    (dict(prompts=[]), "prompts is empty"),
+    (dict(prompts=[[5, 6], []]), "prompt 1 is empty"),
+    (dict(prompts=[[5, 4096]]), r"prompt 0 holds token ids outside the vocabulary \[0, 4096\)"),
+    (dict(prompts=[[5, -1]]), "outside the vocabulary"),
+    (dict(prompts=[[5, 6.0]]), "token ids are ints"),
+    (dict(prompts=["some text"]), "tokenize text first"),
+    (dict(prompts=[[7] * 2040]), "prompt 0 has 2040 tokens: with max_new_tokens 10 it needs 2049 positions, more than"),
+    (dict(slots=0), "slots=0 must be an int >= 1"),
+    (dict(slots=True), "slots=True must be an int >= 1"),
+    (dict(refill="device"), "refill='device' is not one of"),
+    (dict(num_samples=0), "num_samples=0 must be an int >= 1"),
+    (dict(num_samples=2), "num_samples=2 with greedy decoding would repeat one answer"),
+    (dict(num_return_sequences=2), "gdtool calls it num_samples"),
+    (dict(on_finished=3), "on_finished=3 must be callable"),
+    (dict(mode="fast"), "mode='fast' is not one of"),
+    (dict(refill="host", mode="step-graph"), "refill='host' runs mode='eager' for now"),
+    (dict(refill="host", do_sample=True), "refill='host' decodes greedily for now"),
+    (dict(refill="host", kernels="compiled"), "kernels"),
+]
+
+
+def _refused(model, match, **kwargs):
+    calls = []
+    hook = model.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        args = dict(prompts=[[5, 6, 7], [8]], slots=2, max_new_tokens=N, eos_token_id=None, pad_token_id=0)
+        args.update(kwargs)
+        with pytest.raises(ValueError, match=match):
+            gdtool.rollout(model, args.pop("prompts"), **args)
+    finally:
+        hook.remove()
+    assert not calls, "a forward ran before the refusal"
+
+
+@pytest.mark.parametrize("kwargs,match", BAD_INPUT, ids=[m[:28] for _, m in BAD_INPUT])
+def test_bad_input(kwargs, match):
+    _refused(_lively("tiny-llama"), match, **kwargs)
+
+
+REFUSED_MODELS = [
+    ("tiny-gemma3", {}, "sliding window of 8 tokens, shorter than the rollout's"),
+    ("zoo:mistral", dict(sliding_window=8), "sliding window of 8 tokens, shorter than the rollout's"),
+    ("tiny-qwen3-moe", {}, "mixture-of-experts"),
+    ("zoo:lfm2", {}, "keeps a recurrent state"),
+    ("zoo:gpt2", {}, "model_type 'gpt2'.* is not one of the families"),
+]
+
+
+@pytest.mark.parametrize("name,overrides,match", REFUSED_MODELS, ids=[n for n, _, _ in REFUSED_MODELS])
+def test_refused_models(name, overrides, match):
+    if name.startswith("zoo:"):
+        import zoo
+        model = zoo.build(name[4:], **overrides)
+    else:
+        model = gdtool.load_model(name, seed=0)
+    _refused(model, match, refill="host", prompts=[[5, 6, 7, 8, 9], [8]])
+    out = gdtool.rollout(model, [[5, 6, 7, 8, 9], [8]], slots=2, max_new_tokens=3, refill="off", eos_token_id=None,
+                         pad_token_id=0)
+    assert [s.length for s in out.sequences] == [3, 3]
+
+
+def test_refused_attention(monkeypatch):
+    model = gdtool.load_model("tiny-llama", seed=0)
+    monkeypatch.setattr(model.config, "_attn_implementation", "flash_attention_2")
+    _refused(model, "attention 'flash_attention_2'", refill="host")
+
+
+def test_long_window_fits_short_does_not():
+    """A sliding window is refused exactly when it is shorter than the rollout's cache columns."""
+    model = _lively("zoo:mistral", sliding_window=12)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
+    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", eos_token_id=None)  # 3 + 10 - 1
+    _assert_alone(model, prompts, out, eos_token_id=None)
+    _refused(model, "sliding window of 12 tokens, shorter than the rollout's 13", refill="host", prompts=[[5, 6, 7, 8]])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(2))
+@pytest.mark.parametrize("name", FAMILIES)
+def test_host_sweep_long(name, seed):
+    model = _lively(name)
+    prompts = _prompts(model, 16, seed=100 + seed, lengths=(1, 14))
+    n = 24
+    for case, settings in _eos_cases(model, prompts, seed=seed, n=n).items():
+        for slots in (1, 4, 7, 20):
+            out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=n, refill="host", **settings)
+            _assert_alone(model, prompts, out, n=n, **settings)
