@@ -1,11 +1,14 @@
 """gdtool.rollout: refill="off" is generate() on each static batch, bit for bit; refill="host" (each slot its own
 sequence, finished slots refilled between steps) is generate() on each prompt alone, in float64 greedy: the same
-tokens, log-probabilities within 1e-9. Prompts, slot counts and EOS ids come from seeded draws.
+tokens, log-probabilities within 1e-9. With sampling, refill="host" draws keyed noise (seed, prompt, sample,
+token): the same sequences at every slot count, and what a plain reference loop draws with that noise. Prompts, slot
+counts and EOS ids come from seeded draws.
 
 The presets' random weights tie the head to the embedding, so greedy decoding repeats the last prompt token
 whatever the attention sees. The models here get a random untied head (`_lively`): each token then depends on
 the whole context, so a row that attended to a wrong column would show in its tokens.
 """
+import math
 import random
 
 import pytest
@@ -318,7 +321,9 @@ BAD_INPUT = [
     (dict(on_finished=3), "on_finished=3 must be callable"),
     (dict(mode="fast"), "mode='fast' is not one of"),
     (dict(refill="host", mode="step-graph"), "refill='host' runs mode='eager' for now"),
-    (dict(refill="host", do_sample=True), "refill='host' decodes greedily for now"),
+    (dict(refill="host", do_sample=True), r"needs a seed: pass seed=<int> \(got seed=None\)"),
+    (dict(refill="host", do_sample=True, seed="7"), r"pass seed=<int> \(got seed='7'\)"),
+    (dict(refill="host", do_sample=True, seed=True), r"pass seed=<int> \(got seed=True\)"),
     (dict(refill="host", kernels="compiled"), "kernels"),
 ]
 
@@ -376,6 +381,208 @@ def test_long_window_fits_short_does_not():
     out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", eos_token_id=None)  # 3 + 10 - 1
     _assert_alone(model, prompts, out, eos_token_id=None)
     _refused(model, "sliding window of 12 tokens, shorter than the rollout's 13", refill="host", prompts=[[5, 6, 7, 8]])
+
+
+# -- sampling with refill: noise keyed by (seed, prompt, sample, token) -----------------------------------------
+
+SAMPLING = dict(do_sample=True, temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.3, pad_token_id=0)
+MASK32 = 0xFFFFFFFF
+
+
+def _murmur3(words, seed):
+    """MurmurHash3_x86_32 of 32-bit words, written out on Python ints (independent of gdtool.core.noise)."""
+    def rotl(x, r):
+        return ((x << r) | (x >> (32 - r))) & MASK32
+    h = seed
+    for k in words:
+        k = rotl((k * 0xCC9E2D51) & MASK32, 15) * 0x1B873593 & MASK32
+        h = (rotl(h ^ k, 13) * 5 + 0xE6546B64) & MASK32
+    h ^= 4 * len(words)
+    h = ((h ^ (h >> 16)) * 0x85EBCA6B) & MASK32
+    h = ((h ^ (h >> 13)) * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def _uniform_ref(seed, prompt, sample, token, v):
+    words = []
+    for x in (seed, prompt, sample, token):
+        x &= (1 << 64) - 1
+        words += [x & MASK32, x >> 32]
+    a, b = (_murmur3(words + [v], lane) for lane in (0, 0x9E3779B9))
+    return (2 * (((a >> 12) << 32) | b) + 1) * 2.0 ** -53
+
+
+def test_murmur3_vectors_and_uniform_pinned():
+    """The hash is MurmurHash3_x86_32 (published vectors for 4-byte inputs) and u is built from it as documented,
+    bit for bit, for ordinary and extreme keys."""
+    from gdtool.core import noise
+    for words, seed, expected in (([0], 0, 0x2362F9DE), ([0xFFFFFFFF], 0, 0x76293B50), ([0x87654321], 0, 0xF55B516B),
+                                  ([0x87654321], 0x5082EDEE, 0x2362F9DE), ([], 1, 0x514E28B7)):
+        assert noise.murmur3_words(words, seed) == _murmur3(words, seed) == expected
+    rng = random.Random(0)
+    words = [rng.randrange(2 ** 32) for _ in range(9)]
+    assert noise.murmur3_words([torch.tensor([w]) for w in words], 77).item() == _murmur3(words, 77)
+    keys = [(0, 0, 0, 0), (2 ** 64 - 1, 2 ** 62, 2 ** 63 - 1, -1), (-5, -(2 ** 63), 3, 2 ** 62), (12345, 17, 2, 9)]
+    for seed, p, k, t in keys:
+        u = noise.uniform(seed, torch.tensor([p]), torch.tensor([k]), torch.tensor([t]), 40)[0]
+        assert u.tolist() == [_uniform_ref(seed, p, k, t, v) for v in range(40)]
+
+
+def test_keyed_uniform_extremes_and_components():
+    """u is strictly inside (0, 1), so -log u is finite and positive, for extreme keys; changing any key component
+    (or v) changes it."""
+    from gdtool.core import noise
+    extremes = [0, 1, 2 ** 62, 2 ** 63 - 1, -1, -(2 ** 63), -(2 ** 62)]
+    grid = torch.tensor([(p, k, t) for p in extremes for k in extremes for t in extremes])
+    vocab = 512
+    for seed in (0, 2 ** 64 - 1, -1, 2 ** 70 + 3):
+        u = noise.uniform(seed, grid[:, 0], grid[:, 1], grid[:, 2], vocab)
+        assert u.dtype == torch.float64 and ((u > 0) & (u < 1)).all()
+        e = noise.exponentials(seed, grid[:, 0], grid[:, 1], grid[:, 2], vocab)
+        assert (torch.isfinite(e) & (e > 0)).all()
+        assert all(len(set(row)) == vocab for row in u.tolist())  # across v
+    assert len({tuple(r) for r in noise.uniform(3, grid[:, 0], grid[:, 1], grid[:, 2], 8).tolist()}) == len(grid)
+    base = dict(seed=11, prompt=torch.tensor([5]), sample=torch.tensor([1]), token=torch.tensor([4]))
+    u0 = noise.uniform(vocab=vocab, **base)
+    for name, other in (("seed", 12), ("seed", 11 + 2 ** 32), ("prompt", torch.tensor([6])),
+                        ("prompt", torch.tensor([5 + 2 ** 32])), ("sample", torch.tensor([0])),
+                        ("token", torch.tensor([5])), ("token", torch.tensor([-4]))):
+        u1 = noise.uniform(vocab=vocab, **dict(base, **{name: other}))
+        assert (u1 != u0).all(), name
+
+
+def test_keyed_race_samples_the_distribution():
+    """Over 12,000 fixed keys (varying the prompt, the sample, then the token index), each token's frequency is
+    within 4.5 binomial standard deviations of its probability, and the chi-square statistic (6 degrees of freedom)
+    stays under 22.5 (p = 0.001). Deterministic: fixed keys."""
+    from gdtool.core import sampling
+    probs = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.03, 0.01])
+    m = 4000
+    index = torch.arange(m)
+    fixed = torch.full((m,), 3)
+    for prompt, sample, token in ((index, fixed, fixed), (fixed, index, fixed), (fixed, fixed, index)):
+        scores = probs.log()[None].expand(m, -1)
+        p = torch.softmax(scores[0], dim=-1).double()
+        chosen = sampling.choose_keyed(scores, 2024, prompt, sample, token)
+        counts = torch.bincount(chosen, minlength=len(probs)).double()
+        expected = m * p
+        assert ((counts - expected).abs() <= 4.5 * (expected * (1 - p)).sqrt()).all(), counts.tolist()
+        assert ((counts - expected) ** 2 / expected).sum().item() < 22.5, counts.tolist()
+    # a masked token (score -inf) is never drawn
+    scores = torch.tensor([0.0, -float("inf"), 0.0])[None].expand(500, -1)
+    assert not (sampling.choose_keyed(scores, 1, torch.arange(500), torch.zeros(500, dtype=torch.long),
+                                      torch.zeros(500, dtype=torch.long)) == 1).any()
+
+
+def _sampled_eos(model, prompts, samples, seed, n=N, **settings):
+    """EOS ids drawn from a free-running sampled rollout: the lengths then vary (some 1-3 tokens, some the cap)."""
+    free = gdtool.rollout(model, prompts, slots=len(prompts), max_new_tokens=n, refill="host", num_samples=samples,
+                          seed=seed, eos_token_id=None, **settings)
+    rng = random.Random(seed)
+    rows = [s.tokens.tolist() for s in free.sequences]
+    keep = set(rng.sample(range(len(rows)), 3))
+    eos = {rows[i][rng.randrange(3)] for i in rng.sample(range(len(rows)), len(rows) // 3)} - \
+        {t for i in keep for t in rows[i]}
+    return sorted(eos)
+
+
+@pytest.mark.parametrize("name,dtype", [("tiny-llama", torch.float64), ("tiny-qwen2", torch.float32)],
+                         ids=["llama-f64", "qwen2-f32"])
+def test_host_sampling_does_not_depend_on_slots(name, dtype):
+    """Sampling with temperature, top-k, top-p and a repetition penalty, 3 samples of 7 ragged prompts, EOS ids that
+    end some sequences early: at 1, 2, 3, 5 and 25 slots each (prompt, sample) gets the same tokens. float64: the
+    same log-probabilities bit for bit (measured); float32: the batched forward rounds differently with the slot
+    count, so log-probabilities within 1e-4 (measured up to 1.4e-5) and the tokens equal for these seeds."""
+    model = _lively(name, dtype=dtype)
+    prompts = _prompts(model, 7, seed=31)
+    eos = _sampled_eos(model, prompts, 3, seed=5, **SAMPLING)
+    runs = {slots: gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", num_samples=3,
+                                  seed=5, eos_token_id=eos, **SAMPLING) for slots in (1, 2, 3, 5, 25)}
+    ref = runs[1].sequences
+    assert [(s.prompt_index, s.sample_index) for s in ref] == [(p, k) for p in range(7) for k in range(3)]
+    lengths = [s.length for s in ref]
+    assert min(lengths) <= 3 and max(lengths) == N and len(set(lengths)) > 2
+    assert {s.finish_reason for s in ref} == {"eos", "length"}
+    for slots, out in runs.items():
+        assert out.prefilled_rows == 21 and out.row_steps == out.prefilled_rows + slots * out.decode_steps
+        for a, b in zip(ref, out.sequences):
+            assert (a.prompt_index, a.sample_index, a.finish_reason) == (b.prompt_index, b.sample_index,
+                                                                         b.finish_reason)
+            assert torch.equal(a.tokens, b.tokens), (slots, a.prompt_index, a.sample_index)
+            if dtype == torch.float64:
+                assert torch.equal(a.logprobs, b.logprobs)
+            else:
+                assert (a.logprobs - b.logprobs).abs().max().item() <= 1e-4
+    assert len({s.slot for s in runs[5].sequences}) == 5  # the sequences did run in different slots
+
+
+def test_host_sampling_seeds_and_samples():
+    """The same seed gives the same rollout (and leaves the global generator alone); another seed another one;
+    the samples of one prompt differ."""
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 4, seed=37)
+
+    def run(seed):
+        out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill="host", num_samples=3, seed=seed,
+                             eos_token_id=None, **SAMPLING)
+        return [(s.tokens.tolist(), s.logprobs.tolist()) for s in out.sequences]
+
+    torch.manual_seed(0)
+    before = torch.random.get_rng_state()
+    first = run(5)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    assert run(5) == first
+    other = run(6)
+    assert sum(a[0] != b[0] for a, b in zip(first, other)) >= len(first) - 1
+    for p in range(len(prompts)):
+        samples = [tuple(first[3 * p + k][0]) for k in range(3)]
+        assert len(set(samples)) == 3, p
+    # a seed above 2**64 is taken mod 2**64
+    assert run(5 + 2 ** 64) == first
+
+
+def _keyed_reference(model, prompt, seed, prompt_index, sample_index, n, eos, temperature, top_k, top_p,
+                     repetition_penalty):
+    """A plain loop: the model on the whole growing sequence (no cache), transformers' own logits processors in
+    generate()'s order, and the keyed exponential race over the Python-int hash above."""
+    from transformers.generation.logits_process import (RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    processors = [RepetitionPenaltyLogitsProcessor(repetition_penalty), TemperatureLogitsWarper(temperature),
+                  TopKLogitsWarper(top_k), TopPLogitsWarper(top_p)]
+    ids, tokens, logprobs = list(prompt), [], []
+    vocab = model.config.get_text_config().vocab_size
+    for t in range(n):
+        with torch.no_grad():
+            scores = model(torch.tensor([ids])).logits[:, -1].float()
+        for proc in processors:
+            scores = proc(torch.tensor([ids]), scores)
+        probs = torch.softmax(scores[0], dim=-1).double()
+        race = torch.tensor([-math.log(_uniform_ref(seed, prompt_index, sample_index, t, v)) for v in range(vocab)],
+                            dtype=torch.float64)
+        token = int(torch.argmax(probs / race))
+        tokens.append(token)
+        logprobs.append(torch.log_softmax(scores[0], dim=-1)[token].item())
+        ids.append(token)
+        if token in eos:
+            break
+    return tokens, logprobs
+
+
+def test_host_sampling_equals_keyed_reference():
+    """slots=1, one prompt: each of its samples is what the plain reference loop draws with the same keyed noise."""
+    model = _lively("tiny-llama")
+    prompt = _prompts(model, 1, seed=41, lengths=(5, 5))[0]
+    settings = dict(temperature=0.8, top_k=50, top_p=0.95, repetition_penalty=1.3)
+    free = gdtool.rollout(model, [prompt], slots=1, max_new_tokens=N, refill="host", num_samples=2, seed=9,
+                          eos_token_id=None, do_sample=True, pad_token_id=0, **settings)
+    eos = [free.sequences[1].tokens[6].item()]  # sample 1 ends at its 7th token (unless its token shows up earlier)
+    out = gdtool.rollout(model, [prompt], slots=1, max_new_tokens=N, refill="host", num_samples=2, seed=9,
+                         eos_token_id=eos, do_sample=True, pad_token_id=0, **settings)
+    assert out.sequences[1].length < N
+    for seq in out.sequences:
+        tokens, logprobs = _keyed_reference(model, prompt, 9, 0, seq.sample_index, N, eos, **settings)
+        assert seq.tokens.tolist() == tokens
+        assert (seq.logprobs.double() - torch.tensor(logprobs, dtype=torch.float64)).abs().max().item() <= 1e-9
 
 
 @pytest.mark.slow

@@ -17,9 +17,14 @@ row is its own sequence:
              and the 2-D mask alone decides (tests/test_rollout.py builds the mask through
              transformers' own code and checks exactly that).
     state    `RowState`: per row its token, position, prompt length, tokens so far (its write column in
-             `out`), finished flag, seen-mask; `ran` counts the row-steps each slot ran.
+             `out`), finished flag, seen-mask, and its sequence's key (prompt index, sample index);
+             `ran` counts the row-steps each slot ran.
     step     `RowStep`: `Step.forward` (the same Feed, the same inputs generate() builds), selection by
              `core.sampling`, then a per-row update; `refill` prefills prompts into given rows.
+    noise    with sampling, a row's token t (t = its `lengths` before the token: 0 for the prefill's) is
+             drawn by `sampling.choose_keyed` from noise keyed by (seed, prompt index, sample index, t),
+             never from a generator stream, so a sequence's tokens do not depend on its slot, the slot
+             count, or what ran beside it.
 
 A refill prefills the prompt alone, as generate() prefills it (its own static cache of L + N - 1 columns,
 no padding), copies its keys/values into the row's columns [0, L) and resets the row's mask, position,
@@ -61,6 +66,8 @@ class RowState:
     seen: torch.Tensor | None     # [S, V] ids the repetition penalty sees (prompt and new tokens)
     eos: torch.Tensor | None      # [E] EOS ids
     logprobs: torch.Tensor | None  # [S, N + 1] float32 log-probability of each token, when asked for
+    prompt_index: torch.Tensor    # [S] the row's sequence key for the noise: its prompt's index in the rollout
+    sample_index: torch.Tensor    # [S] and its sample index (the token index is `lengths`)
 
 
 def new_row_state(slots: int, cache_len: int, settings: Settings, vocab: int, device,
@@ -78,6 +85,7 @@ def new_row_state(slots: int, cache_len: int, settings: Settings, vocab: int, de
         seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device) if settings.uses_penalty else None,
         eos=torch.tensor(settings.eos_token_id, **long) if settings.has_eos else None,
         logprobs=torch.zeros(slots, n + 1, dtype=torch.float32, device=device) if return_logprobs else None,
+        prompt_index=torch.zeros(slots, **long), sample_index=torch.zeros(slots, **long),
     )
 
 
@@ -182,16 +190,25 @@ def row_writes(cache, columns: torch.Tensor):
 class RowStep(Step):
     """forward + select + update over a `RowState`, each row its own sequence; `refill` starts new ones."""
 
-    def __init__(self, model, cache, state: RowState, settings: Settings):
+    def __init__(self, model, cache, state: RowState, settings: Settings, seed: int | None = None):
+        if settings.do_sample and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed={seed!r}: a rollout's sampling draws noise keyed by (seed, prompt, sample, "
+                             "token); pass seed=<int>")
         super().__init__(model, cache, state, settings, prompt_width=0)
+        self.seed = seed
         self.trash = settings.max_new_tokens  # the column of `out` that finished rows write to
 
     # forward: Step.forward, the Feed's decode inputs over tokens, positions and the [S, C] mask
 
-    def select(self, logits: torch.Tensor, seen: torch.Tensor | None) -> tuple:
-        """(token per row, its log-probability under the processed scores or None)."""
+    def select(self, logits: torch.Tensor, seen: torch.Tensor | None, prompt: torch.Tensor, sample: torch.Tensor,
+               token: torch.Tensor) -> tuple:
+        """(token per row, its log-probability under the processed scores or None). With sampling, row b's draw
+        is keyed by (seed, prompt[b], sample[b], token[b])."""
         scores = sampling.process(logits, seen, self.settings)
-        chosen = sampling.choose(scores, self.settings.do_sample)
+        if self.settings.do_sample:
+            chosen = sampling.choose_keyed(scores, self.seed, prompt, sample, token)
+        else:
+            chosen = sampling.choose(scores, False)
         if self.state.logprobs is None:
             return chosen, None
         return chosen, torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
@@ -222,7 +239,7 @@ class RowStep(Step):
     def __call__(self) -> None:
         s = self.state
         writing = s.unfinished.clone()
-        self.update(*self.select(self.forward(), s.seen), writing)
+        self.update(*self.select(self.forward(), s.seen, s.prompt_index, s.sample_index, s.lengths), writing)
         s.ran.add_(1)
 
     @contextlib.contextmanager
@@ -230,11 +247,18 @@ class RowStep(Step):
         with self.feed.decoding(), row_writes(self.cache, self.state.positions):
             yield
 
-    def refill(self, rows: torch.Tensor, input_ids: torch.Tensor) -> None:
+    def refill(self, rows: torch.Tensor, input_ids: torch.Tensor, prompt_index: torch.Tensor | None = None,
+               sample_index: torch.Tensor | None = None) -> None:
         """Start the prompts `input_ids` [g, L] (no padding) in `rows` [g]: prefill them alone, as generate()
         prefills a prompt (its own static cache of L + N - 1 columns), copy their keys and values into the rows'
-        columns [0, L), reset the rows and write each one's first token."""
+        columns [0, L), reset the rows and write each one's first token (token index 0 of the noise key).
+        `prompt_index` and `sample_index` [g] key the rows' sequences (zeros when not given)."""
         s, n = self.state, self.settings.max_new_tokens
+        zeros = torch.zeros_like(rows)
+        prompt_index = zeros if prompt_index is None else prompt_index.to(rows.device, torch.long)
+        sample_index = zeros if sample_index is None else sample_index.to(rows.device, torch.long)
+        s.prompt_index.index_copy_(0, rows, prompt_index)
+        s.sample_index.index_copy_(0, rows, sample_index)
         width = input_ids.shape[1]
         small = compat.static_cache(self.model, width + n - 1)
         feed = Feed(self.model, small, width, width + n - 1)
@@ -256,7 +280,7 @@ class RowStep(Step):
             s.seen.index_copy_(0, rows, seen)
         if s.logprobs is not None:
             s.logprobs.index_fill_(0, rows, 0.0)
-        chosen, logprob = self.select(logits, seen)
+        chosen, logprob = self.select(logits, seen, prompt_index, sample_index, zeros)
         writing = torch.zeros_like(s.unfinished).index_fill_(0, rows, 1)
         self.update(s.tokens[:, 0].index_copy(0, rows, chosen),
                     None if logprob is None else torch.zeros_like(s.logprobs[:, 0]).index_copy_(0, rows, logprob),

@@ -8,12 +8,15 @@ host, so the whole selection can live inside a CUDA graph.
 
 The multinomial draw is replaced by its exponential race,
 `argmax(probs / Exp(1))`, which is how ATen itself draws one sample: same bits, same generator
-consumption, and no host synchronization.
+consumption, and no host synchronization. `choose_keyed` races the same way with exponentials keyed by
+(seed, prompt, sample, token) (`core.noise`) instead of the generator's, for rollouts whose sequences must not
+depend on their slot.
 """
 from __future__ import annotations
 
 import torch
 
+from . import noise
 from .settings import Settings
 
 
@@ -80,3 +83,14 @@ def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     probs = torch.nn.functional.softmax(scores, dim=-1)
     race = torch.empty_like(probs).exponential_(1)
     return torch.argmax(probs / race, dim=-1)
+
+
+def choose_keyed(scores: torch.Tensor, seed: int, prompt: torch.Tensor, sample: torch.Tensor,
+                 token: torch.Tensor) -> torch.Tensor:
+    """A sampled token per row, [batch] int64, from keyed noise: argmax(probs / E) with E[b, v] = -log u(seed,
+    prompt[b], sample[b], token[b], v) (`core.noise`). The exponential race of `choose`, so the token is drawn
+    from softmax(scores); the draw is a function of the key and the scores alone. float64 race (probs are exact
+    in it), so a float32 ratio cannot overflow or round two candidates together."""
+    probs = torch.nn.functional.softmax(scores, dim=-1)
+    race = noise.exponentials(seed, prompt, sample, token, scores.shape[-1])
+    return torch.argmax(probs.to(torch.float64) / race, dim=-1)

@@ -16,9 +16,14 @@ refill="host"  each slot holds one sequence at its own positions (`core/rollout_
                from the queue in input order; their prompts are prefilled alone (those of one width
                together) and copied into the slots' cache rows before the next step. A sequence that
                ends at its prefill (EOS first, or max_new_tokens=1) frees its slot for another round
-               before the step. Each sequence is generate() on its prompt alone, up to rounding (the
-               step runs batched, over a longer cache): greedy tokens equal in float64 on a CPU.
-               eager mode, HF's kernels, greedy decoding, dense full-attention models for now.
+               before the step. Greedy, each sequence is generate() on its prompt alone, up to rounding
+               (the step runs batched, over a longer cache): tokens equal in float64 on a CPU.
+               Sampling draws keyed noise (`core/noise.py`), not generate()'s generator stream: token t of
+               sample k of prompt p races exponentials that are a hash of (seed, p, k, t, vocabulary id),
+               so a sequence does not depend on its slot, the slot count or its neighbours; the same seed
+               gives the same rollout. Temperature, top-k, top-p and the repetition penalty apply as in
+               generate(). `seed` is required to sample.
+               eager mode, HF's kernels, dense full-attention models for now.
 
 Figures: `useful_tokens` (the sequences' lengths), `row_steps` (one per slot and decode step, plus one per
 prefilled row: what the device ran, counted on the device for refill="host"), `row_step_share`, host
@@ -27,6 +32,7 @@ whole call).
 """
 from __future__ import annotations
 
+import operator
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -115,8 +121,11 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
             **unsupported) -> RolloutOutput:
     """Decode every prompt of `prompts` (token id lists, ragged) `num_samples` times through `slots` rows.
 
-    Settings resolve as generate() resolves them (see `gdtool.decode`). `seed` seeds the global generators
-    once, before the first batch (refill="off" draws batch after batch from them). `on_finished(sequence)` is
+    Settings resolve as generate() resolves them (see `gdtool.decode`). refill="off": `seed` seeds the global
+    generators once, before the first batch, and the batches draw from them in turn (generate()'s stream, bit
+    for bit). refill="host": sampling needs `seed` (an int, taken mod 2**64): the noise of token t of sample k
+    of prompt p is keyed by (seed, p, k, t) (`core.noise`), so a sequence is the same whatever slot it ran in
+    and however many slots ran; the global generators are not touched. `on_finished(sequence)` is
     called with each `Sequence` as soon as the host has it (refill="host": at the step it finished; "off": after
     its batch). Everything is checked before any work: a bad input or a setting the refill cannot honour ends
     in one ValueError that says why and what to use instead.
@@ -137,18 +146,18 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     check_samples(num_samples, {}, settings)
     kernels = check_run(model, mode, kernels, capture)
     if refill == "host":
-        _check_host(mode, kernels, settings)
+        seed = _check_host(mode, kernels, settings, seed)
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
     if refill == "host":
         check_rows(model, max(len(ids) for ids in texts) + settings.max_new_tokens - 1)
-        run = _HostRollout(model, settings, sequences, slots, return_logprobs, on_finished)
+        run = _HostRollout(model, settings, sequences, slots, return_logprobs, on_finished, seed)
     else:
         run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished,
                              Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
                                      **given, **unsupported))
-    if seed is not None:
+    if seed is not None and refill == "off":
         torch.manual_seed(seed)
     out = run.run()
     out.mode = mode
@@ -156,17 +165,24 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     return out
 
 
-def _check_host(mode: str, kernels: str, settings) -> None:
+def _check_host(mode: str, kernels: str, settings, seed):
+    """Refuse what refill='host' cannot run; return the seed (a Python int when sampling)."""
     if mode != "eager":
         raise ValueError(f"refill='host' runs mode='eager' for now (mode={mode!r}: refilling inside a captured step "
                          "or the device loop is not built yet); use mode='eager', or refill='off' for the graph modes")
     if kernels != "hf":
         raise ValueError(f"refill='host' runs HF's kernels (kernels='hf'); kernels={kernels!r} is not wired to the "
                          "per-row cache write yet: use kernels='hf', or refill='off'")
-    if settings.do_sample:
-        raise ValueError("refill='host' decodes greedily for now: with sampling a sequence's noise would depend on "
-                         "the slot and step it ran in (noise keyed by seed, prompt, sample and token is not built "
-                         "yet); use do_sample=False, or refill='off' to sample")
+    if not settings.do_sample:
+        return seed
+    try:
+        if isinstance(seed, bool):
+            raise TypeError
+        return operator.index(seed)
+    except TypeError:
+        raise ValueError(f"refill='host' samples with noise keyed by (seed, prompt, sample, token), not the global "
+                         f"generator, so it needs a seed: pass seed=<int> (got seed={seed!r}), or refill='off' to "
+                         "draw from the global generator as generate() does") from None
 
 
 def _check_prompts(model, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -261,7 +277,7 @@ class _StaticRollout:
 class _HostRollout:
     """refill="host": `slots` rows, each its own sequence; the host refills finished rows between steps."""
 
-    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished):
+    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, seed):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished = on_finished
         self.device = next(model.parameters()).device
@@ -269,7 +285,7 @@ class _HostRollout:
         cache_len = width + settings.max_new_tokens - 1
         vocab = model.config.get_text_config().vocab_size
         self.state = new_row_state(slots, cache_len, settings, vocab, self.device, return_logprobs)
-        self.step = RowStep(model, row_cache(model, cache_len), self.state, settings)
+        self.step = RowStep(model, row_cache(model, cache_len), self.state, settings, seed)
         self.queue = deque(range(len(sequences)))
         self.holding: list = [None] * slots   # the sequence each slot runs, None when empty
         self.results: list = [None] * len(sequences)
@@ -325,7 +341,8 @@ class _HostRollout:
                 for members in groups.values():
                     rows = torch.tensor([slot for slot, _ in members], device=self.device)
                     ids = torch.tensor([self.sequences[q][2] for _, q in members], device=self.device)
-                    self.step.refill(rows, ids)
+                    keys = torch.tensor([self.sequences[q][:2] for _, q in members], device=self.device)
+                    self.step.refill(rows, ids, keys[:, 0], keys[:, 1])
                     self.prefills += 1
                     self.prefilled_rows += len(members)
             flags = self.state.unfinished.tolist()
