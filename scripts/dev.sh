@@ -5,6 +5,16 @@
 #                                        its interpreter, which runs the decode kernels on the CPU), then the
 #                                        parity, error, window and zoo tests again against the oldest supported
 #                                        transformers, in a second environment (VENV-oldest, ~1.7 GB)
+#   bash scripts/dev.sh test --quick [args...]
+#                                        the quick tier (3-4 minutes on 2 cores): GDTOOL_QUICK=1 makes
+#                                        tests/conftest.py leave out the tests marked slow (20 s or more) and
+#                                        keep the first case of each parametrized test function (among those
+#                                        -m/-k select), so every other test function runs once. No second
+#                                        environment, and no setup where VENV already has gdtool, pytest-xdist,
+#                                        torch and transformers (the setup reinstalls gdtool each call; else it
+#                                        runs as for `test`). dev.sh takes --quick (anywhere among the args) for
+#                                        itself; the rest go to pytest. `test` without --quick is the full suite
+#                                        CI runs (GDTOOL_QUICK unset).
 # VENV (default .venv) picks the environment. Torch is installed first: the CPU wheel where there is no
 # NVIDIA driver, else the CUDA build pip picks.
 # The tests run on every core (pytest-xdist, one worker per core; TEST_WORKERS=N sets how many,
@@ -67,6 +77,11 @@ interpreter_triton() {  # interpreter_triton VENV: Triton for its CPU interprete
     fi
 }
 
+ready() {  # ready VENV: the test environment exists (what `test --quick` needs to skip the setup)
+    [ -x "$1/bin/python" ] && "$1/bin/python" -c \
+        "import importlib.metadata as m; m.version('gdtool'); import pytest, xdist, torch, transformers" 2>/dev/null
+}
+
 browser() {  # Debian's chromium for the notebook browser test (as root, where apt exists)
     if [ -n "${GDTOOL_NO_BROWSER:-}" ]; then
         return
@@ -83,15 +98,27 @@ case "$what" in
         exec "$VENV/bin/python" -m gdtool run "$@"
         ;;
     test)
-        setup "$VENV"
-        interpreter_triton "$VENV"
-        browser
+        quick='' args=()
+        for arg in "$@"; do
+            if [ "$arg" = --quick ]; then quick=1; else args+=("$arg"); fi
+        done
+        set -- ${args[@]+"${args[@]}"}
+        if [ -n "$quick" ]; then export GDTOOL_QUICK=1; else unset GDTOOL_QUICK; fi
+        if [ -z "$quick" ] || ! ready "$VENV"; then
+            setup "$VENV"
+            interpreter_triton "$VENV"
+            browser
+        fi
         # one worker per core this process may use (nproc; xdist's "auto" counts physical cores, which on a
         # 2-vCPU machine can be 1); --dist loadgroup keeps each xdist_group's tests on one worker
         workers=${TEST_WORKERS:-$(nproc 2>/dev/null || echo 2)}
         parallel=(-n "$workers" --dist loadgroup)
         if [ "$workers" = 0 ]; then parallel=(-p no:xdist); fi
         "$VENV/bin/python" -m pytest -q -ra "${parallel[@]}" "$@"
+        if [ -n "$quick" ]; then
+            echo "== quick tier: slow tests, further parametrized cases and the second environment left out =="
+            exit 0
+        fi
         echo "== parity, errors, windows and zoo against transformers $OLDEST_TRANSFORMERS (second environment: $VENV-oldest) =="
         setup "$VENV-oldest" "$OLDEST_TRANSFORMERS"
         "$VENV-oldest/bin/python" -m pytest -q -ra "${parallel[@]}" tests/test_parity.py tests/test_errors.py \

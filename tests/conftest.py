@@ -44,10 +44,43 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
-    config.addinivalue_line("markers", "slow: takes more than a few seconds on a CPU")
+    config.addinivalue_line("markers", "slow: long on a CPU; left out of the quick tier (GDTOOL_QUICK=1)")
 
 
+# The quick tier: GDTOOL_QUICK=1 (what `bash scripts/dev.sh test --quick` sets) runs every test function once.
+# Its rule, applied after -m/-k and the paths given have chosen what to collect:
+#   1. a test marked slow is left out: a whole function when the mark is on the function (inherently long,
+#      listed in tests/test_quick_tier.py), one case when it is on a pytest.param;
+#   2. of each test function's remaining cases, the first collected is kept (parametrize's order, so the same
+#      one on every run and every xdist worker), the others left out.
+# So every test function not marked slow runs at least once; a function's other cases (the zoo's 411
+# architectures, the parity grid, the sweeps) run only in the full suite. Left out tests count as
+# "deselected" in pytest's summary.
+# What is marked slow: a test that takes 20 s or more in a quick-tier run on 2 cores with empty inductor and
+# Triton caches (a fresh machine's); on a case, where a short case of the same function can run instead.
+QUICK = os.environ.get("GDTOOL_QUICK", "") not in ("", "0")
+
+
+def quick_tier(items):
+    """(kept, left out): the quick tier's rule above, on collected items in collection order."""
+    kept, left_out, seen = [], [], set()
+    for item in items:
+        function = item.nodeid.split("[", 1)[0]  # the test function, without its parameter ids
+        if item.get_closest_marker("slow") is not None or function in seen:
+            left_out.append(item)
+        else:
+            seen.add(function)
+            kept.append(item)
+    return kept, left_out
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the first case among those they keep
 def pytest_collection_modifyitems(config, items):
+    if QUICK:
+        kept, left_out = quick_tier(items)
+        if left_out:
+            config.hook.pytest_deselected(items=left_out)
+            items[:] = kept
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -76,6 +76,7 @@ def _skip_reason() -> str | None:
 
 
 @pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+@pytest.mark.slow  # ~35 s on 2 cores: JupyterLab in Chromium
 def test_quickstart_runs_in_jupyterlab(tmp_path):
     import papermill
     from playwright.sync_api import TimeoutError as PlaywrightTimeout

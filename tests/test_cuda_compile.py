@@ -95,6 +95,7 @@ def test_the_compile_check_fails_what_the_interpreter_runs_but_a_gpu_cannot(tmp_
     assert [f["constexprs"] for f in summary["failed"] if "tiles" in f["kernel"]] == ["BLOCK=256 BLOCK_K=128"]
 
 
+@pytest.mark.slow  # ~400 s on 2 cores: every kernel compiled for sm_90
 def test_every_kernel_of_gdtool_compiles_for_hopper():
     """Every launch of gdtool.kernels.testing's kernel and experts checks (bf16 and fp16, every kernel, its
     configs and switches, PDL off and on) compiles for sm_90a and fits its shared memory; no kernel of the

@@ -87,6 +87,7 @@ def test_experts_reference_equals_hf_blocks():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~170 s on 2 cores (Triton's interpreter)
 def test_experts_triton_kernels_under_the_interpreter():
     code = ("import sys, torch\nsys.path.insert(0, 'tests')\n"
             "from gdtool.kernels import experts, testing\nimport test_experts as t\n"
@@ -114,6 +115,7 @@ def test_experts_triton_kernels_under_the_interpreter():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~300 s on 2 cores (Triton's interpreter)
 def test_routed_and_stacked_small_kernels_under_the_interpreter():
     """`Config.routed` (the router kernel's last program per row routes it and stores its rstd; gate/up reads
     them) and `Config.stacked` (down's k experts as one load), over a seeded sweep of tokens, experts, top-k,
@@ -306,6 +308,7 @@ def test_plan_names_the_blocks_and_why_not():
     assert "layers 0 HF's (experts with is_transposed=False" in experts.plan(oss_model, 1).note()
 
 
+@pytest.mark.slow  # ~27 s on 2 cores (inductor compiles, cold cache)
 def test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator(monkeypatch):
     """float32 on a CPU, batch 12 (past the fast forward's 8 rows): the compiled HF forward calls gdtool's
     operator for both MoE blocks (its torch path here), gives HF's tokens and logits within rounding, equals
@@ -377,6 +380,7 @@ def _teacher_forced_logits(model, kernels, batch=2, steps=6, seed=1):
     return accuracy.teacher_forced(model, prompt.input_ids, prompt.attention_mask, continuation, kernels)["logits"]
 
 
+@pytest.mark.slow  # ~70 s on 2 cores (inductor compiles, cold cache)
 def test_fast_step_on_cpu_gpt_oss_runs_the_experts_operator(monkeypatch):
     """gpt-oss (transposed, interleaved, biased experts; its biases drawn non-zero here): the compiled HF
     forward, attention with sinks and sliding windows HF's own, calls gdtool's operator for both MoE blocks
@@ -610,6 +614,7 @@ def _fast_outcome(model, device: str) -> str:
     return "; ".join(failures) or "pass"
 
 
+@pytest.mark.slow  # ~85 s on 2 cores (inductor compiles, cold cache)
 def test_zoo_moe_sample_decodes_with_fast_kernels():
     """Seeded order over the zoo: the first three MoE architectures that decode (refusals, with their reason,
     are counted apart and must name kernels='hf')."""

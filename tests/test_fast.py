@@ -324,6 +324,7 @@ def test_compiled_step_on_sliding_windows_compiles_once_per_window_phase():
     assert (table.compiles == 1).all() and table.fullgraph.all()
 
 
+@pytest.mark.slow  # ~21 s on 2 cores (inductor compiles, cold cache)
 def test_compiled_eager_mode_across_a_sliding_window_edge_decodes_hf_tokens():
     """Eager mode calls the compiled forward directly each step, with nothing putting the sliding layers'
     counters back in between: each call must leave them where HF's update would (it left them pinned at

@@ -108,6 +108,7 @@ def test_split_kv_plan_says_which_attention_the_compiled_forward_runs(model):
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~30 s on 2 cores (Triton's interpreter)
 def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_under_the_interpreter():
     """`mask_attention` (every slot counted live, the mask alone says which attend) loads no key or value of a
     masked slot: with NaN in every masked slot, over a seeded sweep of rows, grouped heads, cache and live lengths
@@ -278,6 +279,7 @@ def test_sinks_plan_says_which_form_gpt_oss_attention_runs():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~25 s on 2 cores (Triton's interpreter)
 def test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens():
     """The split-KV kernels with sinks themselves: against gpt-oss's eager attention, and inside a tiny gpt-oss's
     fast step (prompts past its window of 8, decodes that cross it): HF's tokens, and the step says so."""

@@ -68,6 +68,7 @@ def test_fast_forward_teacher_forced_equals_hf_across_the_window():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~70 s on 2 cores (Triton's interpreter)
 def test_fast_step_triton_kernels_under_the_interpreter_decode_hf_tokens():
     code = ("import torch, gdtool\n"
             "model = gdtool.load_model('tiny-gemma3', seed=0)\n"

@@ -37,6 +37,7 @@ def test_torch_references_against_float64(dtype):
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~60 s on 2 cores (Triton's interpreter)
 def test_triton_kernels_under_the_interpreter():
     code = ("import torch\nfrom gdtool.kernels import testing\n"
             "for dt in (torch.float32, torch.float16):\n"
@@ -266,6 +267,7 @@ _KERNELS_AGAINST_REFERENCES = (
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~100 s on 2 cores (Triton's interpreter)
 def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references():
     """One decode forward of each family with the Triton kernels themselves (Triton's CPU interpreter)
     against the same forward in the torch references, float32: same top-1 token per row, logits close. The
@@ -292,6 +294,7 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~50 s on 2 cores (Triton's interpreter)
 def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
     """The kernels at 12 and 16 rows (three and four passes of 4: the line moved to 16, as the curve at 5a2de9b ran
     it) under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""

@@ -115,6 +115,7 @@ def test_one_kernel_tail_under_the_interpreter_equals_the_reference():
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~110 s on 2 cores (Triton's interpreter)
 def test_fast_greedy_decode_with_the_one_kernel_tail_under_the_interpreter_equals_generate():
     """Whole greedy decodes with kernels="fast" under the interpreter (every kernel of the step Triton's, the tail
     in one), step-graph: the tokens generate() gives, with EOS, padding and a repetition penalty, and the

@@ -2,9 +2,11 @@
 
 A module may import modules of its own layer and of the layers below it, never one above, and no
 import circle may form, at module level or inside a function. The package face (`gdtool/__init__.py`,
-`__main__.py`) stands above every layer; only the front ends reach back to it (`import gdtool` in a
-function, to call `gdtool.decode`). The checker reads imports with `ast`, relative ones included,
-and is itself tested on a copy of the package with an upward import, a circle and a stray module planted.
+`__main__.py`) stands above every layer and no module under `gdtool/` imports it (`import gdtool`,
+`from gdtool import x`, `from .. import x` reaching it, in a function too): a module imports a name from
+the layer module that defines it, which the face only re-exports. The checker reads imports with `ast`,
+relative ones included, and is itself tested on a copy of the package with an upward import, a face
+import, a circle and a stray module planted.
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ PACKAGE = ROOT / "gdtool"
 
 LAYERS = ("core", "kernels", "loops", "measure", "frontends")
 FACE = "face"  # gdtool/__init__.py and gdtool/__main__.py
-FACE_USERS = ("frontends",)
 
 # Where a module left at the top of the package belongs: the flat names of the layout before the
 # layers (a merge can bring one back), then prefixes. docs/architecture.md says what each layer holds.
@@ -108,13 +109,27 @@ def upward(graph) -> list[str]:
         mine = layer(name)
         for target in sorted(targets):
             theirs = layer(target)
-            if None in (mine, theirs) or mine == FACE:
-                continue
-            if theirs == FACE and mine in FACE_USERS:
-                continue
+            if None in (mine, theirs) or FACE in (mine, theirs):
+                continue  # an import of the face is face_imports()'s to name
             if rank(theirs) > rank(mine):
                 lines.append(f"{name} ({mine}) imports {target} ({theirs}): a lower layer imports a higher one; "
                              f"the order is {' < '.join(LAYERS)}")
+    return lines
+
+
+def face_imports(graph) -> list[str]:
+    """One line per module under the package that imports the package face, from any layer, at module level or
+    in a function; the face's own two modules are exempt. (`from .. import __version__`, the face's metadata,
+    is no import of it: `imports` leaves such names out.)"""
+    lines = []
+    for name, targets in sorted(graph.items()):
+        mine = layer(name)
+        if mine == FACE:
+            continue
+        for target in sorted(t for t in targets if layer(t) == FACE):
+            lines.append(f"{name} ({mine or 'outside the layers'}) imports {target}, the package face: no module "
+                         "under the package imports the face; import the name from the layer module that "
+                         "defines it (the face only re-exports it)")
     return lines
 
 
@@ -143,6 +158,11 @@ def test_every_module_stands_in_a_layer():
 
 def test_no_layer_imports_a_higher_one():
     problems = upward(graph_of(PACKAGE))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_module_imports_the_package_face():
+    problems = face_imports(graph_of(PACKAGE))
     assert not problems, "\n".join(problems)
 
 
@@ -189,10 +209,29 @@ def test_a_planted_upward_import_fails(tmp_path):
     assert upward(graph_of(copy)) == [
         "gdtool.core.ranges (core) imports gdtool.frontends.plot (frontends): a lower layer imports a higher one; "
         "the order is core < kernels < loops < measure < frontends"]
-    timing = copy / "measure" / "timing.py"
-    timing.write_text(timing.read_text() + "\nimport gdtool  # the face, from below the front ends\n")
-    problems = upward(graph_of(copy))
-    assert any(line.startswith("gdtool.measure.timing (measure) imports gdtool (face)") for line in problems)
+
+
+def test_a_planted_face_import_fails(tmp_path):
+    copy = _copy(tmp_path)
+    before = set(face_imports(graph_of(copy)))  # empty once the package imports no face; the planted lines are new
+    plants = {
+        "frontends/run.py": "\n\ndef _planted():\n    import gdtool\n    return gdtool.decode\n",  # a front end too
+        "frontends/plot.py": "\n\ndef _planted():\n    from .. import decode\n",
+        "measure/timing.py": "\nfrom gdtool import profile  # noqa\n",
+        "core/ranges.py": "\n\ndef _planted():\n    import gdtool\n",
+    }
+    for where, text in plants.items():
+        path = copy / where
+        path.write_text(path.read_text() + text)
+    (copy / "__main__.py").write_text((copy / "__main__.py").read_text() + "\nimport gdtool\n")  # the face: exempt
+    added = sorted(set(face_imports(graph_of(copy))) - before)
+    assert [line.split(" imports ")[0] for line in added] == [
+        "gdtool.core.ranges (core)", "gdtool.frontends.plot (frontends)", "gdtool.frontends.run (frontends)",
+        "gdtool.measure.timing (measure)"]
+    assert added[0] == ("gdtool.core.ranges (core) imports gdtool, the package face: no module under the package "
+                        "imports the face; import the name from the layer module that defines it (the face only "
+                        "re-exports it)")
+    assert not upward(graph_of(copy))  # each import is named once, by the face rule
 
 
 def test_a_planted_circle_fails(tmp_path):

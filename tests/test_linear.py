@@ -72,6 +72,7 @@ def test_scope_swaps_the_forward_and_restores_it():
     assert "forward" not in vars(q)
 
 
+@pytest.mark.slow  # ~24 s on 2 cores (inductor compiles, cold cache)
 def test_fast_step_on_cpu_calls_the_linear_operator(monkeypatch):
     """gpt-oss (attention projections with biases): the compiled HF forward calls the operator for every attention
     projection at each step, captured equals uncaptured, HF's tokens (on a CPU the operator is F.linear); the
@@ -95,6 +96,7 @@ def test_fast_step_on_cpu_calls_the_linear_operator(monkeypatch):
     assert not calls
 
 
+@pytest.mark.slow  # ~35 s on 2 cores (inductor compiles)
 def test_fused_projections_run_as_one_product_per_group(monkeypatch):
     """After fuse_projections the q/k/v group of each layer is one call of the operator over the group's buffer
     while the step compiles (k and v take their slices); HF's tokens, captured equal to uncaptured; outside the
@@ -138,6 +140,7 @@ def test_plan_leaves_linear_subclasses_with_their_own_forward():
     assert not layer.applies and layer.reason == "Scaled, a subclass with a forward of its own"
 
 
+@pytest.mark.slow  # ~45 s on 2 cores (Triton's interpreter)
 def test_linear_kernel_under_the_interpreter_decodes_hf_tokens():
     """The operator's Triton kernel itself (Triton's interpreter): a float32 gpt-oss decodes HF's tokens with
     kernels="fast", its attention projections in the kernel, captured (on a CPU: called) equal to uncaptured."""

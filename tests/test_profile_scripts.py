@@ -430,6 +430,7 @@ def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):
         assert phrase in capsys.readouterr().err
 
 
+@pytest.mark.slow  # ~33 s on 2 cores (inductor compiles, cold cache)
 def test_fast_sweep_counts_cases_per_path_and_fails_on_a_mismatch(monkeypatch, capsys):
     """profiles/fast_sweep.py: the suite's kernels="fast" sweep at other seeds. It prints every case with the path
     the plan chose, counts the paths, prints each mismatch with its case's name and exits 1 on any; bad arguments

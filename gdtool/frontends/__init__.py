@@ -8,5 +8,6 @@
     plot.py       DataFrame in, (fig, ax) out; widgets.py: the ipywidgets explorer
     notebook.py   a notebook's first cell: parameters, environment, CPU fallback
 
-The top layer: it may import every layer below, and gdtool's face (`import gdtool`).
+The top layer: it may import every layer below, never gdtool's face (`import gdtool`): the names the face
+re-exports come from the layer modules that define them.
 """
