@@ -45,6 +45,8 @@ LONG = {
     "tests/test_fast.py::test_compiled_step_with_fused_projections",
     "tests/test_fast.py::test_a_graph_break_falls_back_with_a_warning",
     "tests/test_fast.py::test_teacher_forced_across_a_sliding_window_edge_keeps_each_step_in_its_phase",
+    # the rollout's long refill sweep (the quick tier keeps tests/test_rollout.py's short sweeps)
+    "tests/test_rollout.py::test_host_sweep_long",
 }
 
 COLLECT = textwrap.dedent("""
