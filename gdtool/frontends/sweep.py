@@ -193,6 +193,13 @@ def _decode_kwargs(model, cfg: RunConfig, repeat: int) -> tuple[dict, torch.Long
     return kwargs, targets
 
 
+def _settings(model, cfg: RunConfig, repeat: int) -> tuple[dict, int, torch.LongTensor | None]:
+    """(a Decoder's settings, the repetition's seed, its target lengths) for one decode of `cfg`."""
+    kwargs, targets = _decode_kwargs(model, cfg, repeat)
+    seed = kwargs.pop("seed")
+    return kwargs, seed, targets
+
+
 class Engines:
     """Decodes for a sweep through one `Decoder` (gdtool/loops/decoder.py) that keeps one engine (one warm-up
     and capture) at a time: consecutive configs with the same model, mode and settings replay it across polling
@@ -202,9 +209,13 @@ class Engines:
     def __init__(self):
         self.key, self.decoder, self.poll = None, None, None
 
+    @staticmethod
+    def _key(model, cfg: RunConfig, settings: dict) -> tuple:
+        return id(model), cfg.mode, tuple(sorted(settings.items()))
+
     def _decoder(self, model, cfg: RunConfig, settings: dict) -> Decoder:
         """The Decoder for these settings, made anew where model, mode or settings changed; its polling set."""
-        key = (id(model), cfg.mode, tuple(sorted(settings.items())))
+        key = self._key(model, cfg, settings)
         if key != self.key:
             self.close()
             self.decoder = Decoder(model, cfg.mode, max_graphs=1, **settings)
@@ -216,19 +227,15 @@ class Engines:
 
     def is_warm(self, model, cfg: RunConfig, prompt, repeat: int = 0) -> bool:
         """True when the next decode of ``cfg`` replays a graph this object already captured and ran."""
-        if self.decoder is None:
-            return False
-        kwargs, targets = _decode_kwargs(model, cfg, repeat)
-        settings = {k: v for k, v in kwargs.items() if k != "seed"}
-        if self.key != (id(model), cfg.mode, tuple(sorted(settings.items()))):
+        settings, _, targets = _settings(model, cfg, repeat)
+        if self.decoder is None or self.key != self._key(model, cfg, settings):
             return False
         return self.decoder.signature(prompt.input_ids, prompt.attention_mask, targets) in self.decoder.engines
 
     def decode(self, model, cfg: RunConfig, prompt, repeat: int):
-        kwargs, targets = _decode_kwargs(model, cfg, repeat)
-        seed = kwargs.pop("seed")
-        out = self._decoder(model, cfg, kwargs).generate(prompt.input_ids, prompt.attention_mask, seed=seed,
-                                                         target_lengths=targets)
+        settings, seed, targets = _settings(model, cfg, repeat)
+        out = self._decoder(model, cfg, settings).generate(prompt.input_ids, prompt.attention_mask, seed=seed,
+                                                           target_lengths=targets)
         return out, targets
 
     def close(self):
