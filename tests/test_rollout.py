@@ -74,6 +74,19 @@ def _eos_cases(model, prompts, seed: int, n=N) -> dict:
             "tail": dict(eos_token_id=sorted(tail), pad_token_id=0)}
 
 
+def _assert_same_sequences(a, b):
+    assert len(a.sequences) == len(b.sequences)
+    for x, y in zip(a.sequences, b.sequences):
+        assert (x.prompt_index, x.sample_index, x.finish_reason, x.slot) == (y.prompt_index, y.sample_index,
+                                                                             y.finish_reason, y.slot)
+        assert torch.equal(x.tokens, y.tokens)
+        assert (x.logprobs is None) == (y.logprobs is None)
+        if x.logprobs is not None:
+            assert torch.equal(x.logprobs, y.logprobs)
+    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills) == (b.useful_tokens, b.row_steps,
+                                                                         b.decode_steps, b.prefills)
+
+
 def _assert_alone(model, prompts, out, n=N, tolerance=1e-9, **settings):
     assert [(s.prompt_index, s.sample_index) for s in out.sequences] == [(i, 0) for i in range(len(prompts))]
     eos = settings.get("eos_token_id") or []
@@ -94,16 +107,17 @@ def test_host_equals_generate_alone(name):
     model = _lively(name)
     prompts = _prompts(model, 7, seed=FAMILIES.index(name))
     cases = _eos_cases(model, prompts, seed=1)
-    lengths, grouped = {}, False
+    lengths = {}
     for case, settings in cases.items():
         for slots in (1, 2, 3, 5, 9):
             out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
             _assert_alone(model, prompts, out, **settings)
             assert out.row_steps == out.prefilled_rows + slots * out.decode_steps
-            assert out.prefilled_rows == len(prompts)
-            grouped |= out.prefills < out.prefilled_rows  # prompts of one width prefilled together
+            assert out.prefilled_rows == out.prefills == len(prompts)
             lengths[case] = [s.length for s in out.sequences]
-    assert grouped
+            if slots == 3:  # the device policy, uncaptured: the same calls in the same order, the same bits
+                twin = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="device", **settings)
+                _assert_same_sequences(out, twin)
     assert set(lengths["none"]) == set(lengths["never"]) == {N}
     assert set(lengths["first"]) == {1}
     assert len(set(lengths["mixed"])) > 1
@@ -265,7 +279,8 @@ def test_mask_is_the_rows_columns(attn):
     model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.float64, attn_implementation=attn)
     slots, cache_len = 3, 12
     settings = resolve(model, 4, dict(eos_token_id=None, pad_token_id=0))
-    state = rollout_step.new_row_state(slots, cache_len, settings, 4096, torch.device("cpu"), False)
+    sequences = [(0, 0, [1] * 8)]  # the cache has the longest prompt + max_new_tokens columns
+    state = rollout_step.new_row_state(slots, sequences, settings, 4096, torch.device("cpu"), False)
     step = rollout_step.RowStep(model, rollout_step.row_cache(model, cache_len), state, settings)
     state.mask.copy_(torch.tensor([[1] * 3 + [0] * 9, [1] * 12, [1] * 7 + [0] * 5]))
 
@@ -291,14 +306,27 @@ def test_per_row_write_lands_in_each_rows_column():
         layer.lazy_initialization(torch.zeros(shape, dtype=torch.float64), torch.zeros(shape, dtype=torch.float64))
     columns = torch.tensor([[4], [0], [2]])
     new = torch.arange(3 * 2 * 16, dtype=torch.float64).view(3, 2, 1, 16) + 1
-    with rollout_step.row_writes(cache, columns):
+    phase = {"prefill": None}
+    with rollout_step.row_writes(cache, 3, columns, phase):
+        assert cache.get_query_offset(0) == 5
         keys, values = cache.update(new, -new, 0)
-    assert keys is cache.layers[0].keys and values is cache.layers[0].values
-    for row, column in enumerate(columns[:, 0].tolist()):
-        assert torch.equal(keys[row, :, column], new[row, :, 0])
-        assert torch.equal(values[row, :, column], -new[row, :, 0])
-        others = [c for c in range(6) if c != column]
-        assert not keys[row][:, others].any()
+        assert keys is cache.layers[0].keys and values is cache.layers[0].values
+        for row, column in enumerate(columns[:, 0].tolist()):
+            assert torch.equal(keys[row, :, column], new[row, :, 0])
+            assert torch.equal(values[row, :, column], -new[row, :, 0])
+            others = [c for c in range(6) if c != column]
+            assert not keys[row][:, others].any()
+        # a prompt of 4 tokens prefilled alone into row 1: its columns [0, 4), that row returned, query offset 0
+        phase["prefill"] = torch.tensor([1])
+        prompt = torch.arange(2 * 4 * 16, dtype=torch.float64).view(1, 2, 4, 16) + 1000
+        before = cache.layers[0].keys.clone()
+        keys, values = cache.update(prompt, -prompt, 0)
+        assert cache.get_query_offset(0) == 0
+        assert keys.shape == (1, 2, 6, 16) and torch.equal(keys[0, :, :4], prompt[0])
+        assert torch.equal(values[0, :, :4], -prompt[0])
+        after = cache.layers[0].keys
+        assert torch.equal(after[1, :, :4], prompt[0]) and torch.equal(after[1, :, 4:], before[1, :, 4:])
+        assert torch.equal(after[[0, 2]], before[[0, 2]])
     assert "update" not in vars(cache.layers[0]) and "get_query_offset" not in vars(cache)
 
 
@@ -314,13 +342,20 @@ BAD_INPUT = [
     (dict(prompts=[[7] * 2040]), "prompt 0 has 2040 tokens: with max_new_tokens 10 it needs 2049 positions, more than"),
     (dict(slots=0), "slots=0 must be an int >= 1"),
     (dict(slots=True), "slots=True must be an int >= 1"),
-    (dict(refill="device"), "refill='device' is not one of"),
+    (dict(refill="sideways"), "refill='sideways' is not one of"),
     (dict(num_samples=0), "num_samples=0 must be an int >= 1"),
     (dict(num_samples=2), "num_samples=2 with greedy decoding would repeat one answer"),
     (dict(num_return_sequences=2), "gdtool calls it num_samples"),
     (dict(on_finished=3), "on_finished=3 must be callable"),
     (dict(mode="fast"), "mode='fast' is not one of"),
-    (dict(refill="host", mode="step-graph"), "refill='host' runs mode='eager' for now"),
+    (dict(refill="host", mode="device-loop"), "refill='host' with mode='device-loop'"),
+    (dict(refill="device", mode="forward-graph"), "refill='device' with mode='forward-graph'"),
+    (dict(refill="device", mode="device-loop", eos_poll_interval=4), "a rollout polls only with refill='device' in"),
+    (dict(refill="device", mode="step-graph", eos_poll_interval=0), "eos_poll_interval=0"),
+    (dict(refill="device", mode="step-graph", steps_per_launch=4), "steps_per_launch=4: an int >= 1 with mode="),
+    (dict(refill="off", on_group=print), "on_group, eos_poll_interval and steps_per_launch are"),
+    (dict(on_group=3), "on_group=3 must be callable"),
+    (dict(refill="device", do_sample=True), r"refill='device' samples with noise keyed .* pass seed=<int>"),
     (dict(refill="host", do_sample=True), r"needs a seed: pass seed=<int> \(got seed=None\)"),
     (dict(refill="host", do_sample=True, seed="7"), r"pass seed=<int> \(got seed='7'\)"),
     (dict(refill="host", do_sample=True, seed=True), r"pass seed=<int> \(got seed=True\)"),
@@ -347,8 +382,8 @@ def test_bad_input(kwargs, match):
 
 
 REFUSED_MODELS = [
-    ("tiny-gemma3", {}, "sliding window of 8 tokens, shorter than the rollout's"),
-    ("zoo:mistral", dict(sliding_window=8), "sliding window of 8 tokens, shorter than the rollout's"),
+    ("tiny-gemma3", {}, "sliding window of 8 tokens, shorter than the rollout's 1[0-9] cache columns"),
+    ("zoo:mistral", dict(sliding_window=8), "sliding window of 8 tokens, shorter than the rollout's 1[0-9] cache columns"),
     ("tiny-qwen3-moe", {}, "mixture-of-experts"),
     ("zoo:lfm2", {}, "keeps a recurrent state"),
     ("zoo:gpt2", {}, "model_type 'gpt2'.* is not one of the families"),
@@ -375,12 +410,14 @@ def test_refused_attention(monkeypatch):
 
 
 def test_long_window_fits_short_does_not():
-    """A sliding window is refused exactly when it is shorter than the rollout's cache columns."""
-    model = _lively("zoo:mistral", sliding_window=12)
+    """A sliding window is refused exactly when it is shorter than the rollout's cache columns (the mask code puts
+    each decode query at the last column, so a window one shorter would hide a row's first column)."""
+    model = _lively("zoo:mistral", sliding_window=13)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12]]
-    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", eos_token_id=None)  # 3 + 10 - 1
+    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", eos_token_id=None)  # 3 + 10
     _assert_alone(model, prompts, out, eos_token_id=None)
-    _refused(model, "sliding window of 12 tokens, shorter than the rollout's 13", refill="host", prompts=[[5, 6, 7, 8]])
+    _refused(model, "sliding window of 13 tokens, shorter than the rollout's 14 cache columns", refill="host",
+             prompts=[[5, 6, 7, 8]])
 
 
 # -- sampling with refill: noise keyed by (seed, prompt, sample, token) -----------------------------------------

@@ -4,32 +4,42 @@
 new key/value at one shared slot (`cumulative_length`), so every row has the same number of cache
 columns behind it and pads fill the difference. A rollout that refills finished rows cannot keep that
 lockstep: a new prompt starts at position 0 while its neighbours are hundreds of tokens in. Here each
-row is its own sequence:
+row (slot) is its own sequence, and everything a refill needs is on the device:
 
-    cache    slots x C columns (C = longest prompt + max_new_tokens - 1), full attention only. A row's
-             prompt fills its columns [0, L) (prefilled elsewhere, copied in: `RowStep.refill`); the
-             token at position p is written at column p of its own row, so a decode step writes
-             each row at its own column (`row_writes`: each layer's `update` scatters one key/value
-             per row at `state.positions`, and returns the whole cache, as StaticLayer does).
-    mask     [slots, C]: row b attends to its columns [0, position]. transformers builds the 4-D mask
-             as causal(q_offset + q >= kv) AND the 2-D mask, with q_offset the cache's shared counter;
-             `row_writes` has the cache answer q_offset = C - 1, so the causal part allows every column
-             and the 2-D mask alone decides (tests/test_rollout.py builds the mask through
-             transformers' own code and checks exactly that).
-    state    `RowState`: per row its token, position, prompt length, tokens so far (its write column in
-             `out`), finished flag, seen-mask, and its sequence's key (prompt index, sample index);
-             `ran` counts the row-steps each slot ran.
-    step     `RowStep`: `Step.forward` (the same Feed, the same inputs generate() builds), selection by
-             `core.sampling`, then a per-row update; `refill` prefills prompts into given rows.
-    noise    with sampling, a row's token t (t = its `lengths` before the token: 0 for the prefill's) is
-             drawn by `sampling.choose_keyed` from noise keyed by (seed, prompt index, sample index, t),
-             never from a generator stream, so a sequence's tokens do not depend on its slot, the slot
-             count, or what ran beside it.
+    queue    the sequences' prompts, right-padded to the longest (W), their lengths and keys (prompt index,
+             sample index), and `next`, the first sequence no slot has taken yet.
+    cache    slots x C columns, C = W + max_new_tokens (one column more than a row can reach, so no row's mask
+             is ever all ones: transformers would then skip the mask in eager runs and not in captured ones),
+             full attention only. The token at position p of a row is written at column p of that row.
+    mask     [slots, C]: row b attends to its columns [0, position]. transformers builds the 4-D mask as
+             causal(q_offset + q >= kv) AND the 2-D mask, with q_offset the cache's shared counter; here
+             the cache answers q_offset = C - 1 while decoding (the causal part allows every column, the 2-D
+             mask alone decides) and 0 while prefilling a prompt (columns [0, W) causal, as a prompt alone).
+    results  per sequence, not per slot: `out` [Q + 1, N + 1] tokens, `out_lengths`, `finished` and the
+             log-probabilities. A step writes each live row's token straight into its sequence's row (row Q
+             and column N take the writes of empty and finished slots), so nothing is copied when a slot
+             is refilled, and the host reads finished sequences whenever it likes.
+    flags    `settled` (no slot can take a prompt: none is free, or the queue is empty) and `done` (every
+             slot is free and the queue is empty), set by the step and by each refill.
 
-A refill prefills the prompt alone, as generate() prefills it (its own static cache of L + N - 1 columns,
-no padding), copies its keys/values into the row's columns [0, L) and resets the row's mask, position,
-output count, seen-mask and finished flag. Nothing here reads a tensor on the host except `refill`'s
-indexing by row (the host picks the rows), so the decode step itself can be captured later.
+`RowStep.__call__` is one decode step over every slot; `RowStep.refill` starts one sequence: the next one of
+the queue, in the first free slot (the lowest index whose `unfinished` is 0). It prefills that prompt alone
+(one row, W columns, right-padded, positions 0..W-1) writing its keys and values straight into the slot's
+columns [0, W) of the rollout's cache, picks its first token at the prompt's last position, and updates the
+slot. Neither reads a tensor on the host (the slot and the sequence are picked on the device), so both can be
+captured, and a captured refill can run inside a conditional node. Every refill policy runs these two
+functions in one order, which is the admission rule:
+
+    after each decode step, while a slot is free and the queue is not empty: refill
+    (so the slots that finish at step t take the next sequences, in slot order, before step t + 1; a
+    sequence that ends at its first token frees its slot again at once)
+
+`host` reads `settled` after each step and each refill; `device` leaves the decision to the device
+(`gdtool.loops.devloop`: a WHILE node around the refill). The tokens are the same bits either way.
+
+Noise. With sampling, a row's token t (t = its `lengths` before the token: 0 for the first one) is drawn by
+`sampling.choose_keyed` from noise keyed by (seed, prompt index, sample index, t), never from a generator
+stream, so a sequence's tokens do not depend on its slot, the slot count, or what ran beside it.
 
 `check_rows` refuses, with the reason, the models the per-row write cannot decode as generate() does.
 """
@@ -37,14 +47,14 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from . import compat, sampling
-from .feed import Feed, Unsupported, experts_modules
+from .feed import Unsupported, experts_modules
 from .settings import Settings
-from .step import Step, prefill_positions, seed_seen
+from .step import Step
 
 # Families whose per-row decode was checked against generate() on each prompt alone (tests/test_rollout.py).
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -59,39 +69,81 @@ class RowState:
     mask: torch.Tensor            # [S, C] the columns each row attends to
     index: torch.Tensor           # [] the Feed's step index (read only by sliding layers, which a rollout refuses)
     prompt_lengths: torch.Tensor  # [S] prompt length of the row's sequence
-    out: torch.Tensor             # [S, N + 1] the sequence's tokens; column N takes the writes of finished rows
     lengths: torch.Tensor         # [S] tokens so far, up to and including EOS (the next write column of `out`)
     unfinished: torch.Tensor      # [S] 1 while the row's sequence runs; 0 once finished, and in an empty slot
-    ran: torch.Tensor             # [S] row-steps the slot ran: each decode step counts every slot, a prefill its rows
-    seen: torch.Tensor | None     # [S, V] ids the repetition penalty sees (prompt and new tokens)
-    eos: torch.Tensor | None      # [E] EOS ids
-    logprobs: torch.Tensor | None  # [S, N + 1] float32 log-probability of each token, when asked for
+    ran: torch.Tensor             # [S] row-steps the slot ran: each decode step counts every slot, a refill its row
+    sequence: torch.Tensor        # [S] the sequence the slot runs (or ran last); Q while it never held one
     prompt_index: torch.Tensor    # [S] the row's sequence key for the noise: its prompt's index in the rollout
     sample_index: torch.Tensor    # [S] and its sample index (the token index is `lengths`)
+    seen: torch.Tensor | None     # [S, V] ids the repetition penalty sees (prompt and new tokens)
+    eos: torch.Tensor | None      # [E] EOS ids
+    queue_ids: torch.Tensor       # [Q, W] the prompts, right-padded
+    queue_lengths: torch.Tensor   # [Q]
+    queue_prompt: torch.Tensor    # [Q] prompt index of each sequence
+    queue_sample: torch.Tensor    # [Q] sample index of each sequence
+    next: torch.Tensor            # [] the first sequence not started
+    out: torch.Tensor             # [Q + 1, N + 1] tokens per sequence; row Q and column N take discarded writes
+    out_lengths: torch.Tensor     # [Q + 1]
+    finished: torch.Tensor        # [Q + 1] 1 once the sequence has ended
+    logprobs: torch.Tensor | None  # [Q + 1, N + 1] float32 log-probability of each token, when asked for
+    settled: torch.Tensor         # [1] 1 when no slot can take a prompt (none free, or the queue is empty)
+    done: torch.Tensor            # [1] 1 when every slot is free and the queue is empty
+    refills: torch.Tensor         # [] refills run
+    steps: torch.Tensor           # [] decode steps run (a device loop counts them)
+    slot_of: torch.Tensor         # [Q + 1] the slot each sequence ran in
+    queue_targets: torch.Tensor | None = None  # [Q] forced lengths (a harness: EOS as token number t), else None
+    targets: torch.Tensor | None = None        # [S] the forced length of each slot's sequence
+
+    def snapshot(self) -> dict:
+        return {f.name: getattr(self, f.name).clone() for f in fields(self) if getattr(self, f.name) is not None}
+
+    def restore(self, snap: dict) -> None:
+        for name, saved in snap.items():
+            getattr(self, name).copy_(saved)
 
 
-def new_row_state(slots: int, cache_len: int, settings: Settings, vocab: int, device,
-                  return_logprobs: bool) -> RowState:
+def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, device,
+                  return_logprobs: bool, targets: list | None = None) -> RowState:
+    """`sequences`: (prompt index, sample index, token ids) per sequence, in queue order; `targets`: a forced
+    length per sequence (its first EOS id is forced as that token), or None."""
     long = dict(dtype=torch.long, device=device)
     n = settings.max_new_tokens
+    q = len(sequences)
+    width = max(len(ids) for _, _, ids in sequences)
+    cache_len = width + n
     pad = settings.pad_token_id if settings.pad_token_id is not None else 0
+    ids = torch.zeros(q, width, dtype=torch.long)
+    for i, (_, _, prompt) in enumerate(sequences):
+        ids[i, :len(prompt)] = torch.tensor(prompt, dtype=torch.long)
     mask = torch.zeros(slots, cache_len, **long)
-    mask[:, 0] = 1  # an empty slot attends to one (zero) column: its row stays finite, and is never read
+    mask[:, 0] = 1  # an empty slot attends to one column: its row stays finite, and is never read
     return RowState(
         tokens=torch.zeros(slots, 1, **long), positions=torch.zeros(slots, 1, **long), mask=mask,
         index=torch.zeros((), **long), prompt_lengths=torch.zeros(slots, **long),
-        out=torch.full((slots, n + 1), pad, **long), lengths=torch.zeros(slots, **long),
-        unfinished=torch.zeros(slots, **long), ran=torch.zeros(slots, **long),
+        lengths=torch.zeros(slots, **long), unfinished=torch.zeros(slots, **long), ran=torch.zeros(slots, **long),
+        sequence=torch.full((slots,), q, **long), prompt_index=torch.zeros(slots, **long),
+        sample_index=torch.zeros(slots, **long),
         seen=torch.zeros(slots, vocab, dtype=torch.bool, device=device) if settings.uses_penalty else None,
         eos=torch.tensor(settings.eos_token_id, **long) if settings.has_eos else None,
-        logprobs=torch.zeros(slots, n + 1, dtype=torch.float32, device=device) if return_logprobs else None,
-        prompt_index=torch.zeros(slots, **long), sample_index=torch.zeros(slots, **long),
+        queue_ids=ids.to(device),
+        queue_lengths=torch.tensor([len(p) for _, _, p in sequences], **long),
+        queue_prompt=torch.tensor([p for p, _, _ in sequences], **long),
+        queue_sample=torch.tensor([k for _, k, _ in sequences], **long),
+        next=torch.zeros((), **long),
+        out=torch.full((q + 1, n + 1), pad, **long), out_lengths=torch.zeros(q + 1, **long),
+        finished=torch.zeros(q + 1, **long),
+        logprobs=torch.zeros(q + 1, n + 1, dtype=torch.float32, device=device) if return_logprobs else None,
+        settled=torch.zeros(1, **long), done=torch.zeros(1, **long), refills=torch.zeros((), **long),
+        steps=torch.zeros((), **long), slot_of=torch.zeros(q + 1, **long),
+        queue_targets=None if targets is None else torch.tensor(list(targets), **long),
+        targets=None if targets is None else torch.zeros(slots, **long),
     )
 
 
 # -- what the per-row write can decode ---------------------------------------------------------------
 
-def check_rows(model, cache_len: int) -> None:
+def check_rows(model, cache_len: int, refill: str = "host") -> None:
+    # cache_len: the rollout's cache columns, longest prompt + max_new_tokens
     """Refuse, with the reason, a model whose rows cannot each decode their own sequence in one static cache
     exactly as generate() decodes that sequence alone. Reads the built model and the cache generate() would
     build for it; the family check comes last, so a known reason is named first."""
@@ -99,42 +151,42 @@ def check_rows(model, cache_len: int) -> None:
     config = model.config.get_text_config()
     impl = getattr(model.config, "_attn_implementation", None)
     if impl not in ROW_ATTENTION:
-        raise Unsupported(f"refill='host' feeds each row its own columns through a 2-D mask, which attention "
+        raise Unsupported(f"refill={refill!r} feeds each row its own columns through a 2-D mask, which attention "
                           f"{impl!r} does not take as sdpa and eager do; load the model with "
                           "attn_implementation='sdpa' (or 'eager'), or use refill='off'")
     moe = experts_modules(model) or [m for m in model.modules() if any(
         word in type(m).__name__ for word in ("MoE", "Moe", "Experts"))]
     if moe:
-        raise Unsupported(f"{name} has mixture-of-experts blocks ({type(moe[0]).__name__}); refill='host' is not yet "
+        raise Unsupported(f"{name} has mixture-of-experts blocks ({type(moe[0]).__name__}); refill={refill!r} is not yet "
                           "checked against generate() on them (the experts implementations route tokens per batch); "
                           "use refill='off'")
     chunk = getattr(config, "attention_chunk_size", None)
     if chunk is not None or "chunked_attention" in (getattr(config, "layer_types", None) or ()):
         raise Unsupported(f"{name} has chunked-attention layers, whose mask depends on each row's absolute chunk; "
-                          "refill='host' decodes full attention only: use refill='off'")
+                          f"refill={refill!r} decodes full attention only: use refill='off'")
     for i, layer in enumerate(compat.cache_layers(compat.static_cache(model, cache_len))):
         kind = type(layer).__name__
         if compat.is_linear(layer):
             raise Unsupported(f"{name}'s layer {i} keeps a recurrent state ({kind}: linear attention or a state-space "
-                              "layer), which a refill would have to prefill and swap per row; refill='host' decodes "
+                              f"layer), which a refill would have to prefill and swap per row; refill={refill!r} decodes "
                               "full-attention caches only: use refill='off'")
         if compat.is_sliding(layer) and layer.max_cache_len < cache_len:
             raise Unsupported(f"{name}'s layer {i} has a sliding window of {layer.max_cache_len} tokens, shorter than "
-                              f"the rollout's {cache_len} cache columns (longest prompt + max_new_tokens - 1): its "
-                              "window rolls over a shared counter, not per row; refill='host' decodes full attention "
+                              f"the rollout's {cache_len} cache columns (longest prompt + max_new_tokens; the mask code places each query at the last column): its "
+                              f"window rolls over a shared counter, not per row; refill={refill!r} decodes full attention "
                               "only: use refill='off' (or prompts and max_new_tokens that fit the window)")
         if type(layer) is not _static_layer() and not compat.is_sliding(layer):
-            raise Unsupported(f"{name}'s layer {i} uses cache layer {kind}, which refill='host' does not know how to "
+            raise Unsupported(f"{name}'s layer {i} uses cache layer {kind}, which refill={refill!r} does not know how to "
                               "write per row; use refill='off'")
     if getattr(model, "create_masks_for_generate", None) is not None:
-        raise Unsupported(f"{name} builds its own masks for generate() (create_masks_for_generate); refill='host' "
+        raise Unsupported(f"{name} builds its own masks for generate() (create_masks_for_generate); refill={refill!r} "
                           "feeds the standard causal mask only: use refill='off'")
     if "position_ids" not in inspect.signature(model.forward).parameters:
         raise Unsupported(f"{name}'s forward takes no position_ids, so it would derive positions from the cache's "
                           "shared counter, not per row; use refill='off'")
     family = getattr(config, "model_type", None)
     if family not in TESTED_FAMILIES:
-        raise Unsupported(f"{name} (model_type {family!r}) is not one of the families refill='host' is checked on "
+        raise Unsupported(f"{name} (model_type {family!r}) is not one of the families refill={refill!r} is checked on "
                           f"against generate() ({', '.join(TESTED_FAMILIES)}); use refill='off'")
 
 
@@ -154,25 +206,37 @@ def row_cache(model, cache_len: int):
 
 
 @contextlib.contextmanager
-def row_writes(cache, columns: torch.Tensor):
-    """While decoding one token per row: each layer writes row b's key/value at column `columns[b]` (a [S, 1]
-    device tensor read at every forward) and returns the whole cache, and the mask code gets a query offset of
-    C - 1, so its causal part allows every column and the 2-D mask decides."""
+def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
+    """Each layer of `cache` writes per row while this holds. `phase["prefill"]` picks how:
+
+    decode (None)   one token per row: row b's key/value at column `columns[b]` ([S, 1], read at every
+                    forward); the layer returns the whole cache, and the mask code gets a query offset of C - 1
+    prefill (row)   one prompt of W tokens: its keys/values at columns [0, W) of row `row` ([1] device tensor);
+                    the layer returns that row of the cache ([1, heads, C, dim]), and the query offset is 0
+
+    The cache is allocated at the first write, `slots` rows (a refill runs before the first decode step)."""
     layers = compat.cache_layers(cache)
     last = layers[0].max_cache_len - 1
 
     def writer(layer):
         def update(key_states, value_states, *args, **kwargs):
-            if key_states.shape[-2] != 1:
-                raise RuntimeError("a rollout's cache takes one token per row; prompts are prefilled in a cache "
-                                   "of their own")
+            if not layer.is_initialized:
+                layer.lazy_initialization(*(t[:1].expand(slots, -1, -1, -1) for t in (key_states, value_states)))
+            row = phase["prefill"]
+            if row is None:
+                if key_states.shape[-2] != 1 or key_states.shape[0] != slots:
+                    raise RuntimeError("a rollout's decode step feeds one token per slot")
+                for store, new in ((layer.keys, key_states), (layer.values, value_states)):
+                    store.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, new.shape[1], 1, new.shape[3]), new)
+                return layer.keys, layer.values
+            width = key_states.shape[-2]
             for store, new in ((layer.keys, key_states), (layer.values, value_states)):
-                store.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, new.shape[1], 1, new.shape[3]), new)
-            return layer.keys, layer.values
+                store[:, :, :width].index_copy_(0, row, new)
+            return layer.keys.index_select(0, row), layer.values.index_select(0, row)
         return update
 
     def get_query_offset(layer_idx=0, *args, **kwargs):
-        return last
+        return last if phase["prefill"] is None else 0
 
     for layer in layers:
         layer.update = writer(layer)
@@ -185,10 +249,10 @@ def row_writes(cache, columns: torch.Tensor):
             del layer.update
 
 
-# -- the step ---------------------------------------------------------------------------------------
+# -- the step and the refill ------------------------------------------------------------------------
 
 class RowStep(Step):
-    """forward + select + update over a `RowState`, each row its own sequence; `refill` starts new ones."""
+    """A decode step over every slot (`__call__`) and the refill of one slot (`refill`), over a `RowState`."""
 
     def __init__(self, model, cache, state: RowState, settings: Settings, seed: int | None = None):
         if settings.do_sample and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -196,19 +260,31 @@ class RowStep(Step):
                              "token); pass seed=<int>")
         super().__init__(model, cache, state, settings, prompt_width=0)
         self.seed = seed
-        self.trash = settings.max_new_tokens  # the column of `out` that finished rows write to
+        self.slots = state.tokens.shape[0]
+        self.queue_size = state.queue_ids.shape[0]
+        self.trash = settings.max_new_tokens  # the column of `out` that discarded writes go to
+        device = state.tokens.device
+        self.columns = torch.arange(state.mask.shape[1], device=device)[None]        # [1, C]
+        self.prompt_positions = torch.arange(state.queue_ids.shape[1], device=device)[None]  # [1, W]
+        self.slot_ids = torch.arange(self.slots, device=device)
+        self.one = torch.ones(1, dtype=torch.long, device=device)
+        self.phase = {"prefill": None}
+        self.forward_fn = self.forward  # a forward-graph replay stands in here
 
     # forward: Step.forward, the Feed's decode inputs over tokens, positions and the [S, C] mask
 
     def select(self, logits: torch.Tensor, seen: torch.Tensor | None, prompt: torch.Tensor, sample: torch.Tensor,
-               token: torch.Tensor) -> tuple:
+               token: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
         """(token per row, its log-probability under the processed scores or None). With sampling, row b's draw
-        is keyed by (seed, prompt[b], sample[b], token[b])."""
+        is keyed by (seed, prompt[b], sample[b], token[b]). With `targets`, a row whose token number token + 1
+        is its target gets the first EOS id instead (the length harness)."""
         scores = sampling.process(logits, seen, self.settings)
         if self.settings.do_sample:
             chosen = sampling.choose_keyed(scores, self.seed, prompt, sample, token)
         else:
             chosen = sampling.choose(scores, False)
+        if targets is not None:
+            chosen = torch.where(token + 1 >= targets, self.state.eos[0], chosen)
         if self.state.logprobs is None:
             return chosen, None
         return chosen, torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
@@ -217,10 +293,10 @@ class RowStep(Step):
         """Rows where `writing` is 1 take `chosen` as their next token; the others are left as they are."""
         s = self.state
         live = writing.bool()
-        column = torch.where(live, s.lengths, self.trash)[:, None]
-        s.out.scatter_(1, column, chosen[:, None])
+        column = torch.where(live, s.lengths, self.trash)
+        s.out.index_put_((s.sequence, column), chosen)
         if s.logprobs is not None:
-            s.logprobs.scatter_(1, column, logprob[:, None])
+            s.logprobs.index_put_((s.sequence, column), logprob)
         if s.seen is not None:
             s.seen.scatter_(1, chosen[:, None], s.seen.gather(1, chosen[:, None]) | live[:, None])
         s.lengths.add_(writing)
@@ -228,70 +304,92 @@ class RowStep(Step):
         if s.eos is not None:
             ended |= (chosen[:, None] == s.eos[None, :]).any(-1)
         s.unfinished.copy_(torch.where(live & ended, 0, s.unfinished))
+        s.out_lengths.index_put_((s.sequence,), s.lengths)
+        s.finished.index_put_((s.sequence,), 1 - s.unfinished)
         s.tokens.copy_(torch.where(live[:, None], chosen[:, None], s.tokens))
         # the next token's position is its column; a finished row stays on its last one (in bounds, never read)
         s.positions.copy_((s.prompt_lengths + s.lengths - 1).clamp(0, self.last_slot)[:, None])
         s.mask.scatter_(1, s.positions, 1)
 
+    def flags(self) -> None:
+        s = self.state
+        more = s.next < self.queue_size
+        free = s.unfinished.min() == 0
+        s.settled.copy_((~(free & more)).long().view(1))
+        s.done.copy_(((s.unfinished.max() == 0) & ~more).long().view(1))
+
     def prefill(self, *args, **kwargs):
-        raise TypeError("a RowStep starts sequences with refill(rows, input_ids), one prompt per row")
+        raise TypeError("a RowStep starts sequences with refill(), one prompt of its queue at a time")
 
     def __call__(self) -> None:
+        """One decode step over every slot, then the flags."""
         s = self.state
         writing = s.unfinished.clone()
-        self.update(*self.select(self.forward(), s.seen, s.prompt_index, s.sample_index, s.lengths), writing)
+        logits = self.forward_fn()
+        self.update(*self.select(logits, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets), writing)
         s.ran.add_(1)
+        s.steps.add_(1)
+        self.flags()
 
     @contextlib.contextmanager
     def decoding(self):
-        with self.feed.decoding(), row_writes(self.cache, self.state.positions):
+        with self.feed.decoding(), row_writes(self.cache, self.slots, self.state.positions, self.phase):
             yield
 
-    def refill(self, rows: torch.Tensor, input_ids: torch.Tensor, prompt_index: torch.Tensor | None = None,
-               sample_index: torch.Tensor | None = None) -> None:
-        """Start the prompts `input_ids` [g, L] (no padding) in `rows` [g]: prefill them alone, as generate()
-        prefills a prompt (its own static cache of L + N - 1 columns), copy their keys and values into the rows'
-        columns [0, L), reset the rows and write each one's first token (token index 0 of the noise key).
-        `prompt_index` and `sample_index` [g] key the rows' sequences (zeros when not given)."""
-        s, n = self.state, self.settings.max_new_tokens
-        zeros = torch.zeros_like(rows)
-        prompt_index = zeros if prompt_index is None else prompt_index.to(rows.device, torch.long)
-        sample_index = zeros if sample_index is None else sample_index.to(rows.device, torch.long)
-        s.prompt_index.index_copy_(0, rows, prompt_index)
-        s.sample_index.index_copy_(0, rows, sample_index)
-        width = input_ids.shape[1]
-        small = compat.static_cache(self.model, width + n - 1)
-        feed = Feed(self.model, small, width, width + n - 1)
-        prompt_mask = torch.ones_like(input_ids)
-        logits = self.model(**feed.prefill(input_ids, prompt_mask, prefill_positions(prompt_mask))).logits
-        feed.settle()
-        logits = logits[:, -1].to(copy=True, dtype=torch.float32)
-        self._copy_rows(small, rows, width)
-        s.prompt_lengths.index_fill_(0, rows, width)
-        s.lengths.index_fill_(0, rows, 0)
-        s.unfinished.index_fill_(0, rows, 1)
-        s.mask.index_fill_(0, rows, 0)
-        s.mask[:, :width].index_fill_(0, rows, 1)
-        s.out.index_fill_(0, rows, self.pad)
+    def refill(self) -> None:
+        """The next sequence of the queue starts in the first free slot (see the module doc); then the flags.
+        Run it only while `settled` is 0: with no free slot it would overwrite slot 0's sequence."""
+        s = self.state
+        slot = torch.argmin(s.unfinished).view(1)   # the first free slot (argmin takes the first of equals)
+        q = s.next.clamp(max=self.queue_size - 1).view(1)
+        ids = s.queue_ids.index_select(0, q)                    # [1, W]
+        length = s.queue_lengths.index_select(0, q)             # [1]
+        prompt = s.queue_prompt.index_select(0, q)
+        sample = s.queue_sample.index_select(0, q)
+        prompt_mask = (self.columns < length[:, None]).long()   # [1, C]
+        logits = self._prefill_logits(ids, prompt_mask, slot, length)
+        s.sequence.index_copy_(0, slot, q)
+        s.slot_of.index_copy_(0, q, slot)
+        s.prompt_index.index_copy_(0, slot, prompt)
+        s.sample_index.index_copy_(0, slot, sample)
+        s.prompt_lengths.index_copy_(0, slot, length)
+        s.lengths.index_fill_(0, slot, 0)
+        s.unfinished.index_fill_(0, slot, 1)
+        s.mask.index_copy_(0, slot, prompt_mask)
         seen = None
         if s.seen is not None:
-            seen = torch.zeros(len(rows), s.seen.shape[1], dtype=torch.bool, device=s.seen.device)
-            seed_seen(seen, input_ids, prompt_mask)
-            s.seen.index_copy_(0, rows, seen)
-        if s.logprobs is not None:
-            s.logprobs.index_fill_(0, rows, 0.0)
-        chosen, logprob = self.select(logits, seen, prompt_index, sample_index, zeros)
-        writing = torch.zeros_like(s.unfinished).index_fill_(0, rows, 1)
-        self.update(s.tokens[:, 0].index_copy(0, rows, chosen),
-                    None if logprob is None else torch.zeros_like(s.logprobs[:, 0]).index_copy_(0, rows, logprob),
+            real = torch.where(self.prompt_positions < length[:, None], ids, ids[:, :1])  # the prompt, not its pads
+            seen = torch.zeros(1, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
+            s.seen.index_copy_(0, slot, seen)
+        target = None
+        if s.targets is not None:
+            target = s.queue_targets.index_select(0, q)
+            s.targets.index_copy_(0, slot, target)
+        chosen, logprob = self.select(logits, seen, prompt, sample, torch.zeros_like(q), target)
+        writing = (self.slot_ids == slot).long()
+        self.update(s.tokens[:, 0].index_copy(0, slot, chosen),
+                    None if logprob is None else torch.zeros(self.slots, dtype=torch.float32,
+                                                             device=ids.device).index_copy(0, slot, logprob),
                     writing)
-        s.ran.add_(writing)
+        s.ran.index_add_(0, slot, self.one)
+        s.next.add_(1)
+        s.refills.add_(1)
+        self.flags()
 
-    def _copy_rows(self, small, rows: torch.Tensor, width: int) -> None:
-        for big, alone in zip(compat.cache_layers(self.cache), compat.cache_layers(small)):
-            if not big.is_initialized:  # [S, heads, C, head dim], the prompt cache's dtype and device
-                slots = self.state.tokens.shape[0]
-                big.lazy_initialization(*(t[:1, :, :1].expand(slots, -1, -1, -1) for t in (alone.keys, alone.values)))
-            for store, prompt in ((big.keys, alone.keys), (big.values, alone.values)):
-                store.index_fill_(0, rows, 0)
-                store[:, :, :width].index_copy_(0, rows, prompt[:, :, :width])
+    def _prefill_logits(self, ids, prompt_mask, slot, length) -> torch.Tensor:
+        """The prompt's forward, alone in its row (keys and values written into the slot's columns), and the
+        float32 logits at its last position, [1, V]."""
+        inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": prompt_mask,
+                  "position_ids": self.prompt_positions, "use_cache": True}
+        last = (length - 1)
+        if self.feed.logits_to_keep:
+            inputs["logits_to_keep"] = last       # a 1-D tensor: the positions to keep
+        self.phase["prefill"] = slot
+        try:
+            logits = self.model(**inputs).logits
+        finally:
+            self.phase["prefill"] = None
+        self.feed.settle()
+        if not self.feed.logits_to_keep:
+            logits = logits.index_select(1, last)
+        return logits[:, -1].to(copy=True, dtype=torch.float32)

@@ -34,20 +34,20 @@ from __future__ import annotations
 
 import operator
 import time
-from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-from ..core import ranges
+from ..core import graphs, ranges
+from ..core.modes import check_mode
 from ..core.rollout_step import RowStep, check_rows, new_row_state, row_cache
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from .decode import check_run, check_samples
 from .decoder import Decoder
 
-__all__ = ["REFILLS", "RolloutOutput", "Sequence", "rollout"]
-REFILLS = ("off", "host")
+__all__ = ["REFILLS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
+REFILLS = ("off", "host", "device")
 
 
 @dataclass
@@ -82,6 +82,9 @@ class RolloutOutput:
     prefill_s: float                  # prompt forwards and first tokens, refills included
     decode_s: float                   # decode steps, EOS checks and read-backs (graph warm-up and capture too)
     total_s: float
+    setup_s: float = 0.0              # refill="host"/"device": warm-up and capture before the first prefill
+    prefill_estimated: bool = False   # refill="device" captured: refills inside the loop timed by the fill's mean
+    launches: int | None = None       # refill="device" captured: graph launches of the decode loop
 
     @property
     def row_step_share(self) -> float:
@@ -116,7 +119,8 @@ class RolloutOutput:
 
 def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int = 1, refill: str = "off",
             seed: int | None = None, return_logprobs: bool = True, mode: str = "eager", kernels: str = "hf",
-            capture: bool | None = None, on_finished=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
+            capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
+            steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
             **unsupported) -> RolloutOutput:
     """Decode every prompt of `prompts` (token id lists, ragged) `num_samples` times through `slots` rows.
@@ -133,11 +137,15 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     t_start = time.perf_counter()
     if not isinstance(refill, str) or refill not in REFILLS:
         raise ValueError(f"refill={refill!r} is not one of {REFILLS}: 'off' decodes static batches of `slots` "
-                         "sequences, 'host' refills finished slots with the next prompt between steps")
+                         "sequences, 'host' refills finished slots with the next prompt between steps, 'device' "
+                         "refills them on the device (captured modes)")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots={slots!r} must be an int >= 1 (rows decoded at once)")
     if on_finished is not None and not callable(on_finished):
         raise ValueError(f"on_finished={on_finished!r} must be callable (it gets each finished Sequence) or None")
+    if on_group is not None and not callable(on_group):
+        raise ValueError(f"on_group={on_group!r} must be callable (it gets the num_samples Sequences of a prompt "
+                         "once all have finished) or None")
     check_samples(num_samples, unsupported)
     given = {k: v for k, v in dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                                    repetition_penalty=repetition_penalty, eos_token_id=eos_token_id,
@@ -145,14 +153,19 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     settings = resolve(model, max_new_tokens, given, unsupported)
     check_samples(num_samples, {}, settings)
     kernels = check_run(model, mode, kernels, capture)
-    if refill == "host":
-        seed = _check_host(mode, kernels, settings, seed)
+    if refill != "off":
+        seed = _check_rows_policy(refill, mode, kernels, settings, seed, eos_poll_interval, steps_per_launch)
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
-    if refill == "host":
-        check_rows(model, max(len(ids) for ids in texts) + settings.max_new_tokens - 1)
-        run = _HostRollout(model, settings, sequences, slots, return_logprobs, on_finished, seed)
+    targets = _check_targets(target_lengths, len(sequences), settings, refill)
+    if refill != "off":
+        check_rows(model, max(len(ids) for ids in texts) + settings.max_new_tokens, refill)
+        run = _RowRollout(model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
+                          mode, capture, eos_poll_interval, steps_per_launch, num_samples, targets)
     else:
+        if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None:
+            raise ValueError("on_group, eos_poll_interval and steps_per_launch are refill='host'/'device' options; "
+                             "refill='off' decodes through a Decoder: leave them unset")
         run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished,
                              Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
@@ -165,14 +178,26 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     return out
 
 
-def _check_host(mode: str, kernels: str, settings, seed):
-    """Refuse what refill='host' cannot run; return the seed (a Python int when sampling)."""
-    if mode != "eager":
-        raise ValueError(f"refill='host' runs mode='eager' for now (mode={mode!r}: refilling inside a captured step "
-                         "or the device loop is not built yet); use mode='eager', or refill='off' for the graph modes")
+def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, steps_per_launch):
+    """Refuse what refill='host'/'device' cannot run; return the seed (a Python int when sampling)."""
+    spec = check_mode(mode)
+    if refill == "host" and spec.device_loop:
+        raise ValueError("refill='host' with mode='device-loop': the device loop does not come back to the host "
+                         "between steps; use refill='device' (refills on the device), or mode='step-graph'")
+    if refill == "device" and spec.graph == "forward":
+        raise ValueError("refill='device' with mode='forward-graph': only the forward is captured, so the host runs "
+                         "every refill anyway; use mode='step-graph' or 'device-loop' (or refill='host')")
     if kernels != "hf":
-        raise ValueError(f"refill='host' runs HF's kernels (kernels='hf'); kernels={kernels!r} is not wired to the "
-                         "per-row cache write yet: use kernels='hf', or refill='off'")
+        raise ValueError(f"refill={refill!r} runs HF's kernels (kernels='hf'); kernels={kernels!r} is not wired to "
+                         "the per-row cache write yet: use kernels='hf', or refill='off'")
+    if poll is not None and (refill != "device" or spec.device_loop or mode == "eager"
+                             or isinstance(poll, bool) or not isinstance(poll, int) or poll < 1):
+        raise ValueError(f"eos_poll_interval={poll!r}: a rollout polls only with refill='device' in mode='step-graph' "
+                         "(an int >= 1: steps launched between reads of `done`); leave it unset otherwise")
+    if steps_per_launch is not None and (not spec.device_loop or isinstance(steps_per_launch, bool)
+                                         or not isinstance(steps_per_launch, int) or steps_per_launch < 1):
+        raise ValueError(f"steps_per_launch={steps_per_launch!r}: an int >= 1 with mode='device-loop' (steps per "
+                         "launch; finished sequences are read between launches); leave it unset otherwise")
     if not settings.do_sample:
         return seed
     try:
@@ -180,9 +205,30 @@ def _check_host(mode: str, kernels: str, settings, seed):
             raise TypeError
         return operator.index(seed)
     except TypeError:
-        raise ValueError(f"refill='host' samples with noise keyed by (seed, prompt, sample, token), not the global "
-                         f"generator, so it needs a seed: pass seed=<int> (got seed={seed!r}), or refill='off' to "
-                         "draw from the global generator as generate() does") from None
+        raise ValueError(f"refill={refill!r} samples with noise keyed by (seed, prompt, sample, token), not the "
+                         f"global generator, so it needs a seed: pass seed=<int> (got seed={seed!r}), or "
+                         "refill='off' to draw from the global generator as generate() does") from None
+
+
+def _check_targets(target_lengths, count: int, settings, refill: str):
+    """target_lengths (a harness for controlled lengths with random weights): one int in [1, max_new_tokens] per
+    sequence, in input order (prompt-major, then sample); the sequence's first EOS id is forced as that token."""
+    if target_lengths is None:
+        return None
+    if refill == "off":
+        raise ValueError("target_lengths is a refill='host'/'device' option (refill='off' decodes through a "
+                         "Decoder: use gdtool.decode(..., target_lengths=) there)")
+    if not settings.has_eos:
+        raise ValueError("target_lengths forces an EOS id at each target, and no eos_token_id is set; pass "
+                         "eos_token_id=<id>")
+    targets = [int(t) for t in torch.as_tensor(target_lengths).flatten().tolist()]
+    if len(targets) != count:
+        raise ValueError(f"target_lengths has {len(targets)} values; pass one per sequence ({count}: prompts x "
+                         "num_samples, in input order)")
+    bad = [t for t in targets if not 1 <= t <= settings.max_new_tokens]
+    if bad:
+        raise ValueError(f"target_lengths holds {bad[0]}, outside [1, max_new_tokens={settings.max_new_tokens}]")
+    return targets
 
 
 def _check_prompts(model, prompts, max_new_tokens: int) -> list[list[int]]:
@@ -274,102 +320,243 @@ class _StaticRollout:
                              figures["syncs"], figures["prefill_s"], figures["decode_s"], 0.0)
 
 
-class _HostRollout:
-    """refill="host": `slots` rows, each its own sequence; the host refills finished rows between steps."""
+class RolloutInterrupted(KeyboardInterrupt):
+    """A KeyboardInterrupt during a rollout: `output` holds the sequences finished before it (a RolloutOutput)."""
 
-    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, seed):
+    def __init__(self, output):
+        super().__init__(f"rollout interrupted after {len(output.sequences)} finished sequences (see .output)")
+        self.output = output
+
+
+_FAR = 1 << 62  # a device loop's step limit where only `done` stops it
+
+
+class _RowRollout:
+    """refill="host" or "device": `slots` rows, each its own sequence (`core/rollout_step.py`).
+
+    Both policies run `RowStep.__call__` (one decode step) and `RowStep.refill` (one sequence into the first
+    free slot) in one order: after each step, refill while `settled` is 0. "host" reads `settled` and `done`
+    after each step and each refill. "device" in step-graph launches one graph per step whose refills run in a
+    WHILE node on the device, and reads `done` every `poll` steps; in device-loop one launch runs the rollout
+    (`steps_per_launch` chunks it). Uncaptured (eager, or no CUDA) the device's conditions are read on the host:
+    the same calls, so the twin of every captured run."""
+
+    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
+                 mode, capture, poll, steps_per_launch, num_samples, targets=None):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
-        self.on_finished = on_finished
+        self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
+        self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
+        self.num_samples = num_samples
         self.device = next(model.parameters()).device
         width = max(len(ids) for _, _, ids in sequences)
-        cache_len = width + settings.max_new_tokens - 1
+        cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
-        self.state = new_row_state(slots, cache_len, settings, vocab, self.device, return_logprobs)
+        self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets)
         self.step = RowStep(model, row_cache(model, cache_len), self.state, settings, seed)
-        self.queue = deque(range(len(sequences)))
-        self.holding: list = [None] * slots   # the sequence each slot runs, None when empty
+        self.capture = self.spec.captures and capture is not False and graphs.can_capture(self.device)
+        self.graphs: list = []
+        self.loops: list = []
+        self.syncs = 0
+        self.waits = Counter()
         self.results: list = [None] * len(sequences)
-        self.syncs = self.prefills = self.prefilled_rows = 0
-        self.useful = 0
+        self.delivered = 0
+        self.groups_left: dict = {}
+        self.fill_s = 0.0
+        self.fill_refills = 0
+        self.estimated = False
 
-    def run(self) -> RolloutOutput:
-        state, waits = self.state, Counter()
-        prefill_s = decode_s = 0.0
-        steps = 0
-        with torch.inference_mode(), self.step.decoding(), ranges.span(ranges.DECODE, self.slots):
-            t0 = time.perf_counter()
-            self._admit(list(range(self.slots)), waits)
-            prefill_s += time.perf_counter() - t0
-            while any(q is not None for q in self.holding):
-                t0 = time.perf_counter()
-                steps += 1
-                with ranges.span(ranges.STEP, steps), hidden_waits(self.device, waits):
-                    self.step()
-                with ranges.span(ranges.EOS_CHECK):
-                    flags = state.unfinished.tolist()
-                    self._count_sync()
-                done = [slot for slot, q in enumerate(self.holding) if q is not None and not flags[slot]]
-                if done:
-                    self._harvest(done)
-                t1 = time.perf_counter()
-                decode_s += t1 - t0
-                if done:
-                    self._admit(done, waits)
-                    prefill_s += time.perf_counter() - t1
-            t0 = time.perf_counter()
-            row_steps = int(state.ran.sum())  # counted on the device
-            self._count_sync()
-            decode_s += time.perf_counter() - t0
-        return RolloutOutput(self.results, "host", self.slots, self.settings.max_new_tokens, "", self.useful,
-                             row_steps, steps, self.prefills, self.prefilled_rows, self.syncs + waits.count, prefill_s,
-                             decode_s, 0.0)
-
-    def _count_sync(self) -> None:
+    # -- host reads --
+    def _read(self, tensor: torch.Tensor) -> list:
         self.syncs += 1
         ranges.count_syncs()
+        return tensor.tolist()
 
-    def _admit(self, free: list, waits: Counter) -> None:
-        """Free slots, in slot order, take the next sequences in input order; those of one prompt width are
-        prefilled together. Slots whose sequence ends at its prefill take the next ones, round after round."""
-        while free and self.queue:
-            assigned = [(slot, self.queue.popleft()) for slot in free[:len(self.queue)]]
-            groups: dict = {}
-            for slot, q in assigned:
-                groups.setdefault(len(self.sequences[q][2]), []).append((slot, q))
-                self.holding[slot] = q
-            with ranges.span(ranges.PREFILL), hidden_waits(self.device, waits):
-                for members in groups.values():
-                    rows = torch.tensor([slot for slot, _ in members], device=self.device)
-                    ids = torch.tensor([self.sequences[q][2] for _, q in members], device=self.device)
-                    keys = torch.tensor([self.sequences[q][:2] for _, q in members], device=self.device)
-                    self.step.refill(rows, ids, keys[:, 0], keys[:, 1])
-                    self.prefills += 1
-                    self.prefilled_rows += len(members)
-            flags = self.state.unfinished.tolist()
-            self._count_sync()
-            free = [slot for slot, _ in assigned if not flags[slot]]
-            if free:
-                self._harvest(free)
+    def _flags(self) -> tuple[bool, bool]:
+        done, settled = self._read(torch.cat([self.state.done, self.state.settled]))
+        return bool(done), bool(settled)
 
-    def _harvest(self, slots: list) -> None:
-        """Read the finished sequences of `slots` back (one read, two with log-probabilities) and empty the slots."""
+    # -- building: warm-up and capture --
+    def _build(self) -> None:
+        step, state = self.step, self.state
+        self.do_step, self.do_refill = step, step.refill
+        if not self.capture:
+            return
+        snap = state.snapshot()
+        with ranges.span(ranges.WARMUP):
+            constants = graphs.warm_up(step.refill, 2, model=self.model)
+            if self.spec.graph == "forward":
+                step.phase["prefill"] = None
+                forward = graphs.warm_up(step.forward, 2, model=self.model)
+            else:
+                forward = graphs.warm_up(step, 2, model=self.model)
+        state.restore(snap)
+        pool = torch.cuda.graph_pool_handle()
+        keep = self.refill == "device"
+        with ranges.span(ranges.CAPTURE):
+            refill = graphs.capture(step.refill, self.device, pool, keep_graph=keep, model=self.model,
+                                    constants=constants)
+            self.graphs.append(refill)
+            if self.spec.graph == "forward":
+                fwd = graphs.capture(step.forward, self.device, pool, model=self.model, constants=forward)
+                self.graphs.append(fwd)
+
+                def replayed():
+                    fwd.replay()
+                    return fwd.output
+                step.forward_fn = replayed
+                self.do_refill = step.refill           # forward-graph: the refill's prefill stays eager
+            else:
+                whole = graphs.capture(step, self.device, pool, keep_graph=keep, model=self.model,
+                                       constants=forward)
+                self.graphs.append(whole)
+                self.do_step, self.do_refill = whole.replay, refill.replay
+        if keep:
+            from .devloop import DeviceLoop
+            far = torch.tensor(_FAR, dtype=torch.long, device=self.device)
+            self.fill_loop = DeviceLoop(refill.graph, state.settled, torch.zeros((), dtype=torch.long,
+                                                                                 device=self.device), far)
+            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far,
+                                        inner=(refill.graph, state.settled))
+            self.loops += [self.fill_loop, self.step_loop]
+
+    # -- the run --
+    def run(self) -> RolloutOutput:
+        t_start = time.perf_counter()
+        prefill_s = 0.0
+        try:
+            with torch.inference_mode(), self.step.decoding(), ranges.span(ranges.DECODE, self.slots):
+                self._build()
+                t_loop = time.perf_counter()
+                try:
+                    if self.refill == "device" and self.capture:
+                        prefill_s = self._device()
+                    else:
+                        prefill_s = self._host()
+                except KeyboardInterrupt:
+                    self._synchronize()
+                    self._harvest()
+                    raise RolloutInterrupted(self._output(prefill_s, time.perf_counter() - t_loop)) from None
+                loop_s = time.perf_counter() - t_loop
+                self._harvest()
+        finally:
+            for loop in self.loops:
+                loop.close()
+            for graph in self.graphs:
+                graph.close()
+        out = self._output(prefill_s, loop_s)
+        out.setup_s = t_loop - t_start
+        return out
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _settle(self) -> bool:
+        """Refill while a slot is free and the queue is not empty (host reads); returns done."""
+        done, settled = self._flags()
+        while not settled:
+            with ranges.span(ranges.PREFILL), hidden_waits(self.device, self.waits):
+                self.do_refill()
+            done, settled = self._flags()
+        return done
+
+    def _host(self) -> float:
+        """Both policies with the conditions read on the host (refill="host", and every uncaptured run)."""
+        prefill_s = 0.0
+        t0 = time.perf_counter()
+        done = self._settle()
+        prefill_s += time.perf_counter() - t0
+        steps = 0
+        while not done:
+            steps += 1
+            with ranges.span(ranges.STEP, steps), hidden_waits(self.device, self.waits):
+                self.do_step()
+            with ranges.span(ranges.EOS_CHECK):
+                done, settled = self._flags()
+            if self.on_finished is not None or self.on_group is not None:
+                self._harvest()
+            if not settled:
+                t0 = time.perf_counter()
+                with ranges.span(ranges.PREFILL), hidden_waits(self.device, self.waits):
+                    self.do_refill()
+                done = self._settle()
+                prefill_s += time.perf_counter() - t0
+        return prefill_s
+
+    def _device(self) -> float:
+        """refill="device", captured: refills in a WHILE node after each step, on the device."""
+        t0 = time.perf_counter()
+        with ranges.span(ranges.PREFILL):
+            self.fill_loop.launch()
+            self.fill_refills = self._read(self.state.refills)   # waits for the fill: its time is measured
+        self.fill_s = time.perf_counter() - t0
+        launches = 0
+        if self.spec.device_loop:
+            while True:
+                self.step_loop.launch(max_steps=self.steps_per_launch)
+                launches += 1
+                done = self._read(self.state.done)[0]
+                if self.on_finished is not None or self.on_group is not None:
+                    self._harvest()
+                if done:
+                    break
+        else:
+            poll = max(1, self.poll or 1)
+            while True:
+                for _ in range(poll):
+                    self.step_loop.launch(max_steps=1)
+                launches += poll
+                with ranges.span(ranges.EOS_POLL):
+                    done = self._read(self.state.done)[0]
+                if self.on_finished is not None or self.on_group is not None:
+                    self._harvest()
+                if done:
+                    break
+        self.launches = launches
+        refills = int(self._read(self.state.refills))
+        self.estimated = refills > self.fill_refills
+        each = self.fill_s / self.fill_refills if self.fill_refills else 0.0
+        return self.fill_s + each * (refills - self.fill_refills)
+
+    # -- results --
+    def _harvest(self) -> None:
+        """Read the sequences finished since the last harvest (a read of the flags, one of their rows)."""
         s = self.state
-        rows = torch.tensor(slots, device=self.device)
-        read = torch.cat([s.lengths[rows, None], s.out[rows]], dim=1).cpu()
-        self._count_sync()
+        q = len(self.sequences)
+        finished = self._read(s.finished[:q])
+        new = [i for i in range(q) if finished[i] and self.results[i] is None]
+        if not new:
+            return
+        rows = torch.tensor(new, device=self.device)
+        read = torch.cat([s.out_lengths[rows, None], s.slot_of[rows, None], s.out[rows]], dim=1).cpu()
+        self.syncs += 1
         logprobs = None
         if s.logprobs is not None:
             logprobs = s.logprobs[rows].cpu()
-            self._count_sync()
-        for i, slot in enumerate(slots):
-            q = self.holding[slot]
-            length = int(read[i, 0])
-            tokens = read[i, 1:1 + length].clone()
-            p, k, _ = self.sequences[q]
-            seq = Sequence(p, k, tokens, None if logprobs is None else logprobs[i, :length].clone(),
-                           _finish_reason(tokens.tolist(), self.settings), slot=slot)
-            self.results[q] = seq
-            self.useful += length
-            self.holding[slot] = None
+            self.syncs += 1
+        for j, i in enumerate(new):
+            length = int(read[j, 0])
+            tokens = read[j, 2:2 + length].clone()
+            p, k, _ = self.sequences[i]
+            seq = Sequence(p, k, tokens, None if logprobs is None else logprobs[j, :length].clone(),
+                           _finish_reason(tokens.tolist(), self.settings), slot=int(read[j, 1]))
+            self.results[i] = seq
+            self.delivered += 1
             if self.on_finished is not None:
                 self.on_finished(seq)
+            if self.on_group is not None:
+                left = self.groups_left.setdefault(p, self.num_samples) - 1
+                self.groups_left[p] = left
+                if left == 0:
+                    self.on_group([self.results[i - k + j2] for j2 in range(self.num_samples)])
+
+    def _output(self, prefill_s: float, loop_s: float) -> RolloutOutput:
+        s = self.state
+        row_steps, steps, refills = (int(v) for v in self._read(torch.stack([s.ran.sum(), s.steps, s.refills])))
+        done = [seq for seq in self.results if seq is not None]
+        out = RolloutOutput(done, self.refill, self.slots, self.settings.max_new_tokens, "",
+                            sum(seq.length for seq in done), row_steps, steps, refills, refills,
+                            self.syncs + self.waits.count, prefill_s, max(loop_s - prefill_s, 0.0), 0.0)
+        out.prefill_estimated = self.estimated
+        out.launches = getattr(self, "launches", None)
+        return out

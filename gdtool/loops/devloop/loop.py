@@ -93,12 +93,16 @@ class DeviceLoop:
         needs `rng_increment`, the offset one eager step advances `generator` by (a multiple of 4).
     generator: the CUDA generator the step samples from (default: the device's default generator).
 
+    inner: (graph, settled): after each body run, run `graph` (a `CUDAGraph(keep_graph=True)`) while the
+        one-element int64 tensor `settled` is 0: a WHILE node nested in the loop's body (a rollout's refills).
+        Uncaptured, the body callable runs its own inner loop: pass inner=None.
+
     `launch(max_steps=N)` runs at most N steps (streaming); `launches` counts graph launches.
     """
 
     def __init__(self, body, done: torch.Tensor, step: torch.Tensor, limit, *, count_steps: bool = False,
                  advance_rng: bool = False, rng_increment: int | None = None,
-                 generator: torch.Generator | None = None):
+                 generator: torch.Generator | None = None, inner: tuple | None = None):
         if not isinstance(limit, torch.Tensor):
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise ValueError(f"limit must be an int or a one-element int64 tensor; got {type(limit).__name__}")
@@ -110,6 +114,7 @@ class DeviceLoop:
         self.last_calls = None           # uncaptured: steps run by the last launch
         self.captured = isinstance(body, torch.cuda.CUDAGraph)
         self._exec = self._graph = self._rng = None
+        self.inner = inner
         self._rollout_open = False
         self._closed = False
         self.body_nodes = self.rng_kernels = 0
@@ -202,6 +207,8 @@ class DeviceLoop:
             _check(cu.cuGraphAddNode(parent, [entry], 1, params), "cuGraphAddNode (WHILE)")
         loop_body = params.conditional.phGraph_out[0]
         child = _check(cu.cuGraphAddChildGraphNode(loop_body, None, 0, body_graph), "cuGraphAddChildGraphNode")
+        if self.inner is not None:
+            child = self._add_inner(loop_body, child, ctx)
         self._body_params = self._condition_params(entering=False, max_steps=None)
         _check(cu.cuGraphAddKernelNode(loop_body, [child], 1, self._body_params), "cuGraphAddKernelNode (condition)")
         try:
@@ -212,6 +219,58 @@ class DeviceLoop:
                                f"conditional node; use mode='step-graph'") from None
         stream = torch.cuda.current_stream(self.device)
         _check(cu.cuGraphUpload(self._exec, cu.CUstream(stream.cuda_stream)), "cuGraphUpload")
+
+    def _add_inner(self, graph, after, ctx):
+        """In `graph`, after node `after`: an entry kernel, then a WHILE node running the inner graph while its
+        `settled` flag is 0 (the same condition kernel: no step count, a limit of 1 never reached). Returns the
+        WHILE node."""
+        cu = self._cu
+        inner_graph, settled = self.inner
+        if not isinstance(settled, torch.Tensor) or settled.dtype != torch.int64 or settled.numel() != 1 \
+                or settled.device != self.device:
+            raise ValueError("inner=(graph, settled): settled must be a one-element int64 tensor on the loop's device")
+        try:
+            raw = inner_graph.raw_cuda_graph()
+        except RuntimeError as error:
+            raise ValueError("capture the inner graph with torch.cuda.CUDAGraph(keep_graph=True)") from error
+        inner_body = cu.CUgraph(int(raw))
+        self.body_nodes += _check_body_nodes(cu, inner_body)
+        self._inner_scratch = torch.tensor([0, 1, 0], dtype=torch.int64, device=self.device)  # step, limit, stop_at
+        handle = _check(cu.cuGraphConditionalHandleCreate(graph, ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
+                        "cuGraphConditionalHandleCreate (inner)")
+        entry = _check(cu.cuGraphAddKernelNode(graph, [after], 1, self._inner_params(handle, settled, True)),
+                       "cuGraphAddKernelNode (inner entry)")
+        params = cu.CUgraphNodeParams()
+        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+        params.conditional.size = 1
+        params.conditional.ctx = ctx
+        try:
+            node = _check(cu.cuGraphAddNode(graph, [entry], None, 1, params), "cuGraphAddNode (inner WHILE)")
+        except TypeError:
+            node = _check(cu.cuGraphAddNode(graph, [entry], 1, params), "cuGraphAddNode (inner WHILE)")
+        body = params.conditional.phGraph_out[0]
+        child = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
+        _check(cu.cuGraphAddKernelNode(body, [child], 1, self._inner_params(handle, settled, False)),
+               "cuGraphAddKernelNode (inner condition)")
+        self._inner_handle = handle
+        return node
+
+    def _inner_params(self, handle, settled: torch.Tensor, entering: bool):
+        cu = self._cu
+        kp = cu.CUDA_KERNEL_NODE_PARAMS()
+        kp.func = self._kernels.condition
+        kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1
+        kp.blockDimX = kp.blockDimY = kp.blockDimZ = 1
+        kp.sharedMemBytes = 0
+        base = self._inner_scratch.data_ptr()
+        values = (int(handle), settled.data_ptr(), 1, 8, base, base + 8, base + 16, 0, 0, 0, 0, int(entering))
+        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                 ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int)
+        kp.kernelParams = (values, types)
+        return kp
 
     def _condition_params(self, *, entering: bool, max_steps: int | None):
         cu = self._cu

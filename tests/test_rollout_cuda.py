@@ -1,0 +1,92 @@
+"""The twin rule of a rollout on a GPU: per refill policy, every mode gives the sequences of that policy's eager
+uncaptured run, bit for bit (tokens, log-probabilities, slots, counts); host and device refill follow one
+admission rule, so all of them equal the eager host run. Seeded draws of prompts, slots, lengths (forced EOS at
+drawn targets, and free EOS), greedy and keyed sampling, on two families."""
+import random
+
+import pytest
+import torch
+
+import gdtool
+
+pytestmark = pytest.mark.cuda
+N = 12
+RUNS = [("host", "forward-graph", {}), ("host", "step-graph", {}), ("device", "eager", {}),
+        ("device", "step-graph", {}), ("device", "step-graph", dict(eos_poll_interval=3)),
+        ("device", "device-loop", {}), ("device", "device-loop", dict(steps_per_launch=5))]
+_models: dict = {}
+
+
+def _model(name):
+    if name not in _models:
+        model = gdtool.load_model(name, seed=0, dtype=torch.float32, device="cuda")
+        config = model.config.get_text_config()
+        gen = torch.Generator().manual_seed(123)
+        head = torch.randn(config.vocab_size, config.hidden_size, generator=gen)
+        model.lm_head.weight = torch.nn.Parameter(head.to("cuda"), requires_grad=False)  # tokens follow the context
+        _models[name] = model
+    return _models[name]
+
+
+def _case(seed: int):
+    rng = random.Random(seed)
+    count = rng.randint(5, 14)
+    prompts = [[rng.randrange(3, 4000) for _ in range(rng.randint(1, 9))] for _ in range(count)]
+    slots = rng.choice([1, 2, 3, 5, 8, 16])
+    return rng, prompts, slots
+
+
+def _same(a, b, label):
+    assert [(s.prompt_index, s.sample_index) for s in a.sequences] == [(s.prompt_index, s.sample_index)
+                                                                        for s in b.sequences], label
+    for x, y in zip(a.sequences, b.sequences):
+        assert torch.equal(x.tokens, y.tokens), (label, x.prompt_index, x.tokens.tolist(), y.tokens.tolist())
+        assert torch.equal(x.logprobs, y.logprobs), (label, x.prompt_index)
+        assert (x.slot, x.finish_reason) == (y.slot, y.finish_reason), label
+    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills) == \
+        (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills), label
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("case", ["targets", "greedy-eos", "sampling"])
+def test_every_mode_is_the_eager_run(name, seed, case):
+    model = _model(name)
+    rng, prompts, slots = _case(seed * 7 + len(case))
+    settings = dict(max_new_tokens=N, pad_token_id=0)
+    samples = 1
+    if case == "targets":
+        count = len(prompts)
+        settings.update(eos_token_id=1, target_lengths=[rng.choice([1, 2, N, rng.randint(1, N)]) for _ in range(count)])
+    elif case == "greedy-eos":
+        settings.update(eos_token_id=rng.sample(range(3, 4000), 400))  # a tenth of the vocabulary: ragged lengths
+    else:
+        samples = 2
+        settings.update(do_sample=True, temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.2, seed=seed,
+                        num_samples=samples, eos_token_id=rng.sample(range(3, 4000), 400))
+    reference = gdtool.rollout(model, prompts, slots=slots, refill="host", mode="eager", **settings)
+    lengths = [s.length for s in reference.sequences]
+    assert len(lengths) == len(prompts) * samples
+    for refill, mode, extra in RUNS:
+        out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, **settings, **extra)
+        _same(reference, out, (refill, mode, extra))
+        if refill == "device" and mode == "device-loop" and not extra:
+            assert out.launches == 1 and out.host_syncs < 10  # one launch; reads before and after it
+    if case != "targets":
+        assert len(set(lengths)) > 1
+
+
+def test_device_loop_streams_groups_and_counts_on_the_device():
+    model = _model("tiny-llama")
+    rng, prompts, _ = _case(11)
+    groups, singles = [], []
+    targets = [rng.randint(1, N) for _ in range(len(prompts) * 3)]
+    out = gdtool.rollout(model, prompts, slots=4, max_new_tokens=N, refill="device", mode="device-loop",
+                         steps_per_launch=4, do_sample=True, seed=5, num_samples=3, eos_token_id=1, pad_token_id=0,
+                         target_lengths=targets, on_group=groups.append, on_finished=singles.append)
+    assert [s.length for s in out.sequences] == targets
+    assert len(singles) == len(targets) and len(groups) == len(prompts)
+    for group in groups:
+        assert len({s.prompt_index for s in group}) == 1 and [s.sample_index for s in group] == [0, 1, 2]
+    assert out.row_steps == out.prefills + 4 * out.decode_steps
+    assert out.launches >= out.decode_steps // 4
