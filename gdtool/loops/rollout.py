@@ -166,7 +166,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
         if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None:
             raise ValueError("on_group, eos_poll_interval and steps_per_launch are refill='host'/'device' options; "
                              "refill='off' decodes through a Decoder: leave them unset")
-        run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished,
+        run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished, targets,
                              Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
                                      **given, **unsupported))
@@ -215,9 +215,6 @@ def _check_targets(target_lengths, count: int, settings, refill: str):
     sequence, in input order (prompt-major, then sample); the sequence's first EOS id is forced as that token."""
     if target_lengths is None:
         return None
-    if refill == "off":
-        raise ValueError("target_lengths is a refill='host'/'device' option (refill='off' decodes through a "
-                         "Decoder: use gdtool.decode(..., target_lengths=) there)")
     if not settings.has_eos:
         raise ValueError("target_lengths forces an EOS id at each target, and no eos_token_id is set; pass "
                          "eos_token_id=<id>")
@@ -279,8 +276,9 @@ def _finish_reason(tokens: list[int], settings) -> str:
 class _StaticRollout:
     """refill="off": `slots` consecutive sequences at a time, left-padded, through one Decoder."""
 
-    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, decoder: Decoder):
+    def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, targets, decoder: Decoder):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
+        self.targets = targets
         self.return_logprobs, self.on_finished, self.decoder = return_logprobs, on_finished, decoder
 
     def run(self) -> RolloutOutput:
@@ -296,7 +294,8 @@ class _StaticRollout:
                 for row, (_, _, prompt) in enumerate(members):
                     ids[row, width - len(prompt):] = torch.tensor(prompt)
                     mask[row, width - len(prompt):] = 1
-                out = self.decoder.generate(ids.to(device), mask.to(device))
+                targets = None if self.targets is None else self.targets[first:first + self.slots]
+                out = self.decoder.generate(ids.to(device), mask.to(device), target_lengths=targets)
                 lengths = out.lengths.tolist()
                 for row, (p, k, _) in enumerate(members):
                     tokens = out.tokens[row, :lengths[row]].clone()
