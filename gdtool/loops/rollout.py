@@ -4,29 +4,29 @@ A static batch waits for its longest row: with realistic response lengths most r
 batch decode pads for rows that finished long ago. A rollout takes a list of prompts (many more than
 the slots) and keeps `slots` rows decoding:
 
-    out = gdtool.rollout(model, prompts, slots=64, max_new_tokens=512, refill="host", eos_token_id=eos)
+    out = gdtool.rollout(model, prompts, slots=64, max_new_tokens=512, refill="device", mode="device-loop",
+                         eos_token_id=eos)
     out.sequences[i].tokens, .logprobs, .finish_reason     # in input order: prompt-major, then sample
     out.useful_tokens, out.row_steps, out.row_step_share, out.tokens_per_s
     out.to_frame()                                         # one row per sequence
 
 refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded, through a
                `Decoder` (any mode and kernels). Each sequence is bit for bit generate() on its batch.
-refill="host"  each slot holds one sequence at its own positions (`core/rollout_step.py`). Between steps
-               the host refills the slots that finished: the free slots, in slot order, take prompts
-               from the queue in input order; their prompts are prefilled alone (those of one width
-               together) and copied into the slots' cache rows before the next step. A sequence that
-               ends at its prefill (EOS first, or max_new_tokens=1) frees its slot for another round
-               before the step. Greedy, each sequence is generate() on its prompt alone, up to rounding
-               (the step runs batched, over a longer cache): tokens equal in float64 on a CPU.
-               Sampling draws keyed noise (`core/noise.py`), not generate()'s generator stream: token t of
-               sample k of prompt p races exponentials that are a hash of (seed, p, k, t, vocabulary id),
-               so a sequence does not depend on its slot, the slot count or its neighbours; the same seed
-               gives the same rollout. Temperature, top-k, top-p and the repetition penalty apply as in
-               generate(). `seed` is required to sample.
-               eager mode, HF's kernels, dense full-attention models for now.
+refill="host"  each slot holds one sequence at its own positions (`core/rollout_step.py`). After each
+               decode step the host reads the flags and, while a slot is free and the queue is not
+               empty, runs a refill: the next sequence (input order) starts in the first free slot,
+               its prompt prefilled alone in one row, its keys and values written into the slot's
+               cache row. Greedy, each sequence is generate() on its prompt alone, up to rounding
+               (tokens equal in float64 on a CPU). Sampling draws keyed noise (`core/noise.py`),
+               not generate()'s generator stream, so a sequence does not depend on its slot, the
+               slot count or its neighbours; `seed` is required to sample.
+refill="device" the same step and refills, decided on the device: step-graph launches one graph per
+               step whose refills run in a WHILE node; device-loop runs the whole rollout in one
+               launch (`steps_per_launch` chunks it). Bit for bit refill="host".
+               Both: HF's kernels, dense full-attention models for now (docs/rollout.md).
 
 Figures: `useful_tokens` (the sequences' lengths), `row_steps` (one per slot and decode step, plus one per
-prefilled row: what the device ran, counted on the device for refill="host"), `row_step_share`, host
+refill: what the device ran, counted on the device), `row_step_share`, host
 syncs, prefill time (refills included), decode time and `tokens_per_s` (useful tokens per second of the
 whole call).
 """
