@@ -12,13 +12,13 @@ from .core.compat import untested_transformers as _untested_transformers
 from .core.modes import MODES
 from .loops.decode import DecodeOutput, decode
 from .loops.decoder import Decoder
-from .loops.rollout import RolloutOutput, rollout
+from .loops.rollout import RolloutInterrupted, RolloutOutput, rollout
 from .core.models import PRESETS, load_model, random_prompts
 from .measure.timing import ProfileResult, add_device_busy, profile
 from .frontends.sweep import sweep
 from .measure import costmodel, workloads
 
-__all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "RolloutOutput", "add_device_busy",
+__all__ = ["MODES", "PRESETS", "DecodeOutput", "Decoder", "ProfileResult", "RolloutInterrupted", "RolloutOutput", "add_device_busy",
            "costmodel", "decode", "load_model", "profile", "random_prompts", "rollout", "sweep", "workloads"]
 __version__ = "0.1.0"
 

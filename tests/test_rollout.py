@@ -632,3 +632,37 @@ def test_host_sweep_long(name, seed):
         for slots in (1, 4, 7, 20):
             out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=n, refill="host", **settings)
             _assert_alone(model, prompts, out, n=n, **settings)
+
+
+def test_decoder_rollout_takes_the_decoders_settings():
+    model = _lively("tiny-llama", dtype=torch.float32)
+    prompts = _prompts(model, 5, seed=3)
+    decoder = gdtool.Decoder(model, mode="eager", max_new_tokens=6, eos_token_id=None, pad_token_id=0,
+                             return_logprobs=True)
+    for refill in ("off", "host", "device"):
+        got = decoder.rollout(prompts, slots=2, refill=refill)
+        want = gdtool.rollout(model, prompts, slots=2, refill=refill, mode="eager", max_new_tokens=6,
+                              eos_token_id=None, pad_token_id=0)
+        _assert_same_sequences(got, want)
+    targets = [1, 2, 3, 4, 5]
+    out = decoder.rollout(prompts, slots=2, refill="device", eos_token_id=1, target_lengths=targets)
+    assert [s.length for s in out.sequences] == targets
+
+
+def test_interrupt_keeps_the_finished_sequences():
+    model = _lively("tiny-llama", dtype=torch.float32)
+    prompts = _prompts(model, 6, seed=4)
+    seen = []
+
+    def stop_at_third(seq):
+        seen.append(seq)
+        if len(seen) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", eos_token_id=1, pad_token_id=0,
+                       target_lengths=[2, 5, 3, 9, 1, 4], on_finished=stop_at_third)
+    partial = caught.value.output
+    assert isinstance(caught.value, gdtool.RolloutInterrupted)
+    assert len(partial.sequences) >= 3 and len(partial.sequences) < len(prompts)
+    assert {s.prompt_index for s in seen} <= {s.prompt_index for s in partial.sequences}

@@ -378,8 +378,18 @@ class RowStep(Step):
 
     def _prefill_logits(self, ids, prompt_mask, slot, length) -> torch.Tensor:
         """The prompt's forward, alone in its row (keys and values written into the slot's columns), and the
-        float32 logits at its last position, [1, V]."""
-        inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": prompt_mask,
+        float32 logits at its last position, [1, V].
+
+        The mask goes in built, 4-D ([1, 1, W, C]: causal over the prompt AND its columns [0, L)), which
+        transformers takes as it is. From a 2-D mask it would, uncaptured, read the mask on the host and drop it
+        for sdpa's is_causal where the prompt fills W (a prefill from an empty cache may), while a captured
+        prefill always keeps it: two kernels, two roundings."""
+        allowed = (self.columns <= self.prompt_positions[0, :, None]) & prompt_mask.bool()   # [W, C]
+        mask = allowed[None, None]
+        if getattr(self.model.config, "_attn_implementation", None) == "eager":
+            dtype = self.model.dtype
+            mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+        inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": mask,
                   "position_ids": self.prompt_positions, "use_cache": True}
         last = (length - 1)
         if self.feed.logits_to_keep:
