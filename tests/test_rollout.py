@@ -640,12 +640,12 @@ def test_decoder_rollout_takes_the_decoders_settings():
     decoder = gdtool.Decoder(model, mode="eager", max_new_tokens=6, eos_token_id=None, pad_token_id=0,
                              return_logprobs=True)
     for refill in ("off", "host", "device"):
-        got = decoder.rollout(prompts, slots=2, refill=refill)
+        got = gdtool.rollout(decoder, prompts, slots=2, refill=refill)
         want = gdtool.rollout(model, prompts, slots=2, refill=refill, mode="eager", max_new_tokens=6,
                               eos_token_id=None, pad_token_id=0)
         _assert_same_sequences(got, want)
     targets = [1, 2, 3, 4, 5]
-    out = decoder.rollout(prompts, slots=2, refill="device", eos_token_id=1, target_lengths=targets)
+    out = gdtool.rollout(decoder, prompts, slots=2, refill="device", eos_token_id=1, target_lengths=targets)
     assert [s.length for s in out.sequences] == targets
 
 

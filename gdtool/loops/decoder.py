@@ -118,22 +118,6 @@ class Decoder:
         ids, _, _ = self._prepare(input_ids, attention_mask, target_lengths, settings)
         return self._signature(ids, target_lengths is not None, settings)
 
-    def rollout(self, prompts, *, slots: int, refill: str = "off", seed: int | None = None, **kwargs):
-        """`gdtool.rollout` with this Decoder's model, mode, kernels, capture and settings (`configure`'s);
-        `kwargs` are rollout's own options (target_lengths, on_finished, on_group, steps_per_launch, ...) and
-        override the Decoder's settings for this call. refill="off" decodes through a Decoder of its own; the
-        refill policies capture their graphs per call (the queue and the prompt width shape them), so weights
-        updated in place between rollouts are always seen."""
-        from .rollout import rollout
-        options = self._options
-        args = dict(self._settings, mode=self.mode, kernels=options["kernels"], capture=options["capture"],
-                    max_new_tokens=options["max_new_tokens"], return_logprobs=options["return_logprobs"],
-                    num_samples=options["num_samples"])
-        if refill == "device" and self.mode == "step-graph" and options["eos_poll_interval"] is not None:
-            args["eos_poll_interval"] = options["eos_poll_interval"]
-        args.update(kwargs)
-        return rollout(self.model, prompts, slots=slots, refill=refill, seed=seed, **args)
-
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, seed: int | None = None,
                  target_lengths=None) -> DecodeOutput:
         """Decode like `gdtool.decode()` with this Decoder's settings, replaying a graph when one fits."""

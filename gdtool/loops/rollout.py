@@ -117,13 +117,16 @@ class RolloutOutput:
                     tokens_per_s=self.tokens_per_s)
 
 
-def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int = 1, refill: str = "off",
+def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, num_samples: int = 1, refill: str = "off",
             seed: int | None = None, return_logprobs: bool = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
             steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
             **unsupported) -> RolloutOutput:
     """Decode every prompt of `prompts` (token id lists, ragged) `num_samples` times through `slots` rows.
+
+    `model` may be a `Decoder`: its model, mode, kernels, capture and settings are used, and what this call
+    names (other than at its default) overrides them.
 
     Settings resolve as generate() resolves them (see `gdtool.decode`). refill="off": `seed` seeds the global
     generators once, before the first batch, and the batches draw from them in turn (generate()'s stream, bit
@@ -134,6 +137,15 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     its batch). Everything is checked before any work: a bad input or a setting the refill cannot honour ends
     in one ValueError that says why and what to use instead.
     """
+    if isinstance(model, Decoder):
+        return rollout(**_from_decoder(model, prompts, slots=slots, max_new_tokens=max_new_tokens,
+                                       num_samples=num_samples, refill=refill, seed=seed,
+                                       return_logprobs=return_logprobs, mode=mode, kernels=kernels, capture=capture,
+                                       on_finished=on_finished, on_group=on_group,
+                                       eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
+                                       target_lengths=target_lengths, do_sample=do_sample, temperature=temperature,
+                                       top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                                       eos_token_id=eos_token_id, pad_token_id=pad_token_id, **unsupported))
     t_start = time.perf_counter()
     if not isinstance(refill, str) or refill not in REFILLS:
         raise ValueError(f"refill={refill!r} is not one of {REFILLS}: 'off' decodes static batches of `slots` "
@@ -176,6 +188,29 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int, num_samples: int
     out.mode = mode
     out.total_s = time.perf_counter() - t_start
     return out
+
+
+_ROLLOUT_DEFAULTS = dict(max_new_tokens=None, num_samples=1, return_logprobs=True, mode="eager", kernels="hf",
+                         capture=None, eos_poll_interval=None)
+
+
+def _from_decoder(decoder: Decoder, prompts, **given) -> dict:
+    """rollout(decoder, ...): the Decoder's model, mode, kernels, capture and settings (`configure`'s), with what
+    the call names explicitly on top. refill="off" still decodes through a Decoder of its own; the refill
+    policies capture their graphs per call (the queue and the prompt width shape them), so weights updated in
+    place between rollouts are always seen."""
+    options = decoder._options
+    args = dict(decoder._settings, model=decoder.model, prompts=prompts, mode=decoder.mode,
+                kernels=options["kernels"], capture=options["capture"], max_new_tokens=options["max_new_tokens"],
+                return_logprobs=options["return_logprobs"], num_samples=options["num_samples"])
+    if given.get("refill") == "device" and decoder.mode == "step-graph":
+        args["eos_poll_interval"] = options["eos_poll_interval"]
+    for name, value in given.items():
+        if value is UNSET or (name in _ROLLOUT_DEFAULTS and value == _ROLLOUT_DEFAULTS[name]
+                              and name in args):
+            continue
+        args[name] = value
+    return args
 
 
 def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, steps_per_launch):
