@@ -195,17 +195,7 @@ class DeviceLoop:
         entry = _check(cu.cuGraphAddKernelNode(parent, None, 0, self._entry_params), "cuGraphAddKernelNode (entry)")
         self._entry = entry
 
-        params = cu.CUgraphNodeParams()
-        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-        params.conditional.handle = handle
-        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
-        params.conditional.ctx = ctx
-        try:  # cuda-python 13: (graph, deps, edge data, count, params); 12.x: (graph, deps, count, params)
-            _check(cu.cuGraphAddNode(parent, [entry], None, 1, params), "cuGraphAddNode (WHILE)")
-        except TypeError:
-            _check(cu.cuGraphAddNode(parent, [entry], 1, params), "cuGraphAddNode (WHILE)")
-        loop_body = params.conditional.phGraph_out[0]
+        _, loop_body = self._add_while(parent, entry, handle, ctx, "WHILE")
         child = _check(cu.cuGraphAddChildGraphNode(loop_body, None, 0, body_graph), "cuGraphAddChildGraphNode")
         if self.inner is not None:
             child = self._add_inner(loop_body, child, ctx)
@@ -219,6 +209,21 @@ class DeviceLoop:
                                f"conditional node; use mode='step-graph'") from None
         stream = torch.cuda.current_stream(self.device)
         _check(cu.cuGraphUpload(self._exec, cu.CUstream(stream.cuda_stream)), "cuGraphUpload")
+
+    def _add_while(self, graph, after, handle, ctx, what: str):
+        """A WHILE node on `handle` in `graph`, after node `after`: (the node, its body graph)."""
+        cu = self._cu
+        params = cu.CUgraphNodeParams()
+        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
+        params.conditional.handle = handle
+        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
+        params.conditional.size = 1
+        params.conditional.ctx = ctx
+        try:  # cuda-python 13: (graph, deps, edge data, count, params); 12.x: (graph, deps, count, params)
+            node = _check(cu.cuGraphAddNode(graph, [after], None, 1, params), f"cuGraphAddNode ({what})")
+        except TypeError:
+            node = _check(cu.cuGraphAddNode(graph, [after], 1, params), f"cuGraphAddNode ({what})")
+        return node, params.conditional.phGraph_out[0]
 
     def _add_inner(self, graph, after, ctx):
         """In `graph`, after node `after`: an entry kernel, then a WHILE node running the inner graph while its
@@ -240,17 +245,7 @@ class DeviceLoop:
                         "cuGraphConditionalHandleCreate (inner)")
         entry = _check(cu.cuGraphAddKernelNode(graph, [after], 1, self._inner_params(handle, settled, True)),
                        "cuGraphAddKernelNode (inner entry)")
-        params = cu.CUgraphNodeParams()
-        params.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_CONDITIONAL
-        params.conditional.handle = handle
-        params.conditional.type = cu.CUgraphConditionalNodeType.CU_GRAPH_COND_TYPE_WHILE
-        params.conditional.size = 1
-        params.conditional.ctx = ctx
-        try:
-            node = _check(cu.cuGraphAddNode(graph, [entry], None, 1, params), "cuGraphAddNode (inner WHILE)")
-        except TypeError:
-            node = _check(cu.cuGraphAddNode(graph, [entry], 1, params), "cuGraphAddNode (inner WHILE)")
-        body = params.conditional.phGraph_out[0]
+        node, body = self._add_while(graph, entry, handle, ctx, "inner WHILE")
         child = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
         _check(cu.cuGraphAddKernelNode(body, [child], 1, self._inner_params(handle, settled, False)),
                "cuGraphAddKernelNode (inner condition)")
@@ -258,35 +253,32 @@ class DeviceLoop:
         return node
 
     def _inner_params(self, handle, settled: torch.Tensor, entering: bool):
-        cu = self._cu
-        kp = cu.CUDA_KERNEL_NODE_PARAMS()
-        kp.func = self._kernels.condition
-        kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1
-        kp.blockDimX = kp.blockDimY = kp.blockDimZ = 1
-        kp.sharedMemBytes = 0
         base = self._inner_scratch.data_ptr()
-        values = (int(handle), settled.data_ptr(), 1, 8, base, base + 8, base + 16, 0, 0, 0, 0, int(entering))
-        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-                 ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int)
-        kp.kernelParams = (values, types)
-        return kp
+        return self._condition_kernel((int(handle), settled.data_ptr(), 1, 8, base, base + 8, base + 16, 0, 0, 0, 0,
+                                       int(entering)))
 
     def _condition_params(self, *, entering: bool, max_steps: int | None):
-        cu = self._cu
         rng_offset = self._rng[1] if (self._rng is not None and not entering) else 0
-        kp = cu.CUDA_KERNEL_NODE_PARAMS()
+        return self._condition_kernel((int(self._handle), self.done.data_ptr(), self.done.numel(),
+                                       _DONE_WIDTHS[self.done.dtype], self.step.data_ptr(), self.limit.data_ptr(),
+                                       self._stop_at.data_ptr(), max_steps or 0,
+                                       1 if (self.count_steps and not entering) else 0, rng_offset,
+                                       self.rng_increment or 0, int(entering)))
+
+    # the condition kernel's arguments (nvrtc.py: gdtool_loop_condition)
+    _CONDITION_TYPES = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
+                        ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int)
+
+    def _condition_kernel(self, values: tuple):
+        """A one-thread launch of the condition kernel with `values` (handle, done, numel, width, step, limit,
+        stop_at, max_steps, step increment, RNG offset, RNG increment, entering)."""
+        kp = self._cu.CUDA_KERNEL_NODE_PARAMS()
         kp.func = self._kernels.condition
         kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1
         kp.blockDimX = kp.blockDimY = kp.blockDimZ = 1
         kp.sharedMemBytes = 0
-        values = (int(self._handle), self.done.data_ptr(), self.done.numel(), _DONE_WIDTHS[self.done.dtype],
-                  self.step.data_ptr(), self.limit.data_ptr(), self._stop_at.data_ptr(), max_steps or 0,
-                  1 if (self.count_steps and not entering) else 0, rng_offset, self.rng_increment or 0, int(entering))
-        types = (ctypes.c_ulonglong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int,
-                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_longlong,
-                 ctypes.c_longlong, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int)
-        kp.kernelParams = (values, types)
+        kp.kernelParams = (values, self._CONDITION_TYPES)
         return kp
 
     # -- running --
