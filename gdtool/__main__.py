@@ -2,6 +2,7 @@
 
     run       decode in one or all modes and compare them                 (gdtool.frontends.run)
     bench     gdtool's modes against generate() and a gpt-fast-style step  (gdtool.frontends.bench)
+              --workload rollout: gdtool.rollout against HF continuous batching (gdtool.frontends.rollout_bench)
     profile   per-step host vs device time, in-process or under Nsight Systems (--nsys, --read)
                                                                           (gdtool.frontends.profile)
     sweep     EOS-polling x batch-size grids to CSV                       (gdtool.frontends.sweep)

@@ -2,6 +2,7 @@
 
     run.py        python -m gdtool run: decode in one or all modes and compare them
     bench.py      python -m gdtool bench: gdtool's modes against generate() and a gpt-fast-style step
+    rollout_bench.py  python -m gdtool bench --workload rollout: gdtool.rollout against HF continuous batching
     profile.py    python -m gdtool profile: per-step host vs device time, in-process or under nsys
     sweep.py      python -m gdtool sweep, and `gdtool.sweep`: EOS-polling x batch-size grids
     options.py    the commands' one grammar: option names, lists, defaults, errors, --json, progress

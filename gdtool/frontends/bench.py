@@ -39,6 +39,11 @@ rounding), and on a GPU PyTorch's default kernels are not run-to-run reproducibl
     python -m gdtool bench --model tiny-llama --batch 2 --prompt-len 8 --max-new-tokens 8   # CPU, seconds
     python -m gdtool bench --model llama-1b --batch 1,64                    # GPU: table + results/bench/
     python -m gdtool bench --model llama-8b --batch 1 --modes step-graph --peers gpt-fast --kernels hf,compiled
+    python -m gdtool bench --workload rollout --model llama-1b --slots 64 --prompts 1024 --prompt-len 128 --lengths geom:128:512
+
+`--workload rollout` measures another workload with options of its own (gdtool.frontends.rollout_bench; its
+--help lists them): many prompts with ragged response lengths through `--slots` rows, useful tokens per second
+of gdtool.rollout's static batches, host and device refills against transformers' continuous batching.
 
 Results go to `<out>/<config name>.csv` (one row per runner x timed repeat, every config field a
 column) and `<config name>.json` (environment: GPU, driver, torch, transformers, git commit, date;
@@ -46,6 +51,7 @@ the config; the summary), written after every config. The last stdout line is on
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import gc
 import json
@@ -580,8 +586,17 @@ def _none_or_list(values) -> tuple[str, ...]:
     return () if list(values) == ["none"] else tuple(v for v in values if v != "none")
 
 
+WORKLOADS = ("decode", "rollout")
+# options of the rollout workload, refused under --workload decode
+ROLLOUT_ONLY = ("--slots", "--prompts", "--lengths", "--cb-cuda-graphs")
+
+
 def parser() -> options.Parser:
     p = options.Parser("python -m gdtool bench", __doc__.split("\n\n")[0] + "\n\n" + _EXAMPLES)
+    p.add_argument("--workload", choices=WORKLOADS, default="decode",
+                   help="decode: gdtool's modes against generate() and a gpt-fast-style step (the options below); "
+                        "rollout: gdtool.rollout against HF continuous batching, with options of its own "
+                        "(python -m gdtool bench --workload rollout --help)")
     p.add_model()
     p.add_batch([1])
     p.add_prompt_len(128)
@@ -602,6 +617,17 @@ def parser() -> options.Parser:
     return p
 
 
+def _workload(argv: list[str]) -> str:
+    """The --workload argv asks for ("decode" when absent or not one of WORKLOADS: the full parser then says why)."""
+    pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    pre.add_argument("--workload")
+    try:
+        known, _ = pre.parse_known_args(argv)
+    except argparse.ArgumentError:   # --workload without a value: the full parser says so
+        return "decode"
+    return known.workload if known.workload in WORKLOADS else "decode"
+
+
 _EXAMPLES = "\n".join(line for line in __doc__.splitlines() if line.startswith("    python -m gdtool bench"))
 
 
@@ -610,8 +636,16 @@ def parse_args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if _workload(argv) == "rollout":
+        from . import rollout_bench
+        return rollout_bench.main(argv)
     p = parser()
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    misplaced = options.given(argv, ROLLOUT_ONLY)
+    if misplaced:
+        p.error(f"{misplaced[0]} is an option of --workload rollout; add --workload rollout (the decode workload "
+                "takes --batch and --max-new-tokens)")
+    args = p.parse_args(argv)
     modes = tuple(options.expand_modes(_none_or_list(args.mode)))
     peers = _none_or_list(args.peers)
     if not modes and not peers:

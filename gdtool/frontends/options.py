@@ -79,6 +79,12 @@ def out_path(path, file: bool = False, error=None) -> str:
     return str(target)
 
 
+def given(argv, names) -> list[str]:
+    """The options of `names` that `argv` holds, in its order, spelled out in full (``--slots 4`` or
+    ``--slots=4``): a command refuses with them the options of another of its forms before it parses."""
+    return [arg.split("=", 1)[0] for arg in argv if arg.split("=", 1)[0] in names]
+
+
 def split(values) -> list[str]:
     """Items of a list option: each value split on commas and whitespace, empty items dropped."""
     items = []

@@ -1,0 +1,175 @@
+"""`python -m gdtool bench --workload rollout` on CPU with tiny-llama: it runs end to end through the command line,
+writes CSV + JSON, makes exactly the drawn tokens, prints ratios of its own figures and an ideal computed from
+them; bad input ends it with one line (exit 2) before any model loads. No speed is asserted."""
+import json
+import re
+
+import pandas as pd
+import pytest
+import torch
+
+from gdtool import __main__ as cli
+from gdtool.frontends import rollout_bench
+from gdtool.measure import record, workloads
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # tiny matmuls on a shared CPU: more threads only spin against each other
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+BASE = ["bench", "--workload", "rollout", "--model", "tiny-llama", "--device", "cpu", "--no-progress"]
+TINY = BASE + ["--prompts", "6", "--prompt-len", "4", "--slots", "2,3", "--lengths", "uniform:1:6", "--repeats", "1"]
+ROLLOUTS = ("static", "host", "device")
+
+
+def run_cli(argv, capsys):
+    rc = cli.main(argv + ["--json"])
+    captured = capsys.readouterr()
+    return rc, captured.err, json.loads(captured.out.strip().splitlines()[-1])
+
+
+def test_rollout_workload_end_to_end(tmp_path, capsys):
+    rc, table, doc = run_cli(TINY + ["--out", str(tmp_path)], capsys)
+    assert rc == 0, table
+    drawn = int(workloads.parse("uniform:1:6").draw(batch=6, seed=0).sum())
+    assert doc["bench"] == "rollout" and doc["captured"] is False
+    assert "ran their step uncaptured" in table
+
+    names = [f"tiny-llama_rollout_s{s}_n6_p4_uniform1-6" for s in (2, 3)]
+    assert doc["files"] == [str(tmp_path / f"{n}.{ext}") for n in names for ext in ("csv", "json")]
+    ratio_lines = re.findall(r"^ratios \(useful tok/s\): (.*)$", table, flags=re.M)
+    assert len(ratio_lines) == 2
+    for slots, name, line in zip((2, 3), names, ratio_lines):
+        rows = {r["runner"]: r for r in doc["results"] if r["slots"] == slots}
+        assert set(rows) == set(rollout_bench.RUNNERS)
+        off = rows["eos-off"]
+        assert off["status"] == "ok" and off["useful_tokens"] == slots * 6 and off["decode_steps"] == 5
+        assert off["step_s"] > 0
+        for runner in ROLLOUTS:
+            r = rows[runner]
+            assert r["status"] == "ok", r
+            assert r["useful_tokens"] == r["drawn_tokens"] == drawn and r["early"] == 0
+            assert r["tok_s"] == pytest.approx(r["useful_tokens"] / r["wall_s"])
+            assert 0 < r["row_step_share"] <= 1 and r["decode_steps"] >= 5 and r["host_syncs"] > 0
+            assert r["ideal_s"] == pytest.approx(r["prefill_s"] + r["decode_steps"] * off["step_s"])
+            assert r["of_ideal"] == pytest.approx(r["ideal_s"] / r["wall_s"])
+        cb = rows["hf-cb"]
+        if cb["status"] == "ok":
+            assert cb["useful_tokens"] == drawn and cb["early"] == 0
+            assert "transformers" in cb["note"] and "max_requests_per_batch=" + str(slots) in cb["note"]
+        else:
+            assert cb["status"] == "n/a" and cb["note"] and cb["tok_s"] is None
+
+        # the ratios are those of the runners' useful tokens/s, in the JSON and on the printed line
+        ratios = next(x for x in doc["ratios"] if x["config"] == name)
+        for a, b in rollout_bench.RATIOS:
+            if rows[a]["tok_s"] is None or rows[b]["tok_s"] is None:
+                assert ratios[f"{a}/{b}"] is None
+                assert f"{a}/{b} -" in line
+            else:
+                assert ratios[f"{a}/{b}"] == pytest.approx(rows[a]["tok_s"] / rows[b]["tok_s"])
+                assert f"{a}/{b} {ratios[f'{a}/{b}']:.2f}" in line
+
+        df = pd.read_csv(tmp_path / f"{name}.csv")
+        timed = df[df.status == "ok"]
+        assert set(timed.runner) >= {*ROLLOUTS, "eos-off"} and (timed.repeat == 0).all()
+        assert (timed[timed.runner.isin(ROLLOUTS)].useful_tokens == drawn).all() and (df.slots == slots).all()
+        meta = json.loads((tmp_path / f"{name}.json").read_text())
+        assert set(record.ENV_KEYS) <= set(meta["environment"]) and meta["config"]["slots"] == slots
+        assert meta["ratios"] == {k: v for k, v in ratios.items() if "/" in k}
+
+    for label in rollout_bench.LABELS.values():
+        assert label in table
+    for heading in ("tok_s", "wall_s", "share", "steps", "syncs", "prefill_s", "ideal_s", "of_ideal"):
+        assert heading in table
+
+    # the same command again resumes: both configs are in --out already, nothing is measured or loaded
+    rc, again_table, again = run_cli(TINY + ["--out", str(tmp_path)], capsys)
+    assert rc == 0 and again_table.count("skipped") == 2 and "loaded" not in again_table
+    assert [r["tok_s"] for r in again["results"]] == pytest.approx([r["tok_s"] for r in doc["results"]],
+                                                                   nan_ok=True)
+    assert again["ratios"] == doc["ratios"]
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model was loaded before the bad input was refused")
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--slots", "0"], "argument --slots: slots 0 must be at least 1"),
+    (["--prompts", "0"], "argument --prompts: prompts 0 must be at least 1"),
+    (["--lengths", "zipf:3"], "unknown length distribution 'zipf:3'"),
+    (["--lengths", "eos-off"], "a rollout needs lengths that end"),
+    (["--prompts", "4", "--lengths", "list:3,4"], "one length per prompt: --prompts 4"),
+    (["--batch", "4"], "--batch is an option of --workload decode; the rollout workload takes --slots"),
+    (["--max-new-tokens", "8"], "max_new_tokens is the distribution's cap"),
+])
+def test_bad_input_is_one_line_before_any_model(extra, words, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rollout_bench, "load_model", _no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(BASE + extra + ["--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    assert err[0].startswith("python -m gdtool bench --workload rollout: error: ") and words in err[0], err[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--slots", "4"], "--slots is an option of --workload rollout; add --workload rollout"),
+    (["--lengths", "geom:8:32"], "--lengths is an option of --workload rollout"),
+    (["--workload", "serve"], "argument --workload: invalid choice: 'serve'"),
+])
+def test_decode_workload_refuses_rollout_options(argv, words, tmp_path, monkeypatch, capsys):
+    from gdtool.frontends import bench
+    monkeypatch.setattr(bench, "load_model", _no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["bench", "--model", "tiny-llama", "--device", "cpu", *argv, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("python -m gdtool bench: error: ") and words in err[0], err
+
+
+def test_help_names_the_workload(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    decode_help = capsys.readouterr().out
+    assert "--workload {decode,rollout}" in decode_help and "bench --workload rollout" in decode_help
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--workload", "rollout", "--help"])
+    rollout_help = capsys.readouterr().out
+    for option in ("--slots", "--prompts", "--lengths", "--cb-cuda-graphs", "--repeats", "--out"):
+        assert option in rollout_help
+    assert "--batch" not in rollout_help
+
+
+class _NoContinuousBatching:
+    """A stand-in model: transformers gives it no continuous batching."""
+
+
+class _ContinuousBatchingThatFails:
+    """A stand-in model whose continuous batching exists but cannot start here."""
+    continuous_batching_context_manager = None
+
+
+def test_hf_cb_is_na_with_the_reason_where_it_cannot_run(monkeypatch):
+    cfg = rollout_bench.RolloutConfig("tiny-llama", slots=2, prompts=6, prompt_len=4, lengths="uniform:1:6",
+                                      repeats=1)
+    result = rollout_bench.measure(_NoContinuousBatching(), "hf-cb", None, cfg)
+    assert result.status == "n/a" and "no continuous batching" in result.note and not result.samples
+
+    class Fails:
+        def __init__(self, *args):
+            pass
+
+        def __call__(self):
+            raise RuntimeError("the paged cache needs a CUDA device")
+    monkeypatch.setattr(rollout_bench, "ContinuousBatchingRunner", Fails)
+    result = rollout_bench.measure(_ContinuousBatchingThatFails(), "hf-cb", None, cfg)
+    assert result.status == "n/a" and not result.samples
+    assert result.note == ("continuous batching does not run here: RuntimeError: the paged cache needs a CUDA "
+                           "device")
