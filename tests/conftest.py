@@ -103,3 +103,13 @@ def load():
             _models[key] = gdtool.load_model(name, seed=0, dtype=dtype, device=device)
         return _models[key]
     return get
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls on a shared CPU: more threads only spin against each other (modules that run many small
+    models in-process use it: test_bench, test_cli, test_rollout_bench)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -11,13 +11,7 @@ import gdtool
 from gdtool.frontends import bench
 from gdtool.measure import roofline
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls on a shared CPU: more threads only spin against each other
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls, one thread
 
 
 TINY = ["--model", "tiny-llama", "--batch", "2", "--prompt-len", "8", "--max-new-tokens", "8", "--repeats", "2"]

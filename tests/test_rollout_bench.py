@@ -6,20 +6,13 @@ import re
 
 import pandas as pd
 import pytest
-import torch
 
 from gdtool import __main__ as cli
 from gdtool.frontends import rollout_bench
 from gdtool.measure import record, workloads
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # tiny matmuls on a shared CPU: more threads only spin against each other
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny matmuls, one thread
 
 
 BASE = ["bench", "--workload", "rollout", "--model", "tiny-llama", "--device", "cpu", "--no-progress"]
