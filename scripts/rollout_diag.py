@@ -15,7 +15,8 @@ prompts = torch.randint(3, 1000, (count, 128), generator=gen).tolist()
 targets = workloads.geometric(mean=n // 2, cap=n).draw(batch=count, seed=0).tolist()
 common = dict(max_new_tokens=n, eos_token_id=2, pad_token_id=0, target_lengths=targets)
 runs = [("host", "eager", {}), ("host", "step-graph", {}), ("host", "step-graph", {}),
-        ("device", "step-graph", {}), ("device", "device-loop", {}), ("device", "device-loop", {})]
+        ("device", "eager", {}), ("device", "step-graph", {}),
+        ("device", "step-graph", dict(eos_poll_interval=16)), ("device", "device-loop", {}), ("device", "device-loop", {})]
 ref = None
 for refill, mode, extra in runs:
     out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, **common, **extra)

@@ -149,6 +149,26 @@ class _ContinuousBatchingThatFails:
     continuous_batching_context_manager = None
 
 
+def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
+    """--runners measures only those named (its name says so); the warm-up call decodes 2 x slots prompts and
+    the timed call all of them."""
+    calls = []
+    real = rollout_bench.rollout
+
+    def counted(model, prompts, **kwargs):
+        calls.append(len(prompts))
+        return real(model, prompts, **kwargs)
+    monkeypatch.setattr(rollout_bench, "rollout", counted)
+    argv = BASE + ["--prompts", "9", "--prompt-len", "4", "--slots", "2", "--lengths", "uniform:1:6", "--repeats",
+                   "1", "--runners", "device,static", "--out", str(tmp_path)]
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0, table
+    assert {r["runner"] for r in doc["results"]} == {"static", "device"}
+    assert doc["files"][0].endswith("tiny-llama_rollout_s2_n9_p4_uniform1-6_static-device.csv")
+    assert calls == [4, 9, 4, 9]
+    assert "device/static" in table and re.search(r"device/host -", table)
+
+
 def test_hf_cb_is_na_with_the_reason_where_it_cannot_run(monkeypatch):
     cfg = rollout_bench.RolloutConfig("tiny-llama", slots=2, prompts=6, prompt_len=4, lengths="uniform:1:6",
                                       repeats=1)
@@ -159,10 +179,11 @@ def test_hf_cb_is_na_with_the_reason_where_it_cannot_run(monkeypatch):
         def __init__(self, *args):
             pass
 
-        def __call__(self):
+        def __call__(self, part=None):
             raise RuntimeError("the paged cache needs a CUDA device")
     monkeypatch.setattr(rollout_bench, "ContinuousBatchingRunner", Fails)
-    result = rollout_bench.measure(_ContinuousBatchingThatFails(), "hf-cb", None, cfg)
+    work = rollout_bench.Workload([[5, 6]] * 6, [1] * 6, 2, 6, [2], 2, None)
+    result = rollout_bench.measure(_ContinuousBatchingThatFails(), "hf-cb", work, cfg)
     assert result.status == "n/a" and not result.samples
     assert result.note == ("continuous batching does not run here: RuntimeError: the paged cache needs a CUDA "
                            "device")

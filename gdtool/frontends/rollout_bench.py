@@ -25,11 +25,11 @@ is its drawn length: it makes the same number of tokens. Every runner is greedy.
 
 Per runner: useful tokens / wall seconds of the whole call (gdtool: the `rollout` call, warm-up and graph
 capture included, as every call pays them; hf-cb: from the manager's creation and warm-up to the last result in
-hand, its stop and teardown left out), after one untimed warm-up call, median of `--repeats` timed calls, the
-device synchronized at the end. For gdtool's rollouts also: the share of row-steps that made a kept token, decode
-steps, host syncs, prefill seconds, and the **ideal**: the measured prefill seconds plus decode steps x the eos-off
-seconds per step, what the call would take if each step cost what a full static step costs and nothing else
-(no setup, capture, refill bookkeeping or read-back); `of_ideal` = ideal / wall. Ratios: device/static,
+hand, its stop and teardown left out), after one untimed warm-up call over the first 2 x slots prompts,
+median of `--repeats` timed calls, the device synchronized at the end. For gdtool's rollouts also: the share
+of row-steps that made a kept token, decode steps, host syncs, prefill seconds, and the **ideal**: the measured
+prefill seconds plus decode steps x the eos-off seconds per step, what the call would take if each step cost
+what a full static step costs and nothing else (no setup, capture, refill bookkeeping or read-back); `of_ideal` = ideal / wall. Ratios: device/static,
 device/host, device/hf-cb, host/static, of useful tokens per second.
 
 hf-cb runs with HF's documented defaults, except `max_requests_per_batch = slots` (the same rows per step as the
@@ -81,6 +81,7 @@ LABELS = {
 ROLLOUTS = {"static": ("off", "device-loop"), "host": ("host", "step-graph"), "device": ("device", "device-loop")}
 RATIOS = (("device", "static"), ("device", "host"), ("device", "hf-cb"), ("host", "static"))
 CB_CUDA_GRAPHS = ("auto", "on", "off")
+WARMUP_BATCHES = 2           # the warm-up call decodes this many slots' worth of the prompts
 CB_MAX_BATCH_TOKENS = 8192   # transformers' default max_batch_tokens (continuous batching docs)
 # options of the decode workload, refused here with the one to use instead
 DECODE_ONLY = {"--batch": "--slots (rows decoded at once) and --prompts", "--batches": "--slots and --prompts",
@@ -102,6 +103,7 @@ class RolloutConfig(record.Config):
     repeats: int = 3
     seed: int = 0
     cb_cuda_graphs: str = "auto"
+    runners: tuple = RUNNERS     # the runners measured, in RUNNERS' order
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
@@ -110,6 +112,8 @@ class RolloutConfig(record.Config):
             parts.append(f"seed{self.seed}")
         if self.cb_cuda_graphs != "auto":
             parts.append(f"cbgraphs-{self.cb_cuda_graphs}")
+        if tuple(self.runners) != RUNNERS:
+            parts.append("-".join(self.runners))
         return parts
 
     @property
@@ -164,6 +168,14 @@ def make_workload(model, cfg: RolloutConfig) -> Workload:
                     dist.max_length, eos, eos[0], full)
 
 
+def warmup_part(work: Workload) -> Workload:
+    """The warm-up call's workload: the first WARMUP_BATCHES x slots prompts (refills run, the graphs and kernels
+    the timed calls use are built once); a gdtool rollout captures its graphs in every call, so a warm-up over
+    the whole workload would only double the run."""
+    k = min(len(work.prompts), WARMUP_BATCHES * work.slots)
+    return dataclasses.replace(work, prompts=work.prompts[:k], targets=work.targets[:k])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -176,14 +188,15 @@ def rollout_runner(model, work: Workload, refill: str, mode: str):
     """One gdtool.rollout call over the whole workload."""
     device = next(model.parameters()).device
 
-    def once() -> dict:
+    def once(part: Workload | None = None) -> dict:
+        w = part or work
         t0 = time.perf_counter()
-        out = rollout(model, work.prompts, slots=work.slots, max_new_tokens=work.max_new_tokens, refill=refill,
-                      mode=mode, target_lengths=work.targets, eos_token_id=work.eos, pad_token_id=work.pad,
+        out = rollout(model, w.prompts, slots=work.slots, max_new_tokens=work.max_new_tokens, refill=refill,
+                      mode=mode, target_lengths=w.targets, eos_token_id=work.eos, pad_token_id=work.pad,
                       do_sample=False, return_logprobs=True)
         _sync(device)
         wall = time.perf_counter() - t0
-        early = sum(seq.length < target for seq, target in zip(out.sequences, work.targets))
+        early = sum(seq.length < target for seq, target in zip(out.sequences, w.targets))
         return dict(wall_s=wall, useful_tokens=out.useful_tokens, early=early,
                     row_step_share=out.row_step_share, decode_steps=out.decode_steps, host_syncs=out.host_syncs,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, setup_s=out.setup_s,
@@ -202,8 +215,8 @@ class EosOffRunner:
         self.decoder = Decoder(model, "device-loop", max_graphs=1, eos_token_id=None, pad_token_id=work.pad,
                                do_sample=False, max_new_tokens=work.max_new_tokens, return_logprobs=True)
 
-    def __call__(self) -> dict:
-        ids = self.work.full_batch
+    def __call__(self, part: Workload | None = None) -> dict:
+        ids = self.work.full_batch   # its one batch, warm-up included
         t0 = time.perf_counter()
         out = self.decoder.generate(ids, torch.ones_like(ids))
         _sync(self.device)
@@ -273,12 +286,13 @@ class ContinuousBatchingRunner:
         self.config = cb_config(self.device, work.slots, longest, cuda_graphs)
         self.settings = ""
 
-    def _hints(self):
+    def _hints(self, work: Workload):
         from transformers.generation.continuous_batching.utils import WorkloadHints
-        return WorkloadHints(max_prompt_length=max(len(p) for p in self.work.prompts),
-                             max_generated_length=self.work.max_new_tokens, num_requests=len(self.work.prompts))
+        return WorkloadHints(max_prompt_length=max(len(p) for p in work.prompts),
+                             max_generated_length=work.max_new_tokens, num_requests=len(work.prompts))
 
-    def __call__(self) -> dict:
+    def __call__(self, part: Workload | None = None) -> dict:
+        work = part or self.work
         attn_before = self.model.config._attn_implementation
         quiet = _CbLogLevel(logging.ERROR)
         try:
@@ -286,11 +300,11 @@ class ContinuousBatchingRunner:
                 t0 = time.perf_counter()
                 with self.model.continuous_batching_context_manager(
                         generation_config=self.generation_config, continuous_batching_config=self.config,
-                        warmup=True, workload_hints=self._hints()) as manager:
+                        warmup=True, workload_hints=self._hints(work)) as manager:
                     setup = time.perf_counter() - t0
                     attn = self.model.config._attn_implementation
                     ids = [self._add(manager, i, prompt, n)
-                           for i, (prompt, n) in enumerate(zip(self.work.prompts, self.work.targets))]
+                           for i, (prompt, n) in enumerate(zip(work.prompts, work.targets))]
                     results = self._collect(manager, ids)
                     _sync(self.device)
                     wall = time.perf_counter() - t0
@@ -299,7 +313,7 @@ class ContinuousBatchingRunner:
             if self.model.config._attn_implementation != attn_before:  # stop() restores it; make sure
                 self.model.set_attn_implementation(attn_before)
         made = [len(results[i].generated_tokens) for i in ids]
-        return dict(wall_s=wall, useful_tokens=sum(made), early=sum(n < t for n, t in zip(made, self.work.targets)),
+        return dict(wall_s=wall, useful_tokens=sum(made), early=sum(n < t for n, t in zip(made, work.targets)),
                     setup_s=setup)
 
     @staticmethod
@@ -370,7 +384,7 @@ def measure(model, runner: str, work: Workload, cfg: RolloutConfig) -> RunnerRes
     try:
         once = _make(model, runner, work, cfg)
         t0 = time.perf_counter()
-        once()
+        once(warmup_part(work))
         result.warmup_s = time.perf_counter() - t0
         timed = True
         for _ in range(cfg.repeats):
@@ -405,7 +419,7 @@ def _cleanup(model, attrs_before: set) -> None:
 def run_config(model, cfg: RolloutConfig, log=print, on_runner=None) -> tuple[Workload, list[RunnerResult]]:
     work = make_workload(model, cfg)
     results = []
-    for runner in RUNNERS:
+    for runner in cfg.runners:
         result = measure(model, runner, work, cfg)
         results.append(result)
         timing = ""
@@ -578,6 +592,9 @@ def parser() -> options.Parser:
                     "uniform:LO:HI, geom:MEAN:CAP, list:A,B,C (one per prompt), emp:A,B,C (drawn); max_new_tokens "
                     "is its cap")
     p.add_int("--repeats", default=3, minimum=1, help="timed calls per runner after one warm-up call")
+    p.list_option("--runners", item=options.choice_item("runner", RUNNERS), default=list(RUNNERS),
+                  help=f"the runners to measure ({', '.join(RUNNERS)}; default all): the ideal needs eos-off, "
+                       "a ratio needs both of its runners")
     p.add_argument("--cb-cuda-graphs", choices=CB_CUDA_GRAPHS, default="auto",
                    help="hf-cb's CUDA graphs (use_cuda_graph): auto leaves HF's choice (on for flash attention, "
                         "off where an attention mask is needed), on or off forces it")
@@ -619,7 +636,8 @@ def main(argv: list[str] | None = None) -> int:
 def _configs(model_name: str, args) -> list[RolloutConfig]:
     return [RolloutConfig(model=model_name, slots=slots, prompts=args.prompts, prompt_len=args.prompt_len,
                           lengths=workloads.parse(spec).spec, repeats=args.repeats, seed=args.seed,
-                          cb_cuda_graphs=args.cb_cuda_graphs)
+                          cb_cuda_graphs=args.cb_cuda_graphs,
+                          runners=tuple(r for r in RUNNERS if r in args.runners))
             for spec in dict.fromkeys(args.lengths) for slots in dict.fromkeys(args.slots)]
 
 
@@ -632,7 +650,7 @@ def _main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = args.model or options.default_models(device.type == "cuda")
     plan = {name: _configs(name, args) for name in names}
-    bar = options.progress(sum(map(len, plan.values())) * len(RUNNERS), "bench rollout", not args.no_progress,
+    bar = options.progress(sum(len(c.runners) for cs in plan.values() for c in cs), "bench rollout", not args.no_progress,
                            unit="runner")
 
     def log(message):
@@ -647,7 +665,7 @@ def _main(args) -> int:
                 if previous is not None:
                     log(f"[bench] {cfg.name}: already in {out_dir} (same config hash), skipped; --redo measures it "
                         "again")
-                    bar.update(len(RUNNERS))
+                    bar.update(len(cfg.runners))
                     summary, values = previous
                     files += [str(out_dir / f"{cfg.name}.csv"), str(out_dir / f"{cfg.name}.json")]
                     out.say(f"\n{cfg.name} (from {out_dir})\n{format_table(summary)}")
