@@ -1,4 +1,14 @@
-"""Where a bf16 rollout stops being reproducible (diagnostic; prints JSON lines)."""
+"""Is a bf16 rollout reproducible on this GPU, run to run and between refill policies and modes?
+
+On llama-1b (random weights, real shapes), 48 prompts of 128 tokens through 16 slots, 48 new tokens at forced
+lengths: the same forward three times at the rollout's shapes; then rollouts, each a digest of its tokens:
+static and host refill eager twice each; host eager after the allocator's free memory was filled with 0, NaN and
+1e4 (a read of memory nothing wrote would change the digest or make NaN); and host eager, host step-graph and the
+device loop under sdpa's math kernel. Measured on an H100 (profiles/h100/README.md, 2026-12-06): with the default
+kernels every run differs from every other, static ones included; under the math kernel all agree.
+
+    python profiles/rollout_determinism.py llama-1b
+"""
 import hashlib
 import json
 import sys
