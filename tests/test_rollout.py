@@ -112,7 +112,8 @@ def test_host_equals_generate_alone(name):
         for slots in (1, 2, 3, 5, 9):
             out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
             _assert_alone(model, prompts, out, **settings)
-            assert out.row_steps == out.prefilled_rows + slots * out.decode_steps
+            rows = min(slots, len(prompts))   # more slots than sequences: only the rows that hold one run
+            assert out.slots == rows and out.row_steps == out.prefilled_rows + rows * out.decode_steps
             assert out.prefilled_rows == out.prefills == len(prompts)
             lengths[case] = [s.length for s in out.sequences]
             if slots == 3:  # the device policy, uncaptured: the same calls in the same order, the same bits
@@ -544,7 +545,8 @@ def test_host_sampling_does_not_depend_on_slots(name, dtype):
     assert min(lengths) <= 3 and max(lengths) == N and len(set(lengths)) > 2
     assert {s.finish_reason for s in ref} == {"eos", "length"}
     for slots, out in runs.items():
-        assert out.prefilled_rows == 21 and out.row_steps == out.prefilled_rows + slots * out.decode_steps
+        assert out.slots == min(slots, 21)   # 25 slots: 21 rows, one per sequence
+        assert out.prefilled_rows == 21 and out.row_steps == out.prefilled_rows + out.slots * out.decode_steps
         for a, b in zip(ref, out.sequences):
             assert (a.prompt_index, a.sample_index, a.finish_reason) == (b.prompt_index, b.sample_index,
                                                                          b.finish_reason)

@@ -27,10 +27,12 @@ Per runner: useful tokens / wall seconds of the whole call (gdtool: the `rollout
 capture included, as every call pays them; hf-cb: from the manager's creation and warm-up to the last result in
 hand, its stop and teardown left out), after one untimed warm-up call over the first 2 x slots prompts,
 median of `--repeats` timed calls, the device synchronized at the end. For gdtool's rollouts also: the share
-of row-steps that made a kept token, decode steps, host syncs, prefill seconds, and the **ideal**: the measured
-prefill seconds plus decode steps x the eos-off seconds per step, what the call would take if each step cost
-what a full static step costs and nothing else (no setup, capture, refill bookkeeping or read-back); `of_ideal` = ideal / wall. Ratios: device/static,
-device/host, device/hf-cb, host/static, of useful tokens per second.
+of row-steps that made a kept token and `pred`, the share the lengths alone give (gdtool.measure.rollouts; the
+two differ only where a sequence ended early), decode steps, host syncs, prefill seconds, and the **ideal**: the
+measured prefill seconds plus decode steps x the eos-off seconds per step, what the call would take if each step
+cost what a full static step costs and nothing else (no setup, capture, refill bookkeeping or read-back);
+`of_ideal` = ideal / wall. Ratios: device/static, device/host, device/hf-cb, host/static, of useful tokens per
+second.
 
 hf-cb runs with HF's documented defaults, except `max_requests_per_batch = slots` (the same rows per step as the
 others): on CUDA, max_batch_tokens and num_blocks from free GPU memory; on a CPU, where the default would take
@@ -68,7 +70,7 @@ from . import options
 from ..core.models import load_model, random_prompts
 from ..loops.decoder import Decoder
 from ..loops.rollout import rollout
-from ..measure import record, workloads
+from ..measure import record, rollouts, workloads
 
 RUNNERS = ("static", "host", "device", "eos-off", "hf-cb")
 LABELS = {
@@ -440,9 +442,9 @@ def _median(values):
     return float("nan") if n == 0 else (values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2)
 
 
-COUNTS = ("useful_tokens", "early", "decode_steps", "host_syncs", "launches")
-FIGURES = ("wall_s", "useful_tokens", "early", "row_step_share", "decode_steps", "host_syncs", "prefill_s",
-           "decode_s", "setup_s", "step_s", "launches")
+COUNTS = ("useful_tokens", "early", "decode_steps", "steps_predicted", "host_syncs", "launches")
+FIGURES = ("wall_s", "useful_tokens", "early", "row_step_share", "share_predicted", "decode_steps", "steps_predicted",
+           "host_syncs", "prefill_s", "decode_s", "setup_s", "step_s", "launches")
 
 
 def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], device_name: str):
@@ -458,6 +460,9 @@ def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], d
                    "warmup_s": r.warmup_s, "repeat": i if s else -1,
                    **{k: s.get(k, float("nan")) for k in FIGURES},
                    "prefill_estimated": s.get("prefill_estimated", False)}
+            if r.runner in ROLLOUTS and s:   # what the lengths alone say the device counts (measure.rollouts)
+                plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0])
+                row["share_predicted"], row["steps_predicted"] = plan.share, plan.steps
             row["tok_s"] = row["useful_tokens"] / row["wall_s"] if s else float("nan")
             rows.append(row)
     return pd.DataFrame(rows)
@@ -517,11 +522,12 @@ def format_table(summary) -> str:
     status = [s if s == "ok" or s.startswith("error") or not n else f"{s}: {n}"
               for s, n in zip(summary.status, summary.note)]
     table = summary.assign(runner=summary.label, useful=summary.useful_tokens, share=summary.row_step_share,
-                           steps=summary.decode_steps, syncs=summary.host_syncs, status=status)
-    columns = ["runner", "tok_s", "wall_s", "useful", "early", "share", "steps", "syncs", "prefill_s", "setup_s",
-               "ideal_s", "of_ideal", "status"]
+                           pred=summary.share_predicted, steps=summary.decode_steps, syncs=summary.host_syncs,
+                           status=status)
+    columns = ["runner", "tok_s", "wall_s", "useful", "early", "share", "pred", "steps", "syncs", "prefill_s",
+               "setup_s", "ideal_s", "of_ideal", "status"]
     formats = {"tok_s": num(".1f"), "wall_s": num(".3f"), "useful": num(".0f"), "early": num(".0f"),
-               "share": num(".3f"), "steps": num(".0f"), "syncs": num(".0f"), "prefill_s": num(".3f"),
+               "share": num(".3f"), "pred": num(".3f"), "steps": num(".0f"), "syncs": num(".0f"), "prefill_s": num(".3f"),
                "setup_s": num(".3f"), "ideal_s": num(".3f"), "of_ideal": num(".2f")}
     table = table[columns].astype({c: float for c in formats})   # missing figures as NaN, printed as -
     text = table.to_string(index=False, formatters=formats, justify="right", na_rep="-")
@@ -708,7 +714,7 @@ def _measured(model, cfg: RolloutConfig, env: dict, out_dir: Path, log, on_runne
 
 
 SUMMARY_KEYS = ("config", "slots", "runner", "status", "note", "tok_s", "wall_s", "useful_tokens", "drawn_tokens",
-                "early", "row_step_share", "decode_steps", "host_syncs", "prefill_s", "setup_s", "step_s", "ideal_s",
+                "early", "row_step_share", "share_predicted", "decode_steps", "steps_predicted", "host_syncs", "prefill_s", "setup_s", "step_s", "ideal_s",
                 "of_ideal", "warmup_s")
 
 

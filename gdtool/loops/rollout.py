@@ -70,13 +70,13 @@ class Sequence:
 class RolloutOutput:
     sequences: list                   # Sequence per prompt and sample, in input order
     refill: str
-    slots: int
+    slots: int                        # rows decoded at once (refill: at most one per sequence)
     max_new_tokens: int
     mode: str
     useful_tokens: int                # sum of the sequences' lengths
     row_steps: int                    # rows x token steps the device ran (a prefilled row counts one)
     decode_steps: int                 # decode forwards (refill="off": summed over the batches)
-    prefills: int                     # prefill forwards (refill="host": one per refill group)
+    prefills: int                     # prefill forwards (off: one per batch; refill: one per sequence)
     prefilled_rows: int               # rows those prefills ran (one per sequence)
     host_syncs: int                   # blocking reads of device values, hidden ones included
     prefill_s: float                  # prompt forwards and first tokens, refills included
@@ -172,7 +172,8 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     targets = _check_targets(target_lengths, len(sequences), settings, refill)
     if refill != "off":
         check_rows(model, max(len(ids) for ids in texts) + settings.max_new_tokens, refill)
-        run = _RowRollout(model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
+        # rows that would never hold a sequence are not allocated (nor counted as row-steps)
+        run = _RowRollout(model, settings, sequences, min(slots, len(sequences)), return_logprobs, on_finished, on_group, seed, refill,
                           mode, capture, eos_poll_interval, steps_per_launch, num_samples, targets)
     else:
         if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None:
