@@ -17,9 +17,10 @@ pytestmark = pytest.mark.xdist_group("jupyter")
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = ROOT / "notebooks"
-NAMES = ("00_quickstart", "01_host_vs_device", "02_eos_polling_and_batch", "03_fast_step_vs_megakernel")
+NAMES = ("00_quickstart", "01_host_vs_device", "02_eos_polling_and_batch", "03_fast_step_vs_megakernel",
+         "04_rollouts")
 # notebooks that only read committed results: nothing to fall back from on a CPU
-READS_RESULTS = ("02_eos_polling_and_batch", "03_fast_step_vs_megakernel")
+READS_RESULTS = ("02_eos_polling_and_batch", "03_fast_step_vs_megakernel", "04_rollouts")
 
 # What a GPU run asks for (the committed notebooks carry such an injected-parameters cell): on a CPU
 # each notebook must run its own small parameters instead, and say so.
@@ -28,6 +29,7 @@ GPU_PARAMETERS = {
     "01_host_vs_device": dict(models=["llama-1b", "llama-8b"], batches=[1, 16, 64], max_new_tokens=48),
     "02_eos_polling_and_batch": dict(live=True, model_name="llama-1b", batches=[1, 4, 16, 64], repeats=3),
     "03_fast_step_vs_megakernel": dict(results="h200/decode-kernels", model="llama-1b"),
+    "04_rollouts": dict(results="h100/rollout-bench", model="llama-1b"),
 }
 FALLBACK = "No CUDA GPU here: running the CPU-sized parameters"
 
@@ -95,8 +97,8 @@ def test_notebook_runs_on_cpu_in_its_committed_form(name, tmp_path, monkeypatch)
 def test_cpu_fallback_overrides_gpu_parameters(name, tmp_path, monkeypatch):
     """Parameters sized for an H200 (llama-1b at batch 64) must not run on a CPU: the notebook runs tiny-llama
     and names what it was asked for."""
-    if name == "03_fast_step_vs_megakernel":
-        pytest.skip("notebook 03 runs no model: it reads the committed H200 results")
+    if name in ("03_fast_step_vs_megakernel", "04_rollouts"):
+        pytest.skip(f"notebook {name[:2]} runs no model: it reads committed GPU results")
     cells, seconds = _execute(name, tmp_path, monkeypatch, GPU_PARAMETERS[name])
     text = "".join(_text(cells))
     line = next(line for line in text.splitlines() if line.startswith(FALLBACK))
