@@ -125,6 +125,25 @@ def test_host_equals_generate_alone(name):
     assert sorted(lengths["tail"])[-2:] == [N, N] and sorted(lengths["tail"])[-3] <= 3
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "zoo:mixtral"])
+def test_moe_equals_generate_alone(name):
+    """Mixture-of-experts families (routing per token, no capacity limit): each sequence is generate() on its
+    prompt alone, with the batched_mm experts (generate()'s decode path; grouped_mm takes no float64), at several
+    slot counts and EOS cases, and the device policy's twin gives the same bits."""
+    model = _lively(name)
+    model.set_experts_implementation("batched_mm")
+    prompts = _prompts(model, 6, seed=3)
+    cases = _eos_cases(model, prompts, seed=1)
+    for case in ("none", "tail", "mixed"):
+        for slots in (1, 2, 4):
+            out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **cases[case])
+            _assert_alone(model, prompts, out, **cases[case])
+            if slots == 2:
+                twin = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="device",
+                                      mode="step-graph", **cases[case])
+                _assert_same_sequences(out, twin)
+
+
 def test_host_with_repetition_penalty_resets_each_slot():
     """The seen-mask is per sequence: a refilled slot forgets the tokens of the sequence before it."""
     model = _lively("tiny-llama")
@@ -388,7 +407,7 @@ def test_bad_input(kwargs, match):
 REFUSED_MODELS = [
     ("tiny-gemma3", {}, "sliding window of 8 tokens, shorter than the rollout's 1[0-9] cache columns"),
     ("zoo:mistral", dict(sliding_window=8), "sliding window of 8 tokens, shorter than the rollout's 1[0-9] cache columns"),
-    ("tiny-qwen3-moe", {}, "mixture-of-experts"),
+    ("zoo:qwen2_moe", {}, "mixture-of-experts blocks.*MoE families qwen3_moe, mixtral only"),
     ("zoo:lfm2", {}, "keeps a recurrent state"),
     ("zoo:gpt2", {}, "model_type 'gpt2'.* is not one of the families"),
 ]
