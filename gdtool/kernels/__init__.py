@@ -2,8 +2,9 @@
 
     step.py       the compiled step that composes them (`CompiledStep`, `KERNELS`, `new_step`)
     compiled.py   the compiled functions kept on the model, one per shape key (`compiles`, `forget`)
-    forward.py    the decode forward of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3) in gdtool's
-                  own kernels (`kernels="fast"`); which path runs at which batch (`forward.line_paths`)
+    forward.py    the decode forward of a Llama-family model (Llama, Mistral, Qwen2, Qwen3, Gemma 3, Qwen3-MoE,
+                  Mixtral, Qwen2-MoE: `forward.FAMILIES`) in gdtool's own kernels (`kernels="fast"`); which path
+                  runs at which batch (`forward.line_paths`)
     gemv.py       matrix-vector products, the norm before them and the rotary after them fused in:
                   RMSNorm + GEMV (o, gate/up, down, lm_head); RMSNorm + q/k/v [+ biases] [+ q/k norm] + RoPE +
                   cache write (Triton), 1-16 rows

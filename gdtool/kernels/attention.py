@@ -598,7 +598,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
 # The combine inside the split kernel, in the last program of each (row, key/value head) to finish (`fused_plan`:
 # short caches): one kernel instead of two per attention. In the step the combine kernel ended ~3.2 us after the
 # split kernel at llama-1b's batch 1 (nsys, H200, a7748ba), where its own work is one load from L2. On unless
-# GDTOOL_FUSED_COMBINE=0; on CUDA only once its cuda tests have passed (CUDA_TESTED), two kernels until then.
+# GDTOOL_FUSED_COMBINE=0; on CUDA only while the path is in CUDA_TESTED (else two kernels).
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
 _FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE", default=True)
 

@@ -88,7 +88,7 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 #   (Llama 8B 5.035 against 4.788, Qwen3 8B 5.222 against 5.080).
 # So MEASURED_LINES: the kernels take 1-2 rows up to hidden size 2048 and one row wider; Mistral and Qwen2 go by
 # their hidden size, unmeasured themselves. Gemma 3 and models with experts keep one pass of 4 and passes to 8 rows
-# (UNMEASURED_PATHS), as before the curve: their steps past one row have not been measured against the matmuls.
+# (UNMEASURED_PATHS): their steps past one row have not been measured against the matmuls.
 _PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
 _MATMULS = (None, "compiled", "matrix products: past the matrix-vector kernels' line (forward.MEASURED_LINES; 8 rows "
                               "for Gemma 3 and experts) cuBLAS's / inductor's tensor-core matmuls win")

@@ -551,8 +551,8 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
 
 # The norms' weights (and the q/k norm kernel's positions and inverse frequencies) loaded before the PDL wait, as the
 # weight tiles are: after it they came from HBM on the critical path (a step streams far more than L2 holds, so a
-# layer's norm weights are evicted between steps). The same values, the same bits. On CUDA once its cuda tests have
-# passed there (CUDA_TESTED); the loads after the wait until then. GDTOOL_EARLY_NORM=0: after the wait everywhere.
+# layer's norm weights are evicted between steps). The same values, the same bits. On CUDA only while the path is in
+# CUDA_TESTED (else the loads stay after the wait). GDTOOL_EARLY_NORM=0: after the wait everywhere.
 EARLY_NORM_PATH = "norm weights before the PDL wait"
 _EARLY_NORM = env_flag("GDTOOL_EARLY_NORM", default=True)
 
@@ -568,7 +568,7 @@ def early_norm(device) -> bool:
 # With PDL on every kernel the 8B presets' gate/up went from 59 to 68 µs and down from 30 to 38 (decode-kernels/run2),
 # which is why `auto` leaves PDL off on products over 64 MB. The suspect is the early trigger: the next kernel's
 # programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
-# either way (the next kernel still waits for this one to finish); in CUDA_TESTED since its cuda tests passed at edef802.
+# either way (the next kernel still waits for this one to finish).
 LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
 _LATE_TRIGGER = env_flag("GDTOOL_LATE_TRIGGER", default=False)
 

@@ -1,4 +1,4 @@
-"""The fast step: gdtool's decode step with fused kernels (`decode(..., kernels="compiled")`).
+"""The fast step: gdtool's decode step with fused kernels (`decode(..., kernels="compiled")` and `"fast"`).
 
 `kernels="hf"` (the default) runs HF's own kernels: hundreds of small launches per step, bit for
 bit what `generate()` computes. `kernels="compiled"` runs the *same* step function, traced by
@@ -9,6 +9,7 @@ and only the kernels inside the replay change (plus, inside this step only, a gr
 attention that reads the cache without copying it, gpt-oss's with its sinks: `attention.py`):
 
     step-graph     forward + select + update compiled as one function, captured whole
+    device-loop    as step-graph; the captured step is the body of the WHILE node
     forward-graph  the forward compiled, captured; select and update stay eager
     eager          the forward compiled and called directly each step (still host-bound)
 
@@ -20,14 +21,16 @@ it is bitwise equal to itself run uncaptured (`capture=False` calls the same com
 Sampling with top-k uses the sort-free sampler of `kernels/sampling.py` (same noise, same candidate
 rule); without top-k it uses `core/sampling.py`'s sorting top-p.
 
-`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (Llama,
-Mistral, Qwen2, Qwen3 at small batch: `forward.line_paths`), by gdtool's own Triton kernels run eagerly
-around the compiled select and update (`forward.py`). On a mixture of experts of a known family
-(Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) at <= 16 tokens per step, the compiled HF forward calls gdtool's
-experts kernels in place of each MoE block (`experts/`, a custom operator swapped in only for the
-duration of the compiled call), gpt-oss's attention its split-KV kernels with sinks (`attention.py`), and at
-1-4 rows the decoder's linear layers its matrix-vector kernel (`linear.py`, swapped in the same way).
-Elsewhere it is exactly "compiled"; `compiles()` says which ran and why.
+`kernels="fast"` is the same compiled step with the decode forward replaced, where it applies (the families
+of `forward.FAMILIES` at small batch: `forward.plan`, `forward.line_paths`), by gdtool's own Triton kernels run
+eagerly around the compiled select and update (`forward.py`). Elsewhere, on a mixture of experts of a known
+family (`experts.FAMILIES`: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, gpt-oss), the compiled HF forward calls
+gdtool's experts kernels in place of each MoE block (`experts/`, a custom operator swapped in only for the
+duration of the compiled call) up to `experts.MAX_GROUPED_TOKENS` (64) tokens per step, or
+`experts.MAX_TOKENS` (16) for Qwen2-MoE, whose shared expert the grouped kernels do not take; gpt-oss's
+attention runs gdtool's split-KV kernels with sinks, and other models' one-token sdpa calls the split-KV kernels
+without them (`attention.py`); and at 1-4 rows the decoder's linear layers run gdtool's matrix-vector kernel
+(`linear.py`, swapped in the same way). Beyond those it is exactly "compiled"; `compiles()` says which ran and why.
 
 Sliding-window layers (Mistral-style, Gemma 2/3, gpt-oss, Cohere 2, OLMo 3) compile one step per window
 phase, as the graph modes capture one graph per phase: their Python counters are pinned on the phase's

@@ -81,48 +81,11 @@ def usable(*tensors) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-# Kernel paths whose cuda tests (`pytest -m cuda`) last passed on a GPU. A path written or changed since
-# runs on a CPU (Triton's interpreter, the torch references) but is refused on CUDA, with this reason,
-# until its cuda tests have passed there; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it).
-# These passed on an H200 at 68c2cf6 (`gpu_run.sh OUT tests-kernels`; profiles/kernel_paths.py's list is
-# profiles/h200/tests/kernel-paths-68c2cf6.txt); Gemma 3's and Qwen3's passes of 4 rows at cb883e2, their q/k norm
-# in two kernels (kernel-paths-cb883e2.txt); gpt-oss's attention with sinks at cb883e2 and 6e765ba (its two tests:
-# the sliding-window one at cb883e2; the MoE one failed there in its teacher-forced compiled step, the harness's
-# fault, fixed in 9075705, and passed at 6e765ba: profiles/h200/tests/pytest-cuda-gpt-oss-6e765ba.log); Qwen3 at
-# <= 4 rows (its test now measures gdtool's and HF's bf16 kernels against float32) and the fused attention combine
-# at 69c20df (kernel-paths-69c20df.txt: all 46 tests of tests-kernels passed); every family's experts (small and
-# grouped kernels, gpt-oss's rewritten ones among them) and the MoE layers of the fast forward at 0f91d78
-# (`KERNEL_TESTS_K="experts or moe" gpu_run.sh OUT tests-kernels`: 9 passed, kernel-paths-experts-0f91d78.txt);
-# again at c6bba88, after their align kernel became one program per expert and their tiles were read off the
-# sweeps (9 passed, kernel-paths-experts-c6bba88.txt). The tiles read off the c6bba88 sweep since (the grouped
-# kernels' row for 33-64 tokens, the small kernels' 1024-element loads) are kernel code the tests ran with other
-# constants; each of those configs was checked against the torch reference on the H200 by that sweep (its column
-# `ok`, profiles/moe_sweep.py), so the paths stay. At 9e35b5d all 48 tests of tests-kernels passed
-# (kernel-paths-9e35b5d.txt), the matrix-vector kernel's BIAS flag among them: every path above again, and
-# `linear.py`'s two. The Gemma 3 paths again at 0a0f404, after the window's roll moved its work before its PDL
-# wait (`KERNEL_TESTS_K="gemma or roll"`: the 9 tests that run `fast` passed, kernel-paths-gemma-0a0f404.txt). Every
-# experts path and the fast forward's MoE layers again at 39ace1a (10 passed, the routed candidates' test among them)
-# and at eb913f2, after the one-token kernels became routed in the router kernel with down stacked (11 passed, the
-# captured Qwen3-MoE fast step at batch 1 among them: kernel-paths-experts-eb913f2.txt). At 12ffb80, after the
-# combine in blocks and the 2048-wide tiles at 4 programs an SM, 49 of tests-kernels' 50 tests passed over three
-# runs cut by their limits, none failed (kernel-paths-12ffb80-{a,b,c}.jsonl): every path above among them. At
-# a7748ba, the combine reading the partials once where every chunk fits one block, all 50 passed over two runs
-# (kernel-paths-a7748ba-{b,c}.jsonl). Since then the split kernel has a MASK_ONLY switch and the router kernel lost
-# its gpt-oss routing and gpt-oss's gate/up its ROUTED branch: every path here runs them off, the same code. The
-# router kernel has since gained a PACKED switch (`experts.Config.packed`), checked bit for bit against the rounds
-# of a max and a min by the routed cuda test. At 5260519 50 of tests-kernels' 51 tests passed
-# (kernel-paths-5260519.txt), the MASK_ONLY and PACKED switches among them; the one that failed was the compiled
-# HF forward's split-KV attention (attention.SPLIT_PATH), on its assertion between two kernel variants (4 bf16 ulps
-# apart at 2 of 131072 outputs). That assertion is now against float64 (`testing.judge`), and at 98b1af8 the test
-# passed, with the routed test and the captured fast MoE steps now that packed is experts_config's one-token default
-# (`tests-pick`, 10 passed: pytest-cuda-pick-98b1af8.log). The fused combine's one-load form (the combine in the
-# split kernel by default where the cache is short; one chunk a head finished in the split kernel) passed its cuda
-# tests with the attention's and the fast step's at b4c1dcd (13 passed, pytest-cuda-pick-b4c1dcd.log) and with
-# every Triton kernel check, Gemma 3's and the captured MoE steps at dc1d9bc (33 passed). The norms' weights before
-# the PDL wait (gemv.early_norm) passed every cuda test of test_fast_kernels.py, test_fast_gemma3.py and
-# test_experts.py at 66ff0c5 (62 passed, none failed: pytest-early-norm-66ff0c5.log). The greedy tail in one kernel
-# (tail.py) passed every test of tests-kernels at bc5ac8a (52 passed, none failed: pytest-cuda-kernels-bc5ac8a.log), its
-# 200-case check against the reference and the captured fast steps, dense and MoE, greedy and sampled, among them.
+# Kernel paths whose cuda tests (`pytest -m cuda`) have passed on a GPU. A path not listed runs on a CPU (Triton's
+# interpreter, the torch references) but is refused on CUDA with the reason `untested_on_cuda` gives;
+# GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it). A name goes in once every cuda test that ran
+# the path has passed (profiles/kernel_paths.py reads that from the test run's record; the records are kept under
+# profiles/h200/tests/).
 CUDA_TESTED = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
@@ -146,7 +109,7 @@ CUDA_TESTED = frozenset({
     "mixtral experts",
     "mixtral experts, grouped",
     "norm weights before the PDL wait",
-    "PDL trigger in the last tile round",   # passed at edef802 (GDTOOL_LATE_TRIGGER=1 only; off by default)
+    "PDL trigger in the last tile round",   # runs only with GDTOOL_LATE_TRIGGER=1 (off by default)
     "olmoe experts",
     "olmoe experts, grouped",
     "qwen2_moe experts",

@@ -6,7 +6,8 @@
     device-loop    the step graph is the body of a CUDA-graph WHILE node: one launch runs the rollout and
                    stops on the device right after the last row finishes (`steps_per_launch` chunks it)
 
-Tokens never depend on the mode or on the polling interval: every mode computes, bit for bit,
+With HF's kernels (`kernels="hf"`, the default) tokens never depend on the mode or on the polling interval:
+every mode computes, bit for bit,
 `torch.manual_seed(seed); model.generate(..., cache_implementation="static", disable_compile=True)`.
 
     out = gdtool.decode(model, ids, mask, mode="step-graph", max_new_tokens=64, eos_poll_interval=16)
@@ -75,8 +76,10 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
     `return_logprobs` fills `out.logprobs` [B, T]: the log-softmax of the processed scores at each
     written token (0 after a row's EOS). `num_samples=k` decodes every prompt k times, rows repeated
     as generate()'s `num_return_sequences=k` repeats them.
-    `kernels="compiled"` runs the same step with fused kernels (torch.compile, no CUDA graphs of its own;
-    gdtool captures it): faster, no longer bitwise generate() (see gdtool/kernels/step.py); "hf" keeps HF's kernels.
+    `kernels`, one of `gdtool.core.modes.KERNELS` (each described there): "hf" (the default) runs HF's kernels;
+    "compiled" the same step with fused kernels (torch.compile, no CUDA graphs of its own; gdtool captures it):
+    faster, not bitwise generate(); "fast" the compiled step with gdtool's own decode kernels where they apply
+    (gdtool/kernels/step.py, docs/fast.md).
     """
     check_samples(num_samples, unsupported)
     explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -43,8 +43,8 @@ class Decoder:
     mode: one of gdtool.MODES ("step-graph" by default; `gdtool.core.modes`). max_graphs: engines (graph + static cache +
     buffers) kept at once; the least recently used is closed when a new one is needed. buckets:
     increasing prompt widths; a prompt is left-padded to the smallest bucket that holds it (wider
-    prompts run at their own width). Settings: those of `gdtool.decode()` (kernels: "hf", "compiled" or
-    "fast", see gdtool/kernels/step.py), resolved against `model.generation_config` as generate()
+    prompts run at their own width). Settings: those of `gdtool.decode()` (kernels: one of
+    `gdtool.core.modes.KERNELS`, "hf", "compiled" or "fast"), resolved against `model.generation_config` as generate()
     resolves them (again whenever that config changes).
     """
 

@@ -107,14 +107,15 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
     on where CUDA is) runs one more decode under torch.profiler for ``device_busy_us``; when timing
     several configs, pass ``busy=False`` and call `add_device_busy` on each result last.
     `blocking_sync=False` keeps the driver's spin-waits, which then count in ``host_us``.
-    ``kernels="compiled"`` (like every other decode argument) goes to `gdtool.decode`; a bool
-    ``kernels=`` is the old name of `busy` and is taken as such, with a DeprecationWarning.
+    ``kernels`` ("hf", "compiled" or "fast": `gdtool.core.modes.KERNELS`), like every other decode argument,
+    goes to `gdtool.decode`; a bool ``kernels=`` is the old name of `busy` and is taken as such, with a
+    DeprecationWarning.
     """
     from ..loops.decode import decode
 
     if isinstance(decode_kwargs.get("kernels"), bool):
         warnings.warn("profile(kernels=True/False) is now profile(busy=...): `kernels` is decode's "
-                      "'hf' / 'compiled' choice", DeprecationWarning, stacklevel=2)
+                      "'hf' / 'compiled' / 'fast' choice", DeprecationWarning, stacklevel=2)
         old = decode_kwargs.pop("kernels")
         busy = old if busy is None else busy
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:

@@ -62,10 +62,11 @@ kernels (`norm`) and its residual added in the down kernel (`residual`). The sma
 setting (`triton.launch_options`) as the forward's kernels do.
 
 Two candidates for the small kernels were measured on the H200 and removed: gate/up streamed by a persistent
-grid after a routing kernel (no faster, profiles/h200/moe-sweep-9e35b5d/) and the down kernel's routing and
-weight loads before its PDL wait (slower, profiles/h200/moe-sweep-41fab16/, when down still routed its row from
-the logits). Since the router kernel routes the row (`Config.routed`), down's early loads read the stored routing
-(`Config.down_early`), and the router loads its weight rows early too (`router_early`).
+grid after a routing kernel (no faster, profiles/h200/moe-sweep-9e35b5d/) and a down kernel that routes its row
+from the logits itself, with that routing and its weight loads before its PDL wait (slower,
+profiles/h200/moe-sweep-41fab16/). The router kernel routes the row (`Config.routed`); down loads the stored
+routing and its weight tiles before the wait (`Config.down_early`), and the router its weight rows
+(`router_early`).
 
 Where Triton does not run (a CPU build of torch) the operator runs `block_reference`, HF's
 batched_mm arithmetic in torch; under TRITON_INTERPRET=1 the Triton kernels run on a CPU (tests).

@@ -114,16 +114,15 @@ class GroupedConfig:
 # one table, by the largest token count each row covers: per batch of the H200 sweeps (qwen3-30b-a3b at 1, 2, 4,
 # ..., 64 tokens, gpt-oss-20b at 1, 4, 16, 32, 64), the config whose worst time over the models swept there is
 # nearest their fastest (profiles/moe_sweep.py `steadiest`; tests/test_experts.py holds the table to the sweeps
-# named in TUNED_FROM). qwen3-30b-a3b's sweep at c6bba88 (the align kernel one program per expert) took 307.8 us
-# a block at 64 tokens, 580 before it; gpt-oss-20b's is the one at 0f91d78.
+# named in TUNED_FROM).
 _A = GroupedConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
 GROUPED_CONFIGS = ((2, _A), (4, GroupedConfig(block_m=16, block_n=64, block_k=64, warps=4, stages=3)), (32, _A),
                    (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=128, block_k=128, warps=8, stages=3)))
 # the sweeps the tiles above and experts_config / OssConfig were read from (profiles/moe_sweep.py wrote them):
 # one CSV per preset; every config in them was checked against the torch reference on the H200 (column `ok`)
 TUNED_FROM = ("profiles/h200/moe-sweep-c6bba88/qwen3-30b-a3b.csv", "profiles/h200/moe-sweep-0f91d78/gpt-oss-20b.csv")
-# the small kernels at one token since their routing moved into the router kernel (`Config.routed`, `stacked`):
-# that sweep's batch-1 pick is experts_config's at one token (the batches above keep TUNED_FROM's picks)
+# the sweep of the small kernels at one token, routed in the router kernel (`Config.routed`, `stacked`): its
+# batch-1 pick is experts_config's at one token (the batches above keep TUNED_FROM's picks)
 SMALL_TUNED_FROM = "profiles/h200/moe-sweep-79cb9d0/qwen3-30b-a3b.csv"
 # tokens per step from which the grouped kernels run (families without a shared expert; the others keep the
 # small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in either model
