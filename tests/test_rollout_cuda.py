@@ -1,7 +1,8 @@
 """The twin rule of a rollout on a GPU: per refill policy, every mode gives the sequences of that policy's eager
 uncaptured run, bit for bit (tokens, log-probabilities, slots, counts); host and device refill follow one
 admission rule, so all of them equal the eager host run. Seeded draws of prompts, slots, lengths (forced EOS at
-drawn targets, and free EOS), greedy and keyed sampling, on three families (one a mixture of experts)."""
+drawn targets, and free EOS), greedy and keyed sampling, on five families: dense, a mixture of experts, and two with sliding windows shorter
+than the rollout (Gemma 3; gpt-oss, also MoE with sinks), decoded per row."""
 import random
 
 import pytest
@@ -47,7 +48,7 @@ def _same(a, b, label):
         (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills), label
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-gpt-oss"])
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("case", ["targets", "greedy-eos", "sampling"])
 def test_every_mode_is_the_eager_run(name, seed, case):

@@ -10,7 +10,8 @@ row (slot) is its own sequence, and everything a refill needs is on the device:
              sample index), and `next`, the first sequence no slot has taken yet.
     cache    slots x C columns, C = W + max_new_tokens (one column more than a row can reach, so no row's mask
              is ever all ones: transformers would then skip the mask in eager runs and not in captured ones),
-             full attention only. The token at position p of a row is written at column p of that row.
+             in every layer, sliding ones too (their window is a per-row mask: `row_window`). The token at
+             position p of a row is written at column p of that row.
     mask     [slots, C]: row b attends to its columns [0, position]. transformers builds the 4-D mask as
              causal(q_offset + q >= kv) AND the 2-D mask, with q_offset the cache's shared counter; here
              the cache answers q_offset = C - 1 while decoding (the causal part allows every column, the 2-D
@@ -59,8 +60,11 @@ from .step import Step
 # Families whose per-row decode was checked against generate() on each prompt alone (tests/test_rollout.py).
 # mixture-of-experts families whose router picks each token's experts from that token alone (no capacity limit,
 # no dropped tokens), so a row's tokens do not depend on what the other rows or a prompt's pads route
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
-TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3") + MOE_FAMILIES
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "gpt_oss")
+# families whose forward takes its masks built, one per layer type ({"full_attention": .., "sliding_attention":
+# ..}): their sliding windows are decoded per row (`row_window`)
+WINDOW_FAMILIES = ("gemma3_text", "gpt_oss", "qwen2", "qwen3")
+TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_FAMILIES
 ROW_ATTENTION = ("sdpa", "eager")
 
 
@@ -173,11 +177,13 @@ def check_rows(model, cache_len: int, refill: str = "host") -> None:
             raise Unsupported(f"{name}'s layer {i} keeps a recurrent state ({kind}: linear attention or a state-space "
                               f"layer), which a refill would have to prefill and swap per row; refill={refill!r} decodes "
                               "full-attention caches only: use refill='off'")
-        if compat.is_sliding(layer) and layer.max_cache_len < cache_len:
+        if compat.is_sliding(layer) and layer.max_cache_len < cache_len and row_window(model, cache_len) is None:
             raise Unsupported(f"{name}'s layer {i} has a sliding window of {layer.max_cache_len} tokens, shorter than "
-                              f"the rollout's {cache_len} cache columns (longest prompt + max_new_tokens; the mask code places each query at the last column): its "
-                              f"window rolls over a shared counter, not per row; refill={refill!r} decodes full attention "
-                              "only: use refill='off' (or prompts and max_new_tokens that fit the window)")
+                              f"the rollout's {cache_len} cache columns (longest prompt + max_new_tokens; the mask code "
+                              "places each query at the last column): its window rolls over a shared counter, not per "
+                              f"row, and {name}'s forward builds its masks from that counter; refill={refill!r} decodes "
+                              f"windows per row for the families {', '.join(WINDOW_FAMILIES)} only: use refill='off' "
+                              "(or prompts and max_new_tokens that fit the window)")
         if type(layer) is not _static_layer() and not compat.is_sliding(layer):
             raise Unsupported(f"{name}'s layer {i} uses cache layer {kind}, which refill={refill!r} does not know how to "
                               "write per row; use refill='off'")
@@ -191,6 +197,24 @@ def check_rows(model, cache_len: int, refill: str = "host") -> None:
     if family not in TESTED_FAMILIES:
         raise Unsupported(f"{name} (model_type {family!r}) is not one of the families refill={refill!r} is checked on "
                           f"against generate() ({', '.join(TESTED_FAMILIES)}); use refill='off'")
+
+
+def row_window(model, cache_len: int) -> int | None:
+    """The sliding window a rollout's rows apply themselves, or None where every layer sees all its columns.
+
+    Each row keeps all C columns in every layer (`row_cache`), so a sliding layer becomes a mask: the query at
+    position p sees columns (p - window, p], the keys generate()'s sliding layer keeps for it. The masks go to
+    the forward built, one per layer type, which the WINDOW_FAMILIES' forwards take as they are."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    types = set(getattr(config, "layer_types", None) or ())
+    if not window or "sliding_attention" not in types or window >= cache_len:
+        return None
+    if getattr(config, "model_type", None) not in WINDOW_FAMILIES or types - {"full_attention", "sliding_attention"}:
+        return None
+    if getattr(config, "use_bidirectional_attention", False):
+        return None
+    return int(window)
 
 
 def _static_layer():
@@ -272,9 +296,39 @@ class RowStep(Step):
         self.slot_ids = torch.arange(self.slots, device=device)
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.phase = {"prefill": None}
+        self.window = row_window(model, state.mask.shape[1])
         self.forward_fn = self.forward  # a forward-graph replay stands in here
 
-    # forward: Step.forward, the Feed's decode inputs over tokens, positions and the [S, C] mask
+    def forward(self) -> torch.Tensor:
+        """The decode forward: the Feed's decode inputs over tokens, positions and the [S, C] mask (Step.forward);
+        with a per-row window, the masks built here, one per layer type, and the model called with them."""
+        if self.window is None:
+            return super().forward()
+        s = self.state
+        masks = self._masks(s.mask.bool()[:, None, :], s.positions)
+        inputs = {self.feed.cache_kw: self.cache, "input_ids": s.tokens, "attention_mask": masks,
+                  "position_ids": s.positions, "use_cache": True}
+        if self.feed.logits_to_keep:
+            inputs["logits_to_keep"] = 1
+        return self.logits(inputs)
+
+    def _masks(self, allowed: torch.Tensor, queries: torch.Tensor):
+        """The 4-D mask(s) of a forward whose query j of row b sits at position `queries[b, j]` and may see the
+        columns `allowed[b, j]` ([B, Q, C] bool): that mask alone, or with a per-row window one per layer type,
+        the sliding one also cut to the window's columns (p - window, p]. A query whose window holds no allowed
+        column (a prompt's pad position far past its end) keeps its full row: its output is never read, and an
+        empty row would make it NaN, which its key and value would carry into the cache."""
+        if self.window is None:
+            masks = {None: allowed[:, None]}
+        else:
+            sliding = allowed & (self.columns[:, None, :] > queries[..., None] - self.window)
+            sliding = torch.where(sliding.any(-1, keepdim=True), sliding, allowed)
+            masks = {"full_attention": allowed[:, None], "sliding_attention": sliding[:, None]}
+        if getattr(self.model.config, "_attn_implementation", None) == "eager":
+            dtype = self.model.dtype
+            zero = torch.zeros((), dtype=dtype, device=allowed.device)
+            masks = {k: torch.where(m, zero, torch.finfo(dtype).min) for k, m in masks.items()}
+        return masks[None] if self.window is None else masks
 
     def select(self, logits: torch.Tensor, seen: torch.Tensor | None, prompt: torch.Tensor, sample: torch.Tensor,
                token: torch.Tensor, targets: torch.Tensor | None = None) -> tuple:
@@ -388,10 +442,7 @@ class RowStep(Step):
         for sdpa's is_causal where the prompt fills W (a prefill from an empty cache may), while a captured
         prefill always keeps it: two kernels, two roundings."""
         allowed = (self.columns <= self.prompt_positions[0, :, None]) & prompt_mask.bool()   # [W, C]
-        mask = allowed[None, None]
-        if getattr(self.model.config, "_attn_implementation", None) == "eager":
-            dtype = self.model.dtype
-            mask = torch.where(mask, torch.zeros((), dtype=dtype, device=mask.device), torch.finfo(dtype).min)
+        mask = self._masks(allowed[None], self.prompt_positions)
         inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": mask,
                   "position_ids": self.prompt_positions, "use_cache": True}
         last = (length - 1)
