@@ -193,6 +193,23 @@ def test_default_model_progress_bar_json_and_the_cpu_note(command, tmp_path, cap
     assert "%|" not in captured.err and options.UNCAPTURED in captured.out and not captured.out.startswith("{")
 
 
+def test_run_says_uncaptured_where_a_graph_mode_captured_nothing(capsys):
+    """On a CPU step-graph captures and replays nothing: its row says "uncaptured" in the replays and capture ms
+    columns (eager's keeps its zeros), and its JSON figures count no replay or capture, only the launches of
+    the uncaptured step."""
+    assert cli.main(TINY["run"] + ["--no-progress", "--json"]) == 0
+    captured = capsys.readouterr()
+    figures = json.loads(captured.out)["runs"][0]["figures"]
+    graph = figures["step-graph"]
+    assert graph["captured"] is False and graph["replays"] == graph["captures"] == 0
+    assert graph["launches"] == graph["steps"] == 2
+    rows = {line.split()[0]: line.split() for line in captured.err.splitlines()
+            if line.startswith(("run ", "eager ", "step-graph "))}
+    assert rows["run"][5:6] == ["replays"] and rows["run"][11:13] == ["capture", "ms"]
+    assert rows["step-graph"][5] == rows["step-graph"][10] == "uncaptured"
+    assert rows["eager"][5] == "0" and rows["eager"][10] == "0.00"
+
+
 def test_profile_names_the_model_in_its_table(tmp_path, capsys):
     assert profile_cli.main(TINY["profile"] + ["--out", str(tmp_path), "--no-progress"]) == 0
     out = capsys.readouterr().out

@@ -28,7 +28,8 @@ def test_stops_exactly_in_one_launch(setup, sample):
     out = _run(model, prompt, mode="device-loop", **kw)
     assert torch.equal(out.tokens, ref.tokens)
     assert out.tokens.shape[1] == max(LENGTHS) and out.lengths.tolist() == LENGTHS
-    assert out.replays == 1 and out.wasted_steps == 0 and out.polls == 0
+    assert out.launches == 1 and out.wasted_steps == 0 and out.polls == 0
+    assert out.replays == (out.launches if out.captured else 0)  # replays count CUDA graphs only
     assert out.steps == max(LENGTHS) - 1
 
 
@@ -40,7 +41,8 @@ def test_chunked_launches_stream_tokens(setup, chunk):
     out = _run(model, prompt, mode="device-loop", steps_per_launch=chunk, on_chunk=lambda t: seen.append(t.clone()))
     assert torch.equal(out.tokens, ref.tokens)
     steps = max(LENGTHS) - 1
-    assert out.replays == -(-steps // chunk) and out.wasted_steps == 0
+    assert out.launches == -(-steps // chunk) and out.wasted_steps == 0
+    assert out.replays == (out.launches if out.captured else 0)
     assert [t.shape[1] for t in seen] == [min(1 + chunk * (i + 1), steps + 1) for i in range(len(seen))]
     for tokens in seen:  # each chunk is a prefix of the final tokens
         assert torch.equal(tokens, out.tokens[:, :tokens.shape[1]])
@@ -51,13 +53,13 @@ def test_runs_to_max_new_tokens_without_eos(setup):
     out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="device-loop", max_new_tokens=9,
                         eos_token_id=None)
     ref = generate(model, prompt.input_ids, prompt.attention_mask, 9, eos_token_id=None)[0]
-    assert torch.equal(out.tokens, ref.cpu()) and out.steps == 8 and out.replays == 1
+    assert torch.equal(out.tokens, ref.cpu()) and out.steps == 8 and out.launches == 1
 
 
 def test_one_token_needs_no_launch(setup):
     model, prompt = setup
     out = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, mode="device-loop", max_new_tokens=1)
-    assert out.tokens.shape[1] == 1 and out.steps == 0 and out.replays == 0
+    assert out.tokens.shape[1] == 1 and out.steps == 0 and out.launches == out.replays == 0
 
 
 @pytest.mark.parametrize("kwargs,message", [

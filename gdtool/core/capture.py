@@ -26,9 +26,9 @@ class Phases:
     """The graphs of one step, by phase, and what capturing them took."""
     graphs: dict = field(default_factory=dict)   # phase -> graphs.Captured or graphs.Uncaptured
     warmup_s: float = 0.0
-    capture_s: float = 0.0
+    capture_s: float = 0.0                        # recording the graphs (0 uncaptured)
     syncs: int = 0                                # host waits: one per warm-up, one per capture
-    captures: int = 0
+    captures: int = 0                             # CUDA graphs captured (0 uncaptured)
     pool_bytes: int = 0                           # device memory the captures reserved (their private pools)
     rng_increment: int | None = None              # one step's draws from the generator (captured only)
 
@@ -68,7 +68,8 @@ def capture_phases(fn, step, phases, *, capture: bool, width: int, warmup_steps:
             else:
                 # uncaptured, each replay runs with the Python counters the capture saw, as a graph would
                 out.graphs[phase] = graphs.Uncaptured(fn, feed.frozen_counters())
-        out.capture_s += time.perf_counter() - t0
+        if capture:  # building a stand-in records nothing: capture_s is the time spent recording graphs
+            out.capture_s += time.perf_counter() - t0
         state.restore(snapshot)
         feed.restore(layers)
         compat.rewind(cache, width)

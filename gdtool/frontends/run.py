@@ -1,7 +1,9 @@
 """`python -m gdtool run`: decode random prompts in one or all modes and say where the time went.
 
 Prints a readable summary per model and batch size (tokens/s, steps, syncs, polls, wasted steps),
-one row per mode (x polling policy x kernels), and whether the modes made the same tokens. With
+one row per mode (x polling policy x kernels), and whether the modes made the same tokens. The
+replays and capture ms columns count CUDA graphs only: a graph mode that ran its step uncaptured (no
+CUDA device) says "uncaptured" there instead of a figure. With
 --json, one JSON document instead (per run: the config, the figures and the tokens' text; plus the
 environment). Options follow the shared grammar of `gdtool.frontends.options`.
 
@@ -19,6 +21,7 @@ import torch
 from . import options
 from ..measure import record
 from ..loops.decode import decode
+from ..core.modes import check_mode
 from ..core.models import load_model, random_prompts
 
 
@@ -140,7 +143,7 @@ def _main(args) -> int:
                         bar.update(1)
                     results[label] = (kernels, decode(model, ids, mask, **kwargs))
                     bar.update(1)
-                    captured |= results[label][1].captures > 0
+                    captured |= results[label][1].captured
                 runs.append(_report(out, args, name, model, ids, results, device))
                 all_same &= runs[-1]["tokens_identical"]
     finally:
@@ -154,7 +157,8 @@ def _main(args) -> int:
 
 def _report(out, args, name, model, ids, results, device) -> dict:
     figures = {label: _figures(o) for label, (_, o) in results.items()}
-    _print_summary(out, name, ids, figures)
+    uncaptured = {label for label, (_, o) in results.items() if check_mode(o.mode).captures and not o.captured}
+    _print_summary(out, name, ids, figures, uncaptured)
     # the same tokens are promised for every mode and policy with the same kernels
     same = True
     for kernels in dict.fromkeys(k for k, _ in results.values()):
@@ -211,19 +215,24 @@ def _figures(out) -> dict:
     return {"tokens_per_s": out.new_tokens / decode_s if decode_s else None,
             "ms_per_step": 1000 * decode_s / max(out.steps, 1), "new_tokens": out.new_tokens,
             "steps": out.steps, "replays": out.replays, "host_syncs": out.host_syncs, "polls": out.polls,
-            "wasted_steps": out.wasted_steps, "captures": out.captures,
+            "wasted_steps": out.wasted_steps, "captures": out.captures, "captured": out.captured,
+            "launches": out.launches,
             **{k: round(v, 6) for k, v in out.timings.items()}, **getattr(out, "memory", {})}
 
 
-def _print_summary(out, name, ids, figures) -> None:
+def _print_summary(out, name, ids, figures, uncaptured=frozenset()) -> None:
+    """The table; the runs named in `uncaptured` (graph modes that ran their step uncaptured) say so in the
+    replays and capture ms columns, where a figure would count CUDA-graph work they did not do."""
     out.say(f"model {name}, batch {ids.shape[0]}, prompt width {ids.shape[1]}")
     width = max(14, *(len(label) + 2 for label in figures))
-    out.say(f"{'run':<{width}}{'tokens/s':>10}{'ms/step':>9}{'tokens':>8}{'steps':>7}{'replays':>9}{'syncs':>7}"
+    out.say(f"{'run':<{width}}{'tokens/s':>10}{'ms/step':>9}{'tokens':>8}{'steps':>7}{'replays':>11}{'syncs':>7}"
             f"{'polls':>7}{'wasted':>8}{'prefill ms':>12}{'capture ms':>12}{'KV MiB':>9}{'pool MiB':>10}")
     for label, f in figures.items():
+        replays = "uncaptured" if label in uncaptured else f"{f['replays']}"
+        capture_ms = "uncaptured" if label in uncaptured else f"{1000 * (f['warmup_s'] + f['capture_s']):.2f}"
         out.say(f"{label:<{width}}{f['tokens_per_s']:>10.1f}{f['ms_per_step']:>9.3f}{f['new_tokens']:>8}"
-                f"{f['steps']:>7}{f['replays']:>9}{f['host_syncs']:>7}{f['polls']:>7}{f['wasted_steps']:>8}"
-                f"{1000 * f['prefill_s']:>12.2f}{1000 * (f['warmup_s'] + f['capture_s']):>12.2f}"
+                f"{f['steps']:>7}{replays:>11}{f['host_syncs']:>7}{f['polls']:>7}{f['wasted_steps']:>8}"
+                f"{1000 * f['prefill_s']:>12.2f}{capture_ms:>12}"
                 f"{f.get('kv_cache_bytes', 0) / 2**20:>9.2f}{f.get('graph_pool_bytes', 0) / 2**20:>10.2f}")
 
 

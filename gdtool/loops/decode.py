@@ -34,10 +34,21 @@ WARMUP_STEPS = 2
 
 @dataclass
 class DecodeOutput:
+    """What one decode made, and what it did to make it.
+
+    `captured` says whether the steps ran as CUDA-graph replays: True for the graph modes on a CUDA
+    device (unless `capture=False`); False in eager mode, with `capture=False`, and without CUDA (a
+    CPU), where the graph modes run the same step uncaptured. `captures` and `replays` count CUDA
+    graphs only, so they are 0 wherever `captured` is False. `launches` counts the host's calls of the
+    mode's graph, captured or not (one per forward in forward-graph, per step in step-graph, per loop
+    launch in device-loop; 0 in eager): where captured it equals `replays`, uncaptured it says how
+    many times the stand-in step ran in their place. `timings["capture_s"]` is the time spent
+    recording graphs (0 uncaptured); `timings["warmup_s"]` the warm-up steps, which run either way.
+    """
     tokens: torch.Tensor              # [B, T] new tokens on the CPU, trimmed as generate() trims them
     lengths: torch.Tensor             # [B] tokens per row up to and including its EOS
     steps: int                        # decode forwards after the prefill
-    replays: int                      # graph launches
+    replays: int                      # CUDA-graph launches (0 where not captured)
     host_syncs: int                   # blocking host waits, hidden ones included
     polls: int                        # reads of the "all finished" flag
     wasted_steps: int                 # steps run after the last row had finished
@@ -47,7 +58,9 @@ class DecodeOutput:
     device: str
     timings: dict = field(default_factory=dict)
     scores: tuple | None = None       # T x [B, V] float32 processed scores, with return_scores=True
-    captures: int = 0                 # graphs captured by this call
+    captures: int = 0                 # CUDA graphs captured by this call
+    captured: bool = False            # the steps ran as CUDA-graph replays (see the docstring)
+    launches: int = 0                 # calls of the mode's graph, captured or uncaptured (see the docstring)
     logprobs: torch.Tensor | None = None  # [B, T] float32 log-probability of each token, with return_logprobs=True
     memory: dict = field(default_factory=dict)  # kv_cache_bytes, graph_pool_bytes, buffer_bytes of the engine
     experts: str | None = None        # MoE: the experts implementation the decode steps ran (generate()'s choice)
@@ -257,6 +270,7 @@ class Engine:
         self.loops: list = []   # device-loop: one WHILE-node graph per phase, around that phase's step graph
         self.rng_increment = None
         self.captures = 0
+        self.uncaptured = 0        # graphs this mode captures on a CUDA device, built here as uncaptured stand-ins
         self.graph_pool_bytes = 0  # device memory reserved by the capture (the graph's private pool)
 
     # -- one call ---------------------------------------------------------------------------------
@@ -319,10 +333,13 @@ class Engine:
             generator.set_state(trail[used - 1])
         scores = tuple(state.scores[i].clone() for i in range(used)) if state.scores is not None else None
         timings["total_s"] = time.perf_counter() - t_start
-        replays = steps if self.graphs else 0
+        launches = steps if self.graphs else 0
         if self.spec.device_loop:
-            replays = self._launches() - launches_before
-        return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps, replays=replays,
+            launches = self._launches() - launches_before
+        # a stand-in step run as Python is no replay: only CUDA graphs are counted as such
+        captured = self.captures_enabled and bool(self.graphs)
+        return DecodeOutput(tokens=tokens[:, :used], lengths=lengths, steps=steps,
+                            replays=launches if captured else 0, captured=captured, launches=launches,
                             host_syncs=explicit_waits + waits.count, polls=polls, wasted_steps=wasted, mode=self.mode,
                             batch=self.batch, max_new_tokens=n, device=str(device), timings=timings, scores=scores,
                             captures=self.captures - captures_before, memory=self.memory(), experts=experts,
@@ -371,6 +388,7 @@ class Engine:
                                   keep_graph=self.spec.device_loop, generator=generator, waits=waits)
         self.graphs = captured.graphs
         self.captures += captured.captures
+        self.uncaptured += len(captured.graphs) - captured.captures
         self.graph_pool_bytes += captured.pool_bytes
         if self.rng_increment is None:
             self.rng_increment = captured.rng_increment

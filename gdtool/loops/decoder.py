@@ -11,11 +11,16 @@ weights.
     dec = gdtool.Decoder(model, max_new_tokens=64, do_sample=True, temperature=0.8, return_logprobs=True)
     out = dec.generate(ids, mask, seed=0)          # captures
     out = dec.generate(ids2, mask2)                # same shapes: replays, out.captures == 0
+    dec.graphs                                     # the graphs it holds: mode's graph, batch, width, phase, captured
     dec = gdtool.Decoder(model, buckets=(32, 64, 128), max_new_tokens=64)   # prompt widths share graphs
     dec.close()                                    # frees graphs, caches, buffers
 
 Tokens are those of `generate()` on the prompt the Decoder actually runs: with `buckets`, the prompt
 left-padded to its bucket (docs/decoder.md says when that equals generate() on the unpadded prompt).
+
+Without CUDA (a CPU) nothing is captured: `captures` stays 0 and each graph the Decoder would capture on
+a GPU is built as an uncaptured stand-in, counted in `uncaptured` and listed in `graphs` with
+`captured=False`. The reuse is the same: a call with a known signature builds nothing.
 """
 from __future__ import annotations
 
@@ -58,7 +63,8 @@ class Decoder:
         self.model, self.mode, self.max_graphs = model, mode, max_graphs
         self.buckets = _check_buckets(buckets)
         self.device = next(model.parameters()).device
-        self.captures = 0          # graphs captured over this Decoder's life
+        self.captures = 0          # CUDA graphs captured over this Decoder's life
+        self.uncaptured = 0        # graphs a GPU would have captured, built uncaptured instead (no CUDA, capture=False)
         self.evictions = 0         # engines closed to stay under max_graphs
         self.engines: OrderedDict = OrderedDict()  # Signature -> Engine, least recently used first
         self._options, self._settings = {}, {}
@@ -139,9 +145,11 @@ class Decoder:
             self.engines[key] = engine
         else:
             self.engines.move_to_end(key)
+        built = engine.uncaptured
         out = engine.run(ids, mask, target_lengths=targets, seed=seed,
                          eos_poll_interval=self._options["eos_poll_interval"])
         self.captures += out.captures
+        self.uncaptured += engine.uncaptured - built
         out.timings["signature_s"] = signature_s
         out.timings["total_s"] = time.perf_counter() - t0
         return out
@@ -173,11 +181,26 @@ class Decoder:
         cache_len = compat.cache_length(self.model, width, settings.max_new_tokens)
         return signatures.of(self.model, mode=self.mode, batch=batch, width=width, cache_len=cache_len,
                              settings=settings, targets=targets,
-                             captured=check_mode(self.mode).captures and self._options["capture"] is not False
-                             and can_capture(next(self.model.parameters()).device),
+                             captured=self.captured,
                              return_scores=self._options["return_scores"],
                              return_logprobs=self._options["return_logprobs"],
                              num_samples=self._options["num_samples"], kernels=self._options["kernels"])
+
+    @property
+    def captured(self) -> bool:
+        """Whether this Decoder's graphs are CUDA graphs: its mode captures, `capture` is not False, and the
+        model is on a CUDA device. False: eager, or a graph mode whose graphs run uncaptured (`uncaptured`)."""
+        return (check_mode(self.mode).captures and self._options["capture"] is not False
+                and can_capture(next(self.model.parameters()).device))
+
+    @property
+    def graphs(self) -> list[dict]:
+        """The graphs the held engines hold, least recently used first: one per window phase of an engine
+        (a device loop's WHILE node wraps each). `graph` is what one holds ("forward" or "step"); `captured`
+        is False where it runs uncaptured (no CUDA, or capture=False): what a GPU would capture."""
+        return [{"graph": engine.spec.graph, "batch": engine.batch, "width": engine.width,
+                 "cache_len": engine.cache_len, "phase": phase, "captured": bool(graph.captured)}
+                for engine in self.engines.values() for phase, graph in engine.graphs.items()]
 
     # -- lifetime -----------------------------------------------------------------------------------
     def close(self) -> None:
@@ -193,8 +216,10 @@ class Decoder:
         self.close()
 
     def __repr__(self) -> str:
+        # where the mode's graphs run uncaptured, the count of them says what a GPU would have captured
+        built = f", uncaptured={self.uncaptured}" if check_mode(self.mode).captures and not self.captured else ""
         return (f"Decoder(mode={self.mode!r}, engines={len(self.engines)}/{self.max_graphs}, "
-                f"captures={self.captures}, buckets={self.buckets})")
+                f"captures={self.captures}{built}, buckets={self.buckets})")
 
 
 def _check_buckets(buckets) -> tuple[int, ...]:

@@ -147,7 +147,8 @@ def profile(model, input_ids, attention_mask=None, mode: str = "step-graph", *, 
         if cuda:
             torch.cuda.synchronize(device)
     steps = clock.frame()
-    expected = out.replays if unit == ranges.REPLAY else out.steps
+    # launches, not replays: uncaptured (a CPU) the device loop's launches are no replays, but they are ranges
+    expected = out.launches if unit == ranges.REPLAY else out.steps
     if len(steps) != expected:
         raise RuntimeError(f"saw {len(steps)} {unit} ranges but the decode ran {expected}; a range is "
                            "missing or nested (is another listener popping ranges?)")
