@@ -693,6 +693,68 @@ def test_host_sweep_long(name, seed):
             _assert_alone(model, prompts, out, n=n, **settings)
 
 
+TEMPERATURE = dict(do_sample=True, temperature=0.7, top_k=20, top_p=0.9, repetition_penalty=1.3, pad_token_id=0)
+
+
+def _teacher_forced(model, prompt, tokens, temperature):
+    """What a trainer recomputes: the float32 log-softmax of the logits over the temperature at each token of the
+    response, from one forward over prompt + response."""
+    ids = torch.tensor([prompt + tokens[:-1]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:].to(torch.float32)
+    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("refill", ["off", "host", "device"])
+def test_temperature_logprobs_are_what_a_trainer_recomputes(refill):
+    """return_logprobs="temperature": each token's log-probability under softmax(logits / temperature) alone (no
+    penalty, top-k or top-p), the distribution a PPO/GRPO trainer recomputes: equal to its teacher-forced forward
+    to float32 rounding of the logits (float64 model), and different from the processed ones."""
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 5, seed=41)
+    common = dict(max_new_tokens=N, num_samples=2, seed=3, eos_token_id=None, **TEMPERATURE)
+    out = gdtool.rollout(model, prompts, slots=3, refill=refill, return_logprobs="temperature", **common)
+    processed = gdtool.rollout(model, prompts, slots=3, refill=refill, **common)
+    moved = 0
+    for seq, other in zip(out.sequences, processed.sequences):
+        assert torch.equal(seq.tokens, other.tokens)      # what is recorded does not change what is drawn
+        ref = _teacher_forced(model, prompts[seq.prompt_index], seq.tokens.tolist(), 0.7)
+        assert (seq.logprobs - ref).abs().max().item() <= 1e-6
+        moved += int((seq.logprobs - other.logprobs).abs().max().item() > 1e-3)
+    assert moved >= len(out.sequences) // 2     # top-k, top-p and the penalty move most sequences' figures
+
+
+def test_temperature_logprobs_of_decode_are_generates_raw_logits():
+    """gdtool.decode(return_logprobs="temperature"), captured modes' twins included, is log_softmax of generate()'s
+    raw logits (`output_logits`) over the temperature, bit for bit."""
+    model = _lively("tiny-qwen2")
+    prompts = _prompts(model, 3, seed=43)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    torch.manual_seed(7)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=N, cache_implementation="static",
+                         disable_compile=True, output_logits=True, return_dict_in_generate=True, eos_token_id=None,
+                         **TEMPERATURE)
+    tokens = ref.sequences[:, width:]
+    expected = torch.stack([torch.log_softmax(l / 0.7, dim=-1).gather(1, tokens[:, j:j + 1])[:, 0]
+                            for j, l in enumerate(ref.logits)], dim=1)
+    for mode in gdtool.MODES:
+        out = gdtool.decode(model, ids, mask, max_new_tokens=N, mode=mode, seed=7, eos_token_id=None,
+                            return_logprobs="temperature", **TEMPERATURE)
+        assert torch.equal(out.tokens, tokens) and torch.equal(out.logprobs, expected), mode
+
+
+@pytest.mark.parametrize("value", ["raw", 1, "Temperature"])
+def test_return_logprobs_refuses_what_it_does_not_know(value):
+    model = _lively("tiny-llama")
+    for call in (lambda: gdtool.rollout(model, [[5, 6]], slots=1, max_new_tokens=2, return_logprobs=value),
+                 lambda: gdtool.decode(model, torch.tensor([[5, 6]]), max_new_tokens=2, return_logprobs=value),
+                 lambda: gdtool.Decoder(model, max_new_tokens=2, return_logprobs=value)):
+        with pytest.raises(ValueError, match=f"return_logprobs={value!r}: use True or 'processed'"):
+            call()
+
+
 def test_decoder_rollout_takes_the_decoders_settings():
     model = _lively("tiny-llama", dtype=torch.float32)
     prompts = _prompts(model, 5, seed=3)

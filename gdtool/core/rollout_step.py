@@ -344,7 +344,8 @@ class RowStep(Step):
             chosen = torch.where(token + 1 >= targets, self.state.eos[0], chosen)
         if self.state.logprobs is None:
             return chosen, None
-        return chosen, torch.log_softmax(scores, dim=-1).gather(1, chosen[:, None]).squeeze(1)
+        logprobs = sampling.log_probs(logits, scores, self.logprobs_of, self.settings)
+        return chosen, logprobs.gather(1, chosen[:, None]).squeeze(1)
 
     def update(self, chosen: torch.Tensor, logprob: torch.Tensor | None, writing: torch.Tensor) -> None:
         """Rows where `writing` is 1 take `chosen` as their next token; the others are left as they are."""

@@ -63,6 +63,33 @@ def top_p_filter(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     return scores.masked_fill(remove, -float("inf"))
 
 
+LOGPROBS = ("processed", "temperature")
+
+
+def logprobs_kind(value) -> str | None:
+    """What `return_logprobs=value` asks for: None (False), "processed" (True): the log-probability of each
+    chosen token under the processed scores generate() returns (penalty, temperature, top-k, top-p applied), or
+    "temperature": under softmax(logits / temperature) alone, what PPO/GRPO ratios compare a trainer's
+    recomputed log-probabilities against."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return "processed"
+    if isinstance(value, str) and value in LOGPROBS:
+        return value
+    raise ValueError(f"return_logprobs={value!r}: use True or 'processed' (under the processed scores generate() "
+                     "returns), 'temperature' (under softmax(logits / temperature) alone: no repetition penalty, "
+                     "top-k or top-p), or False")
+
+
+def log_probs(logits: torch.Tensor, scores: torch.Tensor, kind: str, s: Settings) -> torch.Tensor:
+    """[batch, vocab] log-probabilities of `kind` (see `logprobs_kind`) from a step's raw float32 logits and its
+    processed scores."""
+    if kind == "temperature":
+        return torch.log_softmax(logits / s.temperature if s.uses_temperature else logits, dim=-1)
+    return torch.log_softmax(scores, dim=-1)
+
+
 def process(scores: torch.Tensor, seen: torch.Tensor | None, s: Settings) -> torch.Tensor:
     """The scores generate() would return (`output_scores=True`) for this step."""
     if s.uses_penalty:

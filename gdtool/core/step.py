@@ -96,6 +96,8 @@ def prefill_positions(attention_mask: torch.Tensor) -> torch.Tensor:
 class Step:
     """forward + select + update over one `State`; every mode calls this object."""
 
+    logprobs_of = "processed"   # what State.logprobs records (sampling.logprobs_kind); the loop that builds it sets it
+
     def __init__(self, model, cache, state: State, settings: Settings, prompt_width: int, *, feed: Feed | None = None):
         self.model, self.cache, self.state, self.settings = model, cache, state, settings
         self.prompt_width = prompt_width
@@ -119,7 +121,7 @@ class Step:
             self.state.scores.index_copy_(0, self._index(), scores[None])
         if self.state.logprobs is not None:
             # read by update() at the token it finally writes (forced EOS and finished-row pads included)
-            self.log_probs = torch.log_softmax(scores, dim=-1)
+            self.log_probs = sampling.log_probs(logits, scores, self.logprobs_of, self.settings)
         return sampling.choose(scores, self.settings.do_sample)
 
     def update(self, next_tokens: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..core import compat, feed, graphs, ranges
+from ..core import compat, feed, graphs, ranges, sampling
 from ..core.capture import capture_phases
 from ..core.modes import DEFAULT_POLL, MODES, check_mode
 from ..kernels import step as kernel_step
@@ -61,7 +61,8 @@ class DecodeOutput:
     captures: int = 0                 # CUDA graphs captured by this call
     captured: bool = False            # the steps ran as CUDA-graph replays (see the docstring)
     launches: int = 0                 # calls of the mode's graph, captured or uncaptured (see the docstring)
-    logprobs: torch.Tensor | None = None  # [B, T] float32 log-probability of each token, with return_logprobs=True
+    logprobs: torch.Tensor | None = None  # [B, T] float32 log-probability of each token, with return_logprobs
+                                          # (True: processed scores; "temperature": logits / temperature alone)
     memory: dict = field(default_factory=dict)  # kv_cache_bytes, graph_pool_bytes, buffer_bytes of the engine
     experts: str | None = None        # MoE: the experts implementation the decode steps ran (generate()'s choice)
 
@@ -75,7 +76,7 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
            repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET, seed: int | None = None,
            eos_poll_interval: int | str | None = None, return_scores: bool = False, target_lengths=None,
            capture: bool | None = None, steps_per_launch: int | None = None, on_chunk=None,
-           return_logprobs: bool = False, num_samples: int = 1, kernels: str = "hf", **unsupported) -> DecodeOutput:
+           return_logprobs: bool | str = False, num_samples: int = 1, kernels: str = "hf", **unsupported) -> DecodeOutput:
     """Decode `max_new_tokens` (required) from left-padded prompts; see the module docstring.
 
     Settings resolve as generate() resolves them (explicit, then `model.generation_config`, then
@@ -87,14 +88,16 @@ def decode(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None =
     True requires capture. device-loop only: `steps_per_launch=N` runs at most N steps per launch
     and calls `on_chunk(tokens)` (CPU [B, produced]) between launches, for streaming.
     `return_logprobs` fills `out.logprobs` [B, T]: the log-softmax of the processed scores at each
-    written token (0 after a row's EOS). `num_samples=k` decodes every prompt k times, rows repeated
-    as generate()'s `num_return_sequences=k` repeats them.
+    written token (0 after a row's EOS); return_logprobs="temperature": of the logits over the temperature alone
+    (no penalty, top-k or top-p), the distribution PPO/GRPO ratios use. `num_samples=k` decodes every prompt k
+    times, rows repeated as generate()'s `num_return_sequences=k` repeats them.
     `kernels`, one of `gdtool.core.modes.KERNELS` (each described there): "hf" (the default) runs HF's kernels;
     "compiled" the same step with fused kernels (torch.compile, no CUDA graphs of its own; gdtool captures it):
     faster, not bitwise generate(); "fast" the compiled step with gdtool's own decode kernels where they apply
     (gdtool/kernels/step.py, docs/fast.md).
     """
     check_samples(num_samples, unsupported)
+    sampling.logprobs_kind(return_logprobs)   # a bad value fails before any work
     explicit = dict(do_sample=do_sample, temperature=temperature, top_k=top_k, top_p=top_p,
                     repetition_penalty=repetition_penalty, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
     settings = resolve(model, max_new_tokens, explicit, unsupported)
@@ -263,6 +266,7 @@ class Engine:
                                       return_scores, torch.ones(self.batch, dtype=torch.long) if with_targets else None,
                                       return_logprobs)
         self.step = kernel_step.new_step(self.kernels, mode, model, self.cache, self.state, settings, self.width)
+        self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
         self.feed = self.step.feed
         # sliding-window layers take another branch once their window is full: one graph per phase
         self.phases = self.feed.phases(settings.max_new_tokens)
@@ -397,14 +401,14 @@ class Engine:
         syncs = captured.syncs
         if self.spec.device_loop:
             from .devloop import DeviceLoop
-            sampling = self.settings.do_sample and self.captures_enabled
+            draws = self.settings.do_sample and self.captures_enabled
             for phase, _, last in self.phases:
                 graph = self.graphs[phase]
                 body = graph.graph if self.captures_enabled else graph
                 # a phase's loop stops at its last step (index last + 1); the next phase's loop takes over on the device
                 self.loops.append(DeviceLoop(body, self.state.done, self.state.index, last + 1,
-                                             advance_rng=sampling, rng_increment=self.rng_increment if sampling else None,
-                                             generator=generator if sampling else None))
+                                             advance_rng=draws, rng_increment=self.rng_increment if draws else None,
+                                             generator=generator if draws else None))
         return syncs
 
     def _device_loop(self, steps_per_launch, on_chunk, generator):
@@ -415,11 +419,11 @@ class Engine:
             return 0, 0, 0
         polls = syncs = 0
         from .devloop import _generator_state, _set_generator_offset
-        sampling = self.loops[0].captured and self.loops[0].advance_rng
-        start = _generator_state(generator)[1] if sampling else None
+        draws = self.loops[0].captured and self.loops[0].advance_rng
+        start = _generator_state(generator)[1] if draws else None
         finished = False
         for loop, (_, first, last) in zip(self.loops, self.phases):
-            if sampling:
+            if draws:
                 # the draws of step j start where j - 1 replays would have left the generator
                 _set_generator_offset(generator, start + (first - 1) * self.rng_increment)
             loop.start_rollout()
@@ -438,12 +442,12 @@ class Engine:
                     on_chunk(state.out[:, :produced].cpu())
                 if finished or produced > last:
                     break
-            if sampling:
+            if draws:
                 loop.finish_rollout(steps=0)
             if finished:
                 break
         steps = int(state.index) - 1  # the prefill made token 0; part of the final read-back's wait
-        if sampling:
+        if draws:
             _set_generator_offset(generator, start + steps * self.rng_increment)
         return steps, polls, syncs
 

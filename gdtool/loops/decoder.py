@@ -30,7 +30,7 @@ from collections import OrderedDict
 
 import torch
 
-from ..core import compat
+from ..core import compat, sampling
 from ..core import signature as signatures
 from .decode import DecodeOutput, Engine, _infer_mask, check_input_ids, check_poll, check_run, check_samples, repeat_samples
 from ..core.graphs import can_capture
@@ -86,6 +86,7 @@ class Decoder:
             else:
                 settings[name] = value  # unknown or refused names are reported by resolve()
         check_samples(options["num_samples"], settings)
+        sampling.logprobs_kind(options["return_logprobs"])
         options["kernels"] = check_run(self.model, self.mode, options["kernels"], options["capture"])
         check_poll(options["eos_poll_interval"], self.mode)
         resolved = self._resolve(options, settings)

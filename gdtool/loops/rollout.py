@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core import graphs, ranges
+from ..core import graphs, ranges, sampling
 from ..core.modes import check_mode
 from ..core.rollout_step import RowStep, check_rows, new_row_state, row_cache
 from ..core.settings import UNSET, resolve
@@ -56,7 +56,8 @@ class Sequence:
     prompt_index: int
     sample_index: int
     tokens: torch.Tensor              # [length] int64 on the CPU, up to and including EOS
-    logprobs: torch.Tensor | None     # [length] float32 log-probability of each token under the processed scores
+    logprobs: torch.Tensor | None     # [length] float32 log-probability of each token (return_logprobs: under the
+                                      # processed scores, or "temperature": under softmax(logits / temperature))
     finish_reason: str                # "eos" or "length"
     slot: int                         # refill="host": the slot it ran in; "off": its row in its batch
     batch: int | None = None          # refill="off": the batch it ran in
@@ -118,7 +119,7 @@ class RolloutOutput:
 
 
 def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, num_samples: int = 1, refill: str = "off",
-            seed: int | None = None, return_logprobs: bool = True, mode: str = "eager", kernels: str = "hf",
+            seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
             steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
@@ -134,8 +135,10 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     of prompt p is keyed by (seed, p, k, t) (`core.noise`), so a sequence is the same whatever slot it ran in
     and however many slots ran; the global generators are not touched. `on_finished(sequence)` is
     called with each `Sequence` as soon as the host has it (refill="host": at the step it finished; "off": after
-    its batch). Everything is checked before any work: a bad input or a setting the refill cannot honour ends
-    in one ValueError that says why and what to use instead.
+    its batch). `return_logprobs`: True gives each token's log-probability under the processed scores (what
+    generate() samples from), "temperature" under softmax(logits / temperature) alone (what PPO/GRPO ratios
+    compare a trainer's recomputed log-probabilities against), False none. Everything is checked before any work:
+    a bad input or a setting the refill cannot honour ends in one ValueError that says why and what to use instead.
     """
     if isinstance(model, Decoder):
         return rollout(**_from_decoder(model, prompts, slots=slots, max_new_tokens=max_new_tokens,
@@ -153,6 +156,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
                          "refills them on the device (captured modes)")
     if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
         raise ValueError(f"slots={slots!r} must be an int >= 1 (rows decoded at once)")
+    sampling.logprobs_kind(return_logprobs)
     if on_finished is not None and not callable(on_finished):
         raise ValueError(f"on_finished={on_finished!r} must be callable (it gets each finished Sequence) or None")
     if on_group is not None and not callable(on_group):
@@ -388,6 +392,7 @@ class _RowRollout:
         vocab = model.config.get_text_config().vocab_size
         self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets)
         self.step = RowStep(model, row_cache(model, cache_len), self.state, settings, seed)
+        self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
         self.capture = self.spec.captures and capture is not False and graphs.can_capture(self.device)
         self.graphs: list = []
         self.loops: list = []
