@@ -743,6 +743,39 @@ def test_temperature_logprobs_of_decode_are_generates_raw_logits():
         out = gdtool.decode(model, ids, mask, max_new_tokens=N, mode=mode, seed=7, eos_token_id=None,
                             return_logprobs="temperature", **TEMPERATURE)
         assert torch.equal(out.tokens, tokens) and torch.equal(out.logprobs, expected), mode
+    # a Decoder keeps one engine per kind: switching back and forth gives each its own figures
+    dec = gdtool.Decoder(model, "step-graph", max_new_tokens=N, eos_token_id=None, return_logprobs="temperature",
+                         **TEMPERATURE)
+    assert torch.equal(dec.generate(ids, mask, seed=7).logprobs, expected)
+    processed = dec.configure(return_logprobs=True).generate(ids, mask, seed=7).logprobs
+    assert not torch.equal(processed, expected)
+    assert torch.equal(dec.configure(return_logprobs="temperature").generate(ids, mask, seed=7).logprobs, expected)
+
+
+@pytest.mark.parametrize("refill", ["off", "host", "device"])
+def test_weights_updated_in_place_are_seen(refill):
+    """An RL loop updates the weights in place between rollouts: the next rollout (through a Decoder, whose
+    graphs live across calls) decodes with the new weights, each sequence generate() alone on them."""
+    model = _lively("tiny-llama", dtype=torch.float64)
+    prompts = _prompts(model, 4, seed=47)
+    dec = gdtool.Decoder(model, "step-graph", max_new_tokens=N, eos_token_id=None, pad_token_id=0,
+                         return_logprobs=True)
+    before = gdtool.rollout(dec, prompts, slots=2, refill=refill)
+    saved = model.lm_head.weight.detach().clone()
+    try:
+        with torch.no_grad():
+            model.lm_head.weight.mul_(-1.0)
+        after = gdtool.rollout(dec, prompts, slots=2, refill=refill)
+        if refill != "off":
+            _assert_alone(model, prompts, after, eos_token_id=None, pad_token_id=0)
+        else:   # static batches: generate() on each batch of 2, left-padded
+            batches = _generate_batches(model, prompts, 2, 1, None, eos_token_id=None, pad_token_id=0)
+            expected = [row.tolist() for tokens, _, _ in batches for row in tokens]
+            assert [seq.tokens.tolist() for seq in after.sequences] == expected
+        assert any(not torch.equal(a.tokens, b.tokens) for a, b in zip(before.sequences, after.sequences))
+    finally:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(saved)
 
 
 @pytest.mark.parametrize("value", ["raw", 1, "Temperature"])
