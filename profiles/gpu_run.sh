@@ -77,6 +77,10 @@
 #   bench-pdl      the fast step of each of PDL_MODELS (space-separated; gemma-3-1b) at BENCH_BATCHES (1) with GDTOOL_PDL=0, auto, 1
 #                  (no peers): which PDL setting each preset's step wants
 #   bench-1b, bench-8b   python -m gdtool bench
+#   rollout-bench  python -m gdtool bench --workload rollout: ROLLOUT_MODEL (llama-1b), ROLLOUT_SLOTS (64),
+#                  ROLLOUT_PROMPTS (1024), ROLLOUT_LENGTHS (geom:128:512), ROLLOUT_REPEATS (1), ROLLOUT_FLAGS (e.g.
+#                  --runners static: qwen3-8b's static runner alone fills a lent machine's 600 s command)
+#   tests-rollout  the rollout's cuda tests (tests/test_rollout_cuda.py: the twin rule captured, and real-size bf16)
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
 #   devloop-host   device-loop host time per token, geometric lengths
 #   fast, fast-decode, fast-decode-64, select-64   profiles/fast_probe.py: sampler cost and agreement,
@@ -204,6 +208,12 @@ for p in "$@"; do
            --out "$work/bench-1b" ;;
     bench-8b) part bench-8b ${BENCH_SECONDS:-560} "$py" -m gdtool bench --model llama-8b --batch ${BENCH_BATCHES:-1,64} --repeats 2 --modes "$bench_modes" ${BENCH_FLAGS:-} \
            --out "$work/bench-8b" ;;
+    rollout-bench) part rollout-bench ${BENCH_SECONDS:-560} "$py" -m gdtool bench --workload rollout \
+           --model ${ROLLOUT_MODEL:-llama-1b} --slots ${ROLLOUT_SLOTS:-64} --prompts ${ROLLOUT_PROMPTS:-1024} \
+           --prompt-len 128 --lengths ${ROLLOUT_LENGTHS:-geom:128:512} --repeats ${ROLLOUT_REPEATS:-1} \
+           ${ROLLOUT_FLAGS:-} --out "$work/rollout-bench" ;;
+    tests-rollout) part tests-rollout ${TESTS_PICK_SECONDS:-300} "$py" -m pytest -q -rfE --tb=short -m cuda \
+           -n ${TEST_WORKERS:-6} -p no:cacheprovider -p no:logging tests/test_rollout_cuda.py ;;
     fast) part fast 240 "$py" profiles/fast_probe.py --out "$work/fast/probe" --parts select,agreement \
            --models llama-1b,qwen2.5-0.5b,llama-8b --fused-models llama-1b ;;
     fast-decode) part fast-decode 300 "$py" profiles/fast_probe.py --out "$work/fast-decode/probe" --parts decode \
