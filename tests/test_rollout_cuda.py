@@ -111,3 +111,25 @@ def test_real_size_bf16_with_reproducible_attention(name):
             _same(reference, gdtool.rollout(model, prompts, slots=12, refill=refill, mode=mode, **settings),
                   (name, refill, mode))
     assert reference.prefills > 12
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("case", ["targets", "sampling"])
+def test_compiled_modes_are_the_compiled_eager_run(name, case):
+    """kernels="compiled": one inductor program for the decode step; every captured mode and both policies give the
+    bits of its eager run (the program called directly), and the tokens of HF's kernels in float32 here."""
+    model = _model(name)
+    rng, prompts, slots = _case(31 + len(case))
+    settings = dict(max_new_tokens=N, pad_token_id=0, eos_token_id=1)
+    if case == "targets":
+        settings["target_lengths"] = [rng.randint(1, N) for _ in prompts]
+    else:
+        settings.update(do_sample=True, temperature=0.9, top_k=40, seed=3)
+    reference = gdtool.rollout(model, prompts, slots=slots, refill="host", mode="eager", kernels="compiled",
+                               **settings)
+    for refill, mode, extra in RUNS:
+        if mode == "forward-graph":
+            continue   # refused: the compiled step is the whole step
+        out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, kernels="compiled", **settings,
+                             **extra)
+        _same(reference, out, ("compiled", refill, mode, extra))

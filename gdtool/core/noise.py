@@ -90,13 +90,25 @@ def _split(x):
     return x & MASK32, (x >> 32) & MASK32
 
 
-def key_words(seed: int, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor) -> list:
-    """The 8 key words of each row: seed (a Python int, taken mod 2**64) and [B] int64 indices."""
+def seed_words(seed: int, device=None) -> torch.Tensor:
+    """The seed's two key words (mod 2**64, low word first) as a [2] int64 tensor: a step that reads its seed from
+    this buffer draws the same noise as with the int, and a new seed is a copy into it, not a new graph."""
     seed = int(seed) & MASK64
-    return [seed & MASK32, seed >> 32, *_split(prompt), *_split(sample), *_split(token)]
+    return torch.tensor([seed & MASK32, seed >> 32], dtype=torch.long, device=device)
 
 
-def uniform(seed: int, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor, vocab: int) -> torch.Tensor:
+def key_words(seed, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor) -> list:
+    """The 8 key words of each row: seed (a Python int, taken mod 2**64, or its `seed_words`) and [B] int64
+    indices."""
+    if isinstance(seed, torch.Tensor):
+        low, high = seed[0], seed[1]
+    else:
+        seed = int(seed) & MASK64
+        low, high = seed & MASK32, seed >> 32
+    return [low, high, *_split(prompt), *_split(sample), *_split(token)]
+
+
+def uniform(seed, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor, vocab: int) -> torch.Tensor:
     """[B, vocab] float64 u in (0, 1), u[b, v] = the hash of (seed, prompt[b], sample[b], token[b], v).
 
     prompt, sample and token are [B] int64 tensors on one device (the result's)."""
@@ -115,7 +127,7 @@ def uniform(seed: int, prompt: torch.Tensor, sample: torch.Tensor, token: torch.
     return (2 * m + 1).to(torch.float64) * TWO_M53
 
 
-def exponentials(seed: int, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor,
+def exponentials(seed, prompt: torch.Tensor, sample: torch.Tensor, token: torch.Tensor,
                  vocab: int) -> torch.Tensor:
     """[B, vocab] float64 Exp(1) variates -log(u), finite and positive."""
     return -torch.log(uniform(seed, prompt, sample, token, vocab))

@@ -52,7 +52,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from . import compat, sampling
+from . import compat, noise, sampling
 from .feed import Unsupported, experts_modules
 from .settings import Settings
 from .step import Step
@@ -287,6 +287,8 @@ class RowStep(Step):
                              "token); pass seed=<int>")
         super().__init__(model, cache, state, settings, prompt_width=0)
         self.seed = seed
+        # read by the step from this buffer (noise.seed_words): a captured or compiled step holds no seed of its own
+        self.seed_words = None if seed is None else noise.seed_words(seed, state.tokens.device)
         self.slots = state.tokens.shape[0]
         self.queue_size = state.queue_ids.shape[0]
         self.trash = settings.max_new_tokens  # the column of `out` that discarded writes go to
@@ -337,7 +339,7 @@ class RowStep(Step):
         is its target gets the first EOS id instead (the length harness)."""
         scores = sampling.process(logits, seen, self.settings)
         if self.settings.do_sample:
-            chosen = sampling.choose_keyed(scores, self.seed, prompt, sample, token)
+            chosen = sampling.choose_keyed(scores, self.seed_words, prompt, sample, token)
         else:
             chosen = sampling.choose(scores, False)
         if targets is not None:

@@ -112,7 +112,7 @@ def choose(scores: torch.Tensor, do_sample: bool) -> torch.Tensor:
     return torch.argmax(probs / race, dim=-1)
 
 
-def choose_keyed(scores: torch.Tensor, seed: int, prompt: torch.Tensor, sample: torch.Tensor,
+def choose_keyed(scores: torch.Tensor, seed, prompt: torch.Tensor, sample: torch.Tensor,
                  token: torch.Tensor) -> torch.Tensor:
     """A sampled token per row, [batch] int64, from keyed noise: argmax(probs / E) with E[b, v] = -log u(seed,
     prompt[b], sample[b], token[b], v) (`core.noise`). The exponential race of `choose`, so the token is drawn

@@ -43,11 +43,13 @@ from ..core.modes import check_mode
 from ..core.rollout_step import RowStep, check_rows, new_row_state, row_cache
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
+from ..kernels.rows import CompiledRowStep
 from .decode import check_run, check_samples
 from .decoder import Decoder
 
 __all__ = ["REFILLS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
 REFILLS = ("off", "host", "device")
+ROW_KERNELS = ("hf", "compiled")   # the kernels a refill policy runs (refill="off": every kernels option)
 
 
 @dataclass
@@ -177,8 +179,9 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     if refill != "off":
         check_rows(model, max(len(ids) for ids in texts) + settings.max_new_tokens, refill)
         # rows that would never hold a sequence are not allocated (nor counted as row-steps)
-        run = _RowRollout(model, settings, sequences, min(slots, len(sequences)), return_logprobs, on_finished, on_group, seed, refill,
-                          mode, capture, eos_poll_interval, steps_per_launch, num_samples, targets)
+        run = _RowRollout(model, settings, sequences, min(slots, len(sequences)), return_logprobs, on_finished,
+                          on_group, seed, refill, mode, capture, eos_poll_interval, steps_per_launch, num_samples,
+                          targets, kernels)
     else:
         if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None:
             raise ValueError("on_group, eos_poll_interval and steps_per_launch are refill='host'/'device' options; "
@@ -227,9 +230,14 @@ def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, st
     if refill == "device" and spec.graph == "forward":
         raise ValueError("refill='device' with mode='forward-graph': only the forward is captured, so the host runs "
                          "every refill anyway; use mode='step-graph' or 'device-loop' (or refill='host')")
-    if kernels != "hf":
-        raise ValueError(f"refill={refill!r} runs HF's kernels (kernels='hf'); kernels={kernels!r} is not wired to "
-                         "the per-row cache write yet: use kernels='hf', or refill='off'")
+    if kernels not in ROW_KERNELS:
+        raise ValueError(f"refill={refill!r} runs kernels {' or '.join(map(repr, ROW_KERNELS))}; kernels={kernels!r} "
+                         "writes one cache column shared by every row (gdtool's own decode kernels), not each row's "
+                         "own: use kernels='compiled' (the step compiled over the per-row write), or refill='off'")
+    if kernels == "compiled" and spec.graph == "forward":
+        raise ValueError(f"refill={refill!r} with kernels='compiled' compiles the whole decode step, and "
+                         "mode='forward-graph' captures the forward alone; use mode='step-graph' (or 'eager', "
+                         "'device-loop'), or kernels='hf'")
     if poll is not None and (refill != "device" or spec.device_loop or mode == "eager"
                              or isinstance(poll, bool) or not isinstance(poll, int) or poll < 1):
         raise ValueError(f"eos_poll_interval={poll!r}: a rollout polls only with refill='device' in mode='step-graph' "
@@ -381,7 +389,7 @@ class _RowRollout:
     the same calls, so the twin of every captured run."""
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
-                 mode, capture, poll, steps_per_launch, num_samples, targets=None):
+                 mode, capture, poll, steps_per_launch, num_samples, targets=None, kernels="hf"):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
@@ -391,7 +399,8 @@ class _RowRollout:
         cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
         self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets)
-        self.step = RowStep(model, row_cache(model, cache_len), self.state, settings, seed)
+        step_class = CompiledRowStep if kernels == "compiled" else RowStep
+        self.step = step_class(model, row_cache(model, cache_len), self.state, settings, seed)
         self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
         self.capture = self.spec.captures and capture is not False and graphs.can_capture(self.device)
         self.graphs: list = []
