@@ -792,8 +792,8 @@ def test_weights_updated_in_place_are_seen(refill):
 def test_compiled_kernels_per_row():
     """kernels="compiled": the decode step over the per-row write as one inductor program. Every mode and both
     policies give the same bits as its eager run (one program); against HF's kernels the same tokens, with
-    log-probabilities to float32 rounding (the fused log-softmax; measured 6.6e-7). A rollout of the same shapes,
-    or with another seed, compiles nothing."""
+    log-probabilities to float32 rounding (the fused log-softmax; measured 6.6e-7). Another rollout of the same
+    slots and cache columns, with more prompts or another seed, compiles nothing."""
     from gdtool.kernels import compiled
     model = _lively("tiny-llama")
     compiled.forget(model)
@@ -811,6 +811,10 @@ def test_compiled_kernels_per_row():
         _assert_same_sequences(twin, out)
     table = compiled.compiles(model)
     assert len(table) == 1 and table.compiles.iloc[0] == 1 and table.calls.iloc[0] == 5 * hf.decode_steps
+    more = prompts + prompts[:3]   # more prompts, the same slots and cache columns: the same program
+    out = gdtool.rollout(model, more, slots=3, max_new_tokens=N, refill="device", kernels="compiled", **settings)
+    assert [s.tokens.tolist() for s in out.sequences[:6]] == [s.tokens.tolist() for s in twin.sequences]
+    assert compiled.compiles(model).compiles.tolist() == [1]
     for seed in (1, 2):   # keyed sampling: the seed is a buffer, not a constant of the program
         args = dict(slots=3, max_new_tokens=N, refill="host", seed=seed, eos_token_id=None, **TEMPERATURE)
         ref = gdtool.rollout(model, prompts, **args)

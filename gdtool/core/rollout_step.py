@@ -299,6 +299,7 @@ class RowStep(Step):
         self.one = torch.ones(1, dtype=torch.long, device=device)
         self.phase = {"prefill": None}
         self.window = row_window(model, state.mask.shape[1])
+        self.records_logprobs = state.logprobs is not None
         self.forward_fn = self.forward  # a forward-graph replay stands in here
 
     def forward(self) -> torch.Tensor:
@@ -344,10 +345,16 @@ class RowStep(Step):
             chosen = sampling.choose(scores, False)
         if targets is not None:
             chosen = torch.where(token + 1 >= targets, self.state.eos[0], chosen)
-        if self.state.logprobs is None:
+        if not self.records_logprobs:   # a Python flag: the compiled step reads nothing sized by the queue
             return chosen, None
         logprobs = sampling.log_probs(logits, scores, self.logprobs_of, self.settings)
         return chosen, logprobs.gather(1, chosen[:, None]).squeeze(1)
+
+    def forward_select(self) -> tuple:
+        """The decode forward over every slot and each slot's token (and its log-probability or None): what
+        reads the slot-sized buffers and the cache alone, never the queue or the per-sequence results."""
+        s = self.state
+        return self.select(self.forward_fn(), s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets)
 
     def update(self, chosen: torch.Tensor, logprob: torch.Tensor | None, writing: torch.Tensor) -> None:
         """Rows where `writing` is 1 take `chosen` as their next token; the others are left as they are."""
@@ -385,8 +392,7 @@ class RowStep(Step):
         """One decode step over every slot, then the flags."""
         s = self.state
         writing = s.unfinished.clone()
-        logits = self.forward_fn()
-        self.update(*self.select(logits, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets), writing)
+        self.update(*self.forward_select(), writing)
         s.ran.add_(1)
         s.steps.add_(1)
         self.flags()

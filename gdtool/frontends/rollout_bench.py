@@ -16,6 +16,10 @@ the tokens someone keeps:
     hf-cb     transformers' continuous batching (`model.continuous_batching_context_manager`), one `add_request`
               per prompt with its drawn length as max_new_tokens, greedy
 
+`--kernels` (one config per value): static and eos-off run those kernels; host and device run them too, except
+"fast", whose own decode kernels write one cache column shared by every row: they run "compiled" there (the
+label says which ran).
+
 Prompts are `--prompts` rows of `--prompt-len` random tokens (seeded). Each prompt's response length is drawn
 from `--lengths` (gdtool.measure.workloads; max_new_tokens is the distribution's cap); gdtool's runners force EOS
 at that length (`target_lengths`), so random weights give realistic lengths. A sequence that emits EOS by itself
@@ -89,8 +93,8 @@ CB_MAX_BATCH_TOKENS = 8192   # transformers' default max_batch_tokens (continuou
 DECODE_ONLY = {"--batch": "--slots (rows decoded at once) and --prompts", "--batches": "--slots and --prompts",
                "--max-new-tokens": "--lengths (max_new_tokens is the distribution's cap)",
                "--mode": "nothing: the runners' modes are fixed", "--modes": "nothing: the runners' modes are fixed",
-               "--peers": "nothing: hf-cb is the peer", "--kernels": "nothing: rollouts run HF's kernels",
-               "--fuse-projections": "nothing: rollouts run HF's kernels"}
+               "--peers": "nothing: hf-cb is the peer",
+               "--fuse-projections": "nothing: rollouts run each kernels option as it comes"}
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,7 @@ class RolloutConfig(record.Config):
     seed: int = 0
     cb_cuda_graphs: str = "auto"
     runners: tuple = RUNNERS     # the runners measured, in RUNNERS' order
+    kernels: str = "hf"          # static and eos-off run these; host and device run row_kernels(kernels)
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
@@ -116,6 +121,8 @@ class RolloutConfig(record.Config):
             parts.append(f"cbgraphs-{self.cb_cuda_graphs}")
         if tuple(self.runners) != RUNNERS:
             parts.append("-".join(self.runners))
+        if self.kernels != "hf":
+            parts.append(self.kernels)
         return parts
 
     @property
@@ -186,7 +193,21 @@ def _sync(device: torch.device) -> None:
 # ----------------------------------------------------------------------------- runners
 # Each factory returns once() -> dict of figures (wall_s and useful_tokens at least).
 
-def rollout_runner(model, work: Workload, refill: str, mode: str):
+def label(runner: str, kernels: str) -> str:
+    """The runner's label, with the kernels it runs where they are not HF's."""
+    if runner == "hf-cb" or kernels == "hf":
+        return LABELS[runner]
+    ran = kernels if runner in ("static", "eos-off") else row_kernels(kernels)
+    return f"{LABELS[runner][:-1]}, {ran})"
+
+
+def row_kernels(kernels: str) -> str:
+    """The kernels a refill runner runs for the config's `kernels`: the same, or "compiled" for "fast" (gdtool's
+    own decode kernels write one cache column shared by every row; the compiled step writes each row's own)."""
+    return "compiled" if kernels == "fast" else kernels
+
+
+def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf"):
     """One gdtool.rollout call over the whole workload."""
     device = next(model.parameters()).device
 
@@ -194,7 +215,7 @@ def rollout_runner(model, work: Workload, refill: str, mode: str):
         w = part or work
         t0 = time.perf_counter()
         out = rollout(model, w.prompts, slots=work.slots, max_new_tokens=work.max_new_tokens, refill=refill,
-                      mode=mode, target_lengths=w.targets, eos_token_id=work.eos, pad_token_id=work.pad,
+                      mode=mode, kernels=kernels, target_lengths=w.targets, eos_token_id=work.eos, pad_token_id=work.pad,
                       do_sample=False, return_logprobs=True)
         _sync(device)
         wall = time.perf_counter() - t0
@@ -211,10 +232,10 @@ class EosOffRunner:
     """One static batch of `slots` prompts through the device loop with EOS off. A Decoder keeps its engine, so the
     timed calls replay the graph the warm-up captured and decode_s holds the steps alone."""
 
-    def __init__(self, model, work: Workload):
+    def __init__(self, model, work: Workload, kernels: str = "hf"):
         self.work = work
         self.device = work.full_batch.device
-        self.decoder = Decoder(model, "device-loop", max_graphs=1, eos_token_id=None, pad_token_id=work.pad,
+        self.decoder = Decoder(model, "device-loop", max_graphs=1, kernels=kernels, eos_token_id=None, pad_token_id=work.pad,
                                do_sample=False, max_new_tokens=work.max_new_tokens, return_logprobs=True)
 
     def __call__(self, part: Workload | None = None) -> dict:
@@ -368,16 +389,17 @@ def _error(error: Exception) -> str:
 
 def _make(model, runner: str, work: Workload, cfg: RolloutConfig):
     if runner in ROLLOUTS:
-        return rollout_runner(model, work, *ROLLOUTS[runner])
+        refill, mode = ROLLOUTS[runner]
+        return rollout_runner(model, work, refill, mode, cfg.kernels if refill == "off" else row_kernels(cfg.kernels))
     if runner == "eos-off":
-        return EosOffRunner(model, work)
+        return EosOffRunner(model, work, cfg.kernels)
     return ContinuousBatchingRunner(model, work, cfg.cb_cuda_graphs)
 
 
 def measure(model, runner: str, work: Workload, cfg: RolloutConfig) -> RunnerResult:
     """One warm-up call, then cfg.repeats timed calls. hf-cb that cannot be made or warmed up here is n/a (the
     reason in the note); a gdtool runner that fails, or hf-cb failing in a timed call, is an error."""
-    result = RunnerResult(runner, LABELS[runner])
+    result = RunnerResult(runner, label(runner, cfg.kernels))
     if runner == "hf-cb" and (reason := cb_available(model)):
         result.status, result.note = "n/a", reason
         return result
@@ -601,6 +623,7 @@ def parser() -> options.Parser:
     p.list_option("--runners", item=options.choice_item("runner", RUNNERS), default=list(RUNNERS),
                   help=f"the runners to measure ({', '.join(RUNNERS)}; default all): the ideal needs eos-off, "
                        "a ratio needs both of its runners")
+    p.add_kernels()
     p.add_argument("--cb-cuda-graphs", choices=CB_CUDA_GRAPHS, default="auto",
                    help="hf-cb's CUDA graphs (use_cuda_graph): auto leaves HF's choice (on for flash attention, "
                         "off where an attention mask is needed), on or off forces it")
@@ -643,7 +666,8 @@ def _configs(model_name: str, args) -> list[RolloutConfig]:
     return [RolloutConfig(model=model_name, slots=slots, prompts=args.prompts, prompt_len=args.prompt_len,
                           lengths=workloads.parse(spec).spec, repeats=args.repeats, seed=args.seed,
                           cb_cuda_graphs=args.cb_cuda_graphs,
-                          runners=tuple(r for r in RUNNERS if r in args.runners))
+                          runners=tuple(r for r in RUNNERS if r in args.runners), kernels=kernels)
+            for kernels in dict.fromkeys(args.kernels)
             for spec in dict.fromkeys(args.lengths) for slots in dict.fromkeys(args.slots)]
 
 
