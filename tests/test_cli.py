@@ -146,6 +146,12 @@ BAD = [
     ("sweep", ["--modes", "eager,fast"], "unknown mode 'fast'"),
     ("sweep", ["--models", "gpt5"], "unknown model"),
     ("sweep", ["--repeats", "0"], "repeats 0 must be at least 1"),
+    # an option of the grammar that this command does not take: the commands that do are named
+    ("run", ["--lengths", "garbage"], "--lengths garbage; --lengths is an option of bench --workload rollout and sweep, "
+                                      "not of run"),
+    ("bench", ["--poll", "4"], "--poll is an option of run, profile and sweep, not of bench"),
+    ("sweep", ["--kernels", "fast"], "--kernels is an option of run, bench and profile, not of sweep"),
+    ("profile", ["--device", "cpu"], "--device is an option of run, bench and bench --workload rollout, not of profile"),
 ]
 
 

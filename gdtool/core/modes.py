@@ -48,7 +48,11 @@ DEFAULT_POLL = {spec.name: spec.default_poll for spec in _SPECS}
 HOST_STEPPED_MODES = tuple(spec.name for spec in _SPECS if spec.host_steps)
 FORWARD_ONLY_MODES = tuple(spec.name for spec in _SPECS if spec.forward_only)
 
-KERNELS = ("hf", "compiled", "fast")
+# The kernels options and what each runs, in a phrase: `--kernels`' help is made of these (with the fast step's
+# families and batch limits, read from gdtool.kernels: `gdtool.frontends.options.kernels_help`).
+KERNELS_RUN = {"hf": "HF's own, bitwise generate()", "compiled": "torch.compile'd, fused",
+               "fast": "compiled, plus gdtool's Triton decode kernels where they apply"}
+KERNELS = tuple(KERNELS_RUN)
 DEFAULT_KERNELS = "hf"
 
 

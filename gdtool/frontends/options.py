@@ -1,19 +1,23 @@
 """The command line's one grammar: option names, list syntax, defaults, errors, progress and --json.
 
-Every command (`run`, `bench`, `profile`, `profile --nsys`, `sweep`) spells a shared option the same
-way and reads a list the same way, with spaces or commas (``--batch 1 4 16`` is ``--batch 1,4,16``):
+Every command (`run`, `bench` and its `--workload rollout`, `profile`, `profile --nsys`, `sweep`) that
+takes one of these options spells it the same way, means the same by it and reads a list the same way,
+with spaces or commas (``--batch 1 4 16`` is ``--batch 1,4,16``). Which command takes which is the
+README's table under "The command line" (tests/test_grammar.py holds it to the parsers of `COMMANDS`);
+a command given an option it lacks names the commands that take it.
 
     --model M...          presets (gdtool.PRESETS) or local checkpoint folders      (alias --models)
     --mode M...           eager, forward-graph, step-graph, device-loop, or all      (alias --modes)
     --batch B...          rows per decode                                            (alias --batches)
     --poll P...           EOS polling: k >= 1, never (or 0), async, default         (aliases --polls,
                           --eos-poll-interval)
-    --kernels K...        decode's kernels: hf (HF's own), compiled or fast
+    --kernels K...        decode's kernels: hf, compiled or fast (`kernels_help`)
+    --lengths L...        response-length distributions (gdtool.measure.workloads)
     --prompt-len N        prompt tokens per row                                      (alias --prompt-length)
     --max-new-tokens N, --seed N, --warmup N, --repeats N, --out PATH
     --redo                measure configs again that --out already holds (default: skip them, resume)
-    --set KEY=VALUE       (profile) a gdtool.decode argument; KEY and VALUE checked against SET_KEYS
-    --device D            (run, bench) cpu, cuda or cuda:N
+    --set KEY=VALUE       a gdtool.decode argument; KEY and VALUE checked against SET_KEYS
+    --device D            cpu, cuda or cuda:N
     --json                one JSON document on stdout, the readable table on stderr
     --no-progress         no progress bar (it goes to stderr)
 
@@ -29,7 +33,16 @@ import json
 import os
 import sys
 
-__all__ = ["Output", "Parser", "UNCAPTURED", "default_models", "progress", "split"]
+from ..core.modes import KERNELS
+
+__all__ = ["COMMANDS", "Output", "Parser", "UNCAPTURED", "default_models", "kernels_help", "option_table", "progress",
+           "split"]
+
+# Every parser of the command line, by how it is called (bench's rollout workload has a parser of its own):
+# what the README's table of options is held to, and where an option a command lacks is looked up.
+COMMANDS = {"run": "gdtool.frontends.run", "bench": "gdtool.frontends.bench",
+            "bench --workload rollout": "gdtool.frontends.rollout_bench", "profile": "gdtool.frontends.profile",
+            "sweep": "gdtool.frontends.sweep"}
 
 # Printed under every speed table made without a CUDA device.
 UNCAPTURED = ("note: no CUDA device here, so forward-graph, step-graph and device-loop ran their step "
@@ -121,8 +134,21 @@ class Parser(argparse.ArgumentParser):
         super().__init__(prog=prog, description=description, epilog=epilog, formatter_class=Formatter)
 
     def error(self, message):
-        message = " ".join(str(message).split())
+        message = " ".join(str(message).split()) + self._elsewhere(message)
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def _elsewhere(self, message) -> str:
+        """For argparse's "unrecognized arguments": which commands take the first unknown option, if any do."""
+        prefix = "unrecognized arguments: "
+        if not str(message).startswith(prefix):
+            return ""
+        unknown = next((arg.split("=", 1)[0] for arg in str(message)[len(prefix):].split() if arg.startswith("--")),
+                       None)
+        me = self.prog.removeprefix("python -m gdtool ")
+        takers = [command for command, known in option_table().items() if unknown in known and command != me]
+        if not takers:
+            return ""
+        return f"; {unknown} is an option of {spoken(takers, 'and')}, not of {me}"
 
     # -- shared options -----------------------------------------------------------------------
     def list_option(self, *names, item, default, help, metavar=None, splitter=None):
@@ -160,10 +186,7 @@ class Parser(argparse.ArgumentParser):
                                      f"(each mode's own){extra_help}")
 
     def add_kernels(self, default=("hf",)):
-        return self.list_option("--kernels", item=kernels_item, default=default,
-                                help="decode's kernels: hf (HF's own, bitwise generate()), compiled "
-                                     "(torch.compile'd, fused) or fast (compiled plus gdtool's Triton decode "
-                                     "kernels where they apply: Llama, Mistral, Qwen2, Qwen3 at batch <= 8, CUDA)")
+        return self.list_option("--kernels", item=kernels_item, default=default, help=kernels_help())
 
     def add_device(self):
         return self.add_argument("--device", type=device_type, default=None, metavar="DEVICE",
@@ -200,6 +223,65 @@ class Parser(argparse.ArgumentParser):
         self.add_argument("--json", action="store_true",
                           help="print one JSON document on stdout (the readable table goes to stderr)")
         self.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def spoken(items, conjunction: str = "or") -> str:
+    """Items as a sentence lists them: ``a``, ``a or b``, ``a, b or c``."""
+    items = [str(item) for item in items]
+    return ", ".join(items[:-1]) + f" {conjunction} " + items[-1] if len(items) > 1 else "".join(items)
+
+
+def option_table() -> dict[str, dict[str, argparse.Action]]:
+    """{command: {option string: its action}} for every parser of `COMMANDS`, built by its module's `parser()`
+    (aliases included, --help left out)."""
+    import importlib
+    table = {}
+    for command, module in COMMANDS.items():
+        parser = importlib.import_module(module).parser()
+        table[command] = {name: action for action in parser._actions for name in action.option_strings
+                          if action.dest != "help"}
+    return table
+
+
+def _family(cls_name: str, suffix: str) -> str:
+    """A family named as transformers' class prefix: LlamaForCausalLM -> Llama, GptOssExperts -> GptOss."""
+    return cls_name[:-len(suffix)] if cls_name.endswith(suffix) else cls_name
+
+
+def fast_scope() -> str:
+    """Where kernels="fast" runs gdtool's own kernels, read from the tables the fast step decides with: the whole
+    forward's families (`kernels.forward.FAMILIES`) and the batch each path takes (`forward.line_paths`, the
+    same function `forward.plan` asks), the MoE blocks' families and limits (`kernels.experts.blocks`, where
+    `refusal` reads them), the linear layers' rows (`kernels.linear.MAX_ROWS`)."""
+    from ..kernels import forward, linear
+    from ..kernels.experts import blocks as experts
+
+    def names(items):
+        return ", ".join(items)
+
+    measured = [_family(c, "ForCausalLM") for c in forward.FAMILIES if c in forward.MEASURED_LINE]
+    others = [_family(c, "ForCausalLM") for c in forward.FAMILIES if c not in forward.MEASURED_LINE]
+    lines, wider_than = [], 0
+    for largest, _ in forward.MEASURED_LINES:
+        rows = forward.gemv_rows(forward.line_paths(largest if largest is not None else wider_than + 1))
+        batch = f"batch 1-{rows}" if rows > 1 else "batch 1"
+        lines.append(f"{batch} up to hidden size {largest}" if largest is not None else f"{batch} wider")
+        wider_than = largest or wider_than
+    moe = {family: _family(experts_cls, "Experts") for family, (_, experts_cls, _) in experts.FAMILIES.items()}
+    small = [moe[f] for f in moe if f not in experts.GROUPED_FAMILIES]
+    smaller = f" ({names(small)} <= {experts.MAX_TOKENS})" if small else ""
+    return (f"the whole forward of {names(measured)} at {' and '.join(lines)}, of {names(others)} at batch <= "
+            f"{forward.gemv_rows(forward.line_paths(None))}; elsewhere, inside the compiled forward, the MoE blocks of "
+            f"{names(moe.values())} at batch <= {experts.MAX_GROUPED_TOKENS}{smaller}, the attention (split-KV) and "
+            f"the linear layers at batch <= {linear.MAX_ROWS}; on CUDA only the paths whose CUDA tests passed "
+            "(kernels/triton.py CUDA_TESTED); docs/fast.md")
+
+
+def kernels_help() -> str:
+    """--kernels' help: every option of `core.modes.KERNELS_RUN` with what it runs, fast's scope (`fast_scope`)."""
+    from ..core.modes import KERNELS_RUN
+    parts = [f"{name} ({what}{': ' + fast_scope() if name == 'fast' else ''})" for name, what in KERNELS_RUN.items()]
+    return "decode's kernels: " + spoken(parts)
 
 
 def split_lengths(values) -> list[str]:
@@ -392,7 +474,7 @@ SET_KEYS = {
     "eos_token_id": (_token_ids, "a token id, ids as 2,7 or [2,7], or null (EOS off)"),
     "pad_token_id": (_number(int, lambda v: v >= 0), "a token id (a whole number >= 0), or null"),
     "eos_poll_interval": (_poll, "a whole number k >= 1, never (or 0), async, or null (the mode's own)"),
-    "kernels": (_kernels, "hf, compiled or fast"),
+    "kernels": (_kernels, spoken(KERNELS)),
     "steps_per_launch": (_number(int, lambda v: v >= 1), "a whole number >= 1 (device-loop only), or null"),
     "num_samples": (_number(int, lambda v: v >= 1, nullable=False), "a whole number >= 1"),
     "capture": (lambda v: None if v.strip().lower() in ("null", "none") else _flag(v), "true, false or null"),
