@@ -168,7 +168,8 @@ def test_python_m_gdtool_help_says_the_same(table):
 def test_an_option_a_command_lacks_is_one_line_naming_who_takes_it(capsys):
     cases = [(["run", "--lengths", "garbage"], "run", "--lengths is an option of bench --workload rollout and sweep, "
                                                       "not of run"),
-             (["sweep", "--kernels=fast"], "sweep", "--kernels is an option of run, bench and profile, not of sweep"),
+             (["sweep", "--kernels=fast"], "sweep",
+              "--kernels is an option of run, bench, bench --workload rollout and profile, not of sweep"),
              (["bench", "--workload", "rollout", "--poll", "4"], ROLLOUT,
               "--poll is an option of run, profile and sweep, not of bench --workload rollout"),
              (["run", "--no-such-option"], "run", "unrecognized arguments: --no-such-option (see")]
@@ -194,7 +195,7 @@ def test_kernels_help_names_every_option_family_and_batch_limit(table):
     from gdtool.kernels.experts import blocks as experts   # where refusal() reads the MoE families and limits
     helps = {command: " ".join(known["--kernels"].help.split()) for command, known in table.items()
              if "--kernels" in known}
-    assert set(helps) == {"run", "bench", "profile"}
+    assert set(helps) == {"run", "bench", "bench --workload rollout", "profile"}
     text = options.kernels_help()
     assert all(h == text for h in helps.values()), "each command's --kernels help is options.kernels_help()"
     assert [k for k in modes.KERNELS if not re.search(rf"(?<![\w-]){k} \(", text)] == []
