@@ -790,7 +790,8 @@ def test_weights_updated_in_place_are_seen(refill):
 
 
 def test_compiled_kernels_per_row():
-    """kernels="compiled": the decode step over the per-row write as one inductor program. Every mode and both
+    """kernels="compiled": the decode step over the per-row write and a refill's prefill, each one inductor
+    program. Every mode and both
     policies give the same bits as its eager run (one program); against HF's kernels the same tokens, with
     log-probabilities to float32 rounding (the fused log-softmax; measured 6.6e-7). Another rollout of the same
     slots and cache columns, with more prompts or another seed, compiles nothing."""
@@ -809,18 +810,20 @@ def test_compiled_kernels_per_row():
         out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill=refill, mode=mode, kernels="compiled",
                              **settings)
         _assert_same_sequences(twin, out)
-    table = compiled.compiles(model)
-    assert len(table) == 1 and table.compiles.iloc[0] == 1 and table.calls.iloc[0] == 5 * hf.decode_steps
-    more = prompts + prompts[:3]   # more prompts, the same slots and cache columns: the same program
+    table = compiled.compiles(model).set_index("step")
+    assert table.compiles.tolist() == [1, 1]    # the prefill's program and the decode step's, compiled once
+    assert table.calls.to_dict() == {"rows_prefill_w9_s3_c19_n10_greedy": 5 * hf.prefills,
+                                     "rows_decode_s3_c19_n10_greedy": 5 * hf.decode_steps}
+    more = prompts + prompts[:3]   # more prompts, the same slots and cache columns: the same programs
     out = gdtool.rollout(model, more, slots=3, max_new_tokens=N, refill="device", kernels="compiled", **settings)
     assert [s.tokens.tolist() for s in out.sequences[:6]] == [s.tokens.tolist() for s in twin.sequences]
-    assert compiled.compiles(model).compiles.tolist() == [1]
+    assert compiled.compiles(model).compiles.tolist() == [1, 1]
     for seed in (1, 2):   # keyed sampling: the seed is a buffer, not a constant of the program
         args = dict(slots=3, max_new_tokens=N, refill="host", seed=seed, eos_token_id=None, **TEMPERATURE)
         ref = gdtool.rollout(model, prompts, **args)
         out = gdtool.rollout(model, prompts, kernels="compiled", **args)
         assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(ref.sequences, out.sequences))
-    assert len(compiled.compiles(model)) == 2 and compiled.compiles(model).compiles.tolist() == [1, 1]
+    assert compiled.compiles(model).compiles.tolist() == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("value", ["raw", 1, "Temperature"])

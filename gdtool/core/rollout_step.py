@@ -413,7 +413,13 @@ class RowStep(Step):
         prompt = s.queue_prompt.index_select(0, q)
         sample = s.queue_sample.index_select(0, q)
         prompt_mask = (self.columns < length[:, None]).long()   # [1, C]
-        logits = self._prefill_logits(ids, prompt_mask, slot, length)
+        seen = target = None
+        if s.seen is not None:
+            real = torch.where(self.prompt_positions < length[:, None], ids, ids[:, :1])  # the prompt, not its pads
+            seen = torch.zeros(1, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
+        if s.targets is not None:
+            target = s.queue_targets.index_select(0, q)
+        chosen, logprob = self.prefill_select(ids, prompt_mask, slot, length, seen, prompt, sample, target)
         s.sequence.index_copy_(0, slot, q)
         s.slot_of.index_copy_(0, q, slot)
         s.prompt_index.index_copy_(0, slot, prompt)
@@ -422,16 +428,10 @@ class RowStep(Step):
         s.lengths.index_fill_(0, slot, 0)
         s.unfinished.index_fill_(0, slot, 1)
         s.mask.index_copy_(0, slot, prompt_mask)
-        seen = None
-        if s.seen is not None:
-            real = torch.where(self.prompt_positions < length[:, None], ids, ids[:, :1])  # the prompt, not its pads
-            seen = torch.zeros(1, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
+        if seen is not None:
             s.seen.index_copy_(0, slot, seen)
-        target = None
-        if s.targets is not None:
-            target = s.queue_targets.index_select(0, q)
+        if target is not None:
             s.targets.index_copy_(0, slot, target)
-        chosen, logprob = self.select(logits, seen, prompt, sample, torch.zeros_like(q), target)
         writing = (self.slot_ids == slot).long()
         self.update(s.tokens[:, 0].index_copy(0, slot, chosen),
                     None if logprob is None else torch.zeros(self.slots, dtype=torch.float32,
@@ -441,6 +441,12 @@ class RowStep(Step):
         s.next.add_(1)
         s.refills.add_(1)
         self.flags()
+
+    def prefill_select(self, ids, prompt_mask, slot, length, seen, prompt, sample, target) -> tuple:
+        """One prompt's forward in its slot and its first token (and that token's log-probability or None): what
+        reads the prompt, its slot and the cache alone, never the queue or the per-sequence results."""
+        logits = self._prefill_logits(ids, prompt_mask, slot, length)
+        return self.select(logits, seen, prompt, sample, torch.zeros_like(length), target)
 
     def _prefill_logits(self, ids, prompt_mask, slot, length) -> torch.Tensor:
         """The prompt's forward, alone in its row (keys and values written into the slot's columns), and the

@@ -1,11 +1,12 @@
 """kernels="compiled" for a rollout whose rows are their own sequences (`core/rollout_step.py`).
 
-The decode forward of `RowStep` (HF's forward over the per-row cache write) and the selection of each slot's
-token run as one inductor program (`forward_select`); the update of the per-sequence results, the flags and the
-refill (one prompt's prefill and its first token) stay as they are, captured with it. The program reads the
-slot-sized buffers and the cache only, never the queue or the results, so it is the same for any number of
-prompts: it is kept in the model's table of compiled steps (`compiled.py`), one per shape key (slots, cache
-columns, what is recorded, the settings, the per-row window, what the log-probabilities are of). The seed is
+Two inductor programs: the decode forward of `RowStep` (HF's forward over the per-row cache write) with the
+selection of each slot's token (`forward_select`), and a refill's prefill of one prompt with its first token
+(`prefill_select`). The update of the per-sequence results, the flags and the choice of slot and sequence stay
+as they are, captured around them. Neither program reads the queue or the results, so they are the same for any
+number of prompts: each is kept in the model's table of compiled steps (`compiled.py`), one per shape key
+(slots, cache columns, prompt width, what is recorded, the settings, the per-row window, what the
+log-probabilities are of). The seed is
 read from a buffer (`noise.seed_words`), so a new seed compiles nothing; neither does another rollout of the same
 slots and cache columns.
 
@@ -27,17 +28,37 @@ def _forward_select(step):
     return RowStep.forward_select(step)
 
 
+def _prefill_select(step, *args):
+    return RowStep.prefill_select(step, *args)
+
+
 class CompiledRowStep(RowStep):
-    """`RowStep` whose `forward_select` runs a compiled function."""
+    """`RowStep` whose `forward_select` and `prefill_select` run compiled functions."""
 
     kernels = "compiled"
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the cache allocated now, not at the first write: a program compiled around that write would branch on
+        # it and be compiled again once it is done
+        config = self.model.config.get_text_config()
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        param = next(self.model.parameters())
+        self.cache.early_initialization(self.slots, heads, head_dim, param.dtype, param.device)
+
     def forward_select(self) -> tuple:
-        entry = self._entry()
+        return self._call(_forward_select)
+
+    def prefill_select(self, *args) -> tuple:
+        return self._call(_prefill_select, *args)
+
+    def _call(self, body, *args) -> tuple:
+        entry = self._entry(body)
         before = _graphs_compiled()
         t0 = time.perf_counter()
         with _no_function_modes():
-            result = entry.fn(self)
+            result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
             entry.compile_s += time.perf_counter() - t0
@@ -45,22 +66,24 @@ class CompiledRowStep(RowStep):
         entry.calls += 1
         return result
 
-    def _key(self) -> tuple:
+    def _key(self, body) -> tuple:
         s = self.state
-        read = (s.tokens, s.positions, s.mask, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets, s.eos)
+        read = (s.tokens, s.positions, s.mask, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets, s.eos,
+                s.queue_ids[:1])   # a prefill's width
         buffers = tuple(None if t is None else (tuple(t.shape), t.dtype, str(t.device)) for t in read)
         param = next(self.model.parameters())
-        return ("rows", param.dtype, str(param.device), buffers, s.logprobs is not None, self.settings, self.window,
-                self.logprobs_of)
+        return ("rows", body.__name__, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
+                self.window, self.logprobs_of)
 
-    def _entry(self) -> _Compiled:
+    def _entry(self, body) -> _Compiled:
         table = self.model.__dict__.setdefault(_ATTR, {})
-        key = self._key()
+        key = self._key(body)
         if key not in table:
             slots, columns = self.state.mask.shape
-            name = f"rows_s{slots}_c{columns}_n{self.settings.max_new_tokens}_" + \
+            what = "decode" if body is _forward_select else f"prefill_w{self.state.queue_ids.shape[1]}"
+            name = f"rows_{what}_s{slots}_c{columns}_n{self.settings.max_new_tokens}_" + \
                 ("sample" if self.settings.do_sample else "greedy")
-            fn = torch.compile(_fresh(_forward_select), backend="inductor", fullgraph=True, dynamic=False,
+            fn = torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                options=kernel_step.INDUCTOR_OPTIONS)   # the static step's, read at each compile
             table[key] = _Compiled(fn, name, kernels="compiled")
         return table[key]
