@@ -9,7 +9,7 @@
 
 Every command takes --help, and these options (gdtool.frontends.options): --model, --mode, --batch,
 --prompt-len, --max-new-tokens, --seed, --json, --no-progress; lists with spaces or commas (--batch 1 4 16
-or --batch 1,4,16). The others are some commands' own (the README's table says whose; --poll: run, profile,
+or --batch 1,4,16). The others are some commands' own (docs/cli.md's table says whose; --poll: run, profile,
 sweep; --kernels: run, bench (both workloads), profile; --lengths: sweep, bench --workload rollout). bench, profile and sweep
 write results to --out (default under results/) and print where; run writes no file.
 """

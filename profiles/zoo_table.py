@@ -4,10 +4,10 @@ Runs the zoo of `tests/zoo.py` (every causal-LM architecture of the installed tr
 image-text-to-text one fed text only, tiny random models, greedy and sampling with EOS and left padding,
 every mode and polling setting, against generate(static)) as `pytest -m cuda tests/test_zoo.py` does, and writes the outcome per architecture and mode
 as markdown: `pass`, `refused (<reason>)`, or why the architecture is not in the zoo (its tiny config
-does not build, or generate() itself cannot decode it). Also rewrites the summary block of README.md
+does not build, or generate() itself cannot decode it). Also rewrites the summary block of docs/models.md
 between its `zoo-summary` markers.
 
-    python profiles/zoo_table.py --out docs/zoo.md --readme README.md --jobs 2   # CPU, ~4 min on 2 cores
+    python profiles/zoo_table.py --out docs/zoo.md --readme docs/models.md --jobs 2   # CPU, ~4 min on 2 cores
 
 With `--cuda-outcomes FILE` (what `ZOO_OUTCOMES=FILE pytest -m cuda tests/test_zoo.py` kept on a GPU) it adds
 that run's counts and every architecture a graph mode refused there, with the cause.
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", default="docs/zoo.md", help="markdown table to write")
-    parser.add_argument("--readme", default=None, help="README whose zoo-summary block to rewrite")
+    parser.add_argument("--readme", default=None, help="markdown file whose zoo-summary block to rewrite (docs/models.md)")
     parser.add_argument("--jobs", type=int, default=1, help="architectures run at once, one process each "
                         "(one torch thread per process)")
     parser.add_argument("--cuda-outcomes", type=Path, default=None, help="a GPU run's outcomes (JSON lines the "

@@ -1,12 +1,12 @@
-"""The README's account of the command line's grammar, held to the parsers themselves.
+"""docs/cli.md's account of the command line's grammar, held to the parsers themselves.
 
 Each command's options are read from the argparse parser its module builds (`parser()`, for every entry of
 `gdtool.frontends.options.COMMANDS`: run, bench, bench's rollout workload, profile, sweep), never from a list
-kept here, and the README's grammar passage (under "The command line") must say what they say: the options all
+kept here, and docs/cli.md's grammar passage (under "The command line") must say what they say: the options all
 four commands take, its table of which command takes which, which of them take lists, the old spellings.
 `--kernels`' help is made from the tables the fast step decides with; it must name every family they hold.
 
-No model is loaded: the checks build parsers and read README.md.
+No model is loaded: the checks build parsers and read docs/cli.md.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from gdtool.frontends import bench, options
 ROOT = Path(__file__).resolve().parent.parent
 FOUR = ("run", "bench", "profile", "sweep")
 ROLLOUT = "bench --workload rollout"
-# A list of two items for each option the README may call a list option: what the list check parses.
+# A list of two items for each option docs/cli.md may call a list option: what the list check parses.
 TWO_ITEMS = {"--model": ["tiny-llama", "tiny-qwen3"], "--mode": ["eager", "step-graph"], "--batch": ["1", "4"],
              "--poll": ["1", "async"], "--kernels": ["hf", "compiled"], "--lengths": ["fixed:2", "geom:8:32"]}
 
@@ -53,11 +53,11 @@ def shared(table) -> set[str]:
     return {name for name in names if all(takes(table, command, name) for command in FOUR)}
 
 
-# -- the README's passage ---------------------------------------------------------------------
+# -- docs/cli.md passage ---------------------------------------------------------------------
 
 def readme_passage() -> str:
-    """The README's passage that says the commands speak one grammar, through the end of its table."""
-    text = (ROOT / "README.md").read_text()
+    """docs/cli.md's passage that says the commands speak one grammar, through the end of its table."""
+    text = (ROOT / "docs" / "cli.md").read_text()
     start = text.index("All four speak one grammar")
     return text[start:text.index("\n\n", text.index("\n| option |", start) + 1)]
 
@@ -68,13 +68,13 @@ def _ticked(text: str) -> list[str]:
 
 def readme_all_four(passage: str) -> list[str]:
     sentence = re.search(r"All four take (.*?)\.\s", passage, re.S)
-    assert sentence, "the README's grammar passage has no sentence 'All four take `--a`, `--b` ... .'"
+    assert sentence, "docs/cli.md's grammar passage has no sentence 'All four take `--a`, `--b` ... .'"
     return _ticked(sentence.group(1))
 
 
 def readme_aliases(passage: str) -> list[str]:
     part = re.search(r"the old spellings (.*?) still work", passage, re.S)
-    assert part, "the README's grammar passage no longer names the old spellings ('the old spellings ... still work')"
+    assert part, "docs/cli.md's grammar passage no longer names the old spellings ('the old spellings ... still work')"
     return _ticked(part.group(1))
 
 
@@ -96,13 +96,13 @@ def test_the_readme_names_exactly_the_options_all_four_take(table):
     named = readme_all_four(readme_passage())
     assert len(named) == len(set(named)), named
     assert set(named) == shared(table), (
-        f"README says all four take {sorted(named)}; their parsers share {sorted(shared(table))}")
+        f"docs/cli.md says all four take {sorted(named)}; their parsers share {sorted(shared(table))}")
 
 
 def test_the_readme_table_is_what_the_parsers_take(table):
     columns, rows = readme_table(readme_passage())
     assert columns == list(options.COMMANDS), f"the table's columns {columns}; the parsers are {list(options.COMMANDS)}"
-    wrong = [f"{option} on {command}: README says {'yes' if said else 'no'}"
+    wrong = [f"{option} on {command}: docs/cli.md says {'yes' if said else 'no'}"
              for option, row in rows.items() for command in columns
              for said in [row[command]] if said != (option in table[command])]
     assert not wrong, wrong
@@ -117,7 +117,7 @@ def test_the_table_holds_every_option_two_commands_take(table):
     _, rows = readme_table(readme_passage())
     names = {a.option_strings[0] for known in table.values() for a in known.values()}
     two = {name for name in names if sum(takes(table, command, name) for command in FOUR) >= 2}
-    assert two - set(rows) == set(), "options two or more commands take that the README's table leaves out"
+    assert two - set(rows) == set(), "options two or more commands take that docs/cli.md's table leaves out"
 
 
 def test_an_option_called_a_list_takes_one_on_every_command_that_has_it(table):
@@ -128,7 +128,7 @@ def test_an_option_called_a_list_takes_one_on_every_command_that_has_it(table):
                 continue
             action = table[command][option]
             is_list = isinstance(action, options.ListAction)
-            assert is_list == row["list"], f"{option} on {command}: README says list={row['list']}"
+            assert is_list == row["list"], f"{option} on {command}: docs/cli.md says list={row['list']}"
             if not is_list:
                 continue
             assert option in TWO_ITEMS, f"give {option} two values in TWO_ITEMS to check its lists"

@@ -3,7 +3,7 @@
 Every command (`run`, `bench` and its `--workload rollout`, `profile`, `profile --nsys`, `sweep`) that
 takes one of these options spells it the same way, means the same by it and reads a list the same way,
 with spaces or commas (``--batch 1 4 16`` is ``--batch 1,4,16``). Which command takes which is the
-README's table under "The command line" (tests/test_grammar.py holds it to the parsers of `COMMANDS`);
+table in docs/cli.md (tests/test_grammar.py holds it to the parsers of `COMMANDS`);
 a command given an option it lacks names the commands that take it.
 
     --model M...          presets (gdtool.PRESETS) or local checkpoint folders      (alias --models)
@@ -39,7 +39,7 @@ __all__ = ["COMMANDS", "Output", "Parser", "UNCAPTURED", "default_models", "kern
            "split"]
 
 # Every parser of the command line, by how it is called (bench's rollout workload has a parser of its own):
-# what the README's table of options is held to, and where an option a command lacks is looked up.
+# what docs/cli.md's table of options is held to, and where an option a command lacks is looked up.
 COMMANDS = {"run": "gdtool.frontends.run", "bench": "gdtool.frontends.bench",
             "bench --workload rollout": "gdtool.frontends.rollout_bench", "profile": "gdtool.frontends.profile",
             "sweep": "gdtool.frontends.sweep"}
