@@ -77,7 +77,7 @@ for nb in $notebooks; do
   # 01 profiles three models, qwen3-30b-a3b among them: more than 240 s on an H200 (cut there at 907aa70)
   limit=$nb_timeout
   [[ $nb == 01 ]] && limit=${NOTEBOOK_01_TIMEOUT:-420}
-  if ! timeout "$limit" "$python" -m gdtool.frontends.notebook "$path" "$path" --kernel python3 --cwd notebooks \
+  if ! timeout "$limit" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
       --execution-timeout "$limit" --no-progress-bar --log-output "${params[@]}" 2>&1 | seconds > "$path.log"; then
     tail -n 5 "$path.log"
     stamp "FAILED: $path (see its error cell and its log)"

@@ -1,11 +1,13 @@
 """Every notebook runs top to bottom on a CPU in its committed form (whatever parameters a GPU run injected
-into it), first printing the environment, then saying that it fell back to tiny models; and each .ipynb
-matches its jupytext py:percent twin."""
+into it), first printing the environment, then saying that it fell back to tiny models; each .ipynb
+matches its jupytext py:percent twin; and plain nbconvert runs each one to its end without idling
+after a cell."""
 from __future__ import annotations
 
 import json
 import os
 import time
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -54,19 +56,22 @@ def test_notebook_is_paired_and_parameterized(name):
         assert f"{key} =" in tagged[0].source, f"{name}: {key!r} is not in the parameters cell"
 
 
-def _execute(name, tmp_path, monkeypatch, parameters=None) -> tuple[list[dict], float]:
-    papermill = pytest.importorskip("papermill")
+def _kernel_env(monkeypatch):
     # The kernel is a subprocess: it must find this checkout and must not see a GPU.
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("NVTX_DISABLE", "1")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")   # tiny matmuls: more threads only spin against each other
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+
+
+def _execute(name, tmp_path, monkeypatch, parameters=None) -> tuple[list[dict], float]:
+    papermill = pytest.importorskip("papermill")
+    _kernel_env(monkeypatch)
     out = tmp_path / f"{name}.ipynb"
     start = time.perf_counter()
-    from gdtool.frontends import notebook
-    notebook.execute(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=parameters or {},
-                     kernel_name="python3", cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=300)
+    papermill.execute_notebook(str(NOTEBOOKS / f"{name}.ipynb"), str(out), parameters=parameters or {},
+                               kernel_name="python3", cwd=str(NOTEBOOKS), progress_bar=False, execution_timeout=300)
     seconds = time.perf_counter() - start
     cells = json.loads(out.read_text())["cells"]
     errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
@@ -105,6 +110,67 @@ def test_cpu_fallback_overrides_gpu_parameters(name, tmp_path, monkeypatch):
     assert "tiny-llama" in line and "not the ones given" in line and "llama-1b" in line
     assert "llama-1b:" not in text   # notebook 00 names the model it loaded: tiny-llama
     assert seconds < 300
+
+
+# Plain nbconvert, as a reader runs a notebook headless: a notebook once sat idle after its last cell
+# (widgets.explorer) until the cell timeout ended the run, in 3 of 8 runs of notebook 00. The cause (in
+# gdtool/frontends/widgets.py's docstring): the client answered the explorer's output widget on the shell
+# socket while it waited there for the execute reply. That answer is checked for on every run; the wait
+# itself is a race, so notebook 00 runs three times. The quick tier keeps the first case.
+HEADLESS_RUNS = [("00_quickstart", 1), ("00_quickstart", 2), ("00_quickstart", 3),
+                 *[(name, 1) for name in NAMES if name != "00_quickstart"]]
+CELL_TIMEOUT_S = 120   # a reply waited for until this timeout makes the run far longer than twice its cells
+
+
+def _stamp(text: str) -> float:
+    return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+
+
+def _cells_seconds(nb) -> float:
+    """The code cells' own time: busy to idle (or the execute reply, if later), as the kernel stamped them."""
+    total = 0.0
+    for cell in nb.cells:
+        stamps = cell.metadata.get("execution", {})
+        if cell.cell_type == "code" and stamps:
+            end = max(_stamp(stamps["iopub.status.idle"]), _stamp(stamps["shell.execute_reply"]))
+            total += end - _stamp(stamps["iopub.status.busy"])
+    return total
+
+
+@pytest.mark.parametrize("name, run", HEADLESS_RUNS, ids=[f"{n}-run{r}" for n, r in HEADLESS_RUNS])
+def test_nbconvert_runs_the_notebook_to_its_end_without_idling(name, run, monkeypatch):
+    """`jupyter nbconvert --execute` through its Python API: the client sends the kernel nothing but requests,
+    the time from sending the first cell to the last cell's reply is at most twice the cells' own time, and
+    the run finishes (kernel start and stop included)."""
+    nbformat = pytest.importorskip("nbformat")
+    execute = pytest.importorskip("nbconvert.preprocessors")
+    from jupyter_client.channels import ZMQSocketChannel
+    _kernel_env(monkeypatch)
+    sent = []
+    send = ZMQSocketChannel.send
+    monkeypatch.setattr(ZMQSocketChannel, "send",
+                        lambda channel, msg: sent.append(msg["msg_type"]) or send(channel, msg))
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    first_sent, last_done = [], []
+    client = execute.ExecutePreprocessor(
+        timeout=CELL_TIMEOUT_S, kernel_name="python3", record_timing=True,
+        on_cell_start=lambda **_: first_sent or first_sent.append(time.time()),
+        on_cell_executed=lambda **_: last_done.append(time.time()))
+    start = time.time()
+    client.preprocess(nb, {"metadata": {"path": str(NOTEBOOKS)}})
+    whole = time.time() - start
+    cells = _cells_seconds(nb)
+    span = last_done[-1] - first_sent[0]
+    errors = [o for c in nb.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, errors
+    said = (f"{name} run {run}: cells {cells:.1f} s, first cell sent to last reply {span:.1f} s, "
+            f"whole run {whole:.1f} s (kernel start and stop included)")
+    print(said)
+    answers = sorted(set(m for m in sent if not m.endswith("_request")))
+    assert not answers, (f"{said}: the client sent the kernel {answers} while the cells ran (it mimics a front "
+                         "end's output widget so): a reply arriving meanwhile can be missed until the cell timeout")
+    assert span <= 2 * cells, f"{said}: the client waited after a cell for more than the cells took"
+    assert whole <= 2 * cells + 60, f"{said}: starting or stopping the kernel took over a minute"
 
 
 def test_setup_keeps_gpu_parameters_on_a_gpu_and_replaces_them_on_a_cpu():

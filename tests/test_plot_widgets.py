@@ -155,6 +155,24 @@ def test_explorer_filters_and_redraws():
     assert "application/vnd.jupyter.widget-view+json" in ex._repr_mimebundle_()
 
 
+def test_explorer_shows_its_plot_as_widget_state(monkeypatch):
+    """The explorer sets its output area's `outputs` and never captures `display()` into it: a headless client
+    answers a capture on the shell socket while it waits there for the cell's reply (widgets.py docstring)."""
+    ipywidgets = pytest.importorskip("ipywidgets")
+    from gdtool.frontends import widgets
+    captured = []
+    enter = ipywidgets.Output.__enter__
+    monkeypatch.setattr(ipywidgets.Output, "__enter__", lambda self: captured.append(self) or enter(self))
+    ex = widgets.explorer(sweep_like(), allow_runs=False)
+    [shown] = ex.output.outputs
+    assert shown["output_type"] == "display_data" and shown["data"]["image/png"]
+    ex.view.value = "table"
+    assert "text/html" in ex.output.outputs[0]["data"]
+    ex.filters["poll"].value = ()
+    assert ex.output.outputs == ()
+    assert captured == []
+
+
 def test_explorer_runs_the_selected_config(load):
     pytest.importorskip("ipywidgets")
     from gdtool.frontends import widgets

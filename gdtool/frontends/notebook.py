@@ -18,15 +18,11 @@ committed results).
 """
 from __future__ import annotations
 
-import contextlib
-import queue
-import sys
-import time
 from types import SimpleNamespace
 
 from ..measure import record
 
-__all__ = ["setup", "execute"]
+__all__ = ["setup"]
 
 
 def _short(value) -> str:
@@ -70,55 +66,3 @@ def setup(params: dict, cpu: dict, gpu: dict | None = None, *, cpu_fallback: boo
         on_cpu = False
     return SimpleNamespace(**chosen, on_cpu=on_cpu, cuda=cuda, environment=env)
 
-
-# -- executing a notebook headless -------------------------------------------------------------------
-
-@contextlib.contextmanager
-def prompt_replies(poll_s: float = 1.0):
-    """Kernel replies read within `poll_s` of their arrival, however long the caller waits.
-
-    nbclient (under papermill and nbconvert) waits for a cell's execute reply with one poll of the
-    shell socket as long as the cell timeout. After a cell that displays ipywidgets that poll sometimes
-    misses the reply already queued, and the run sits idle until the timeout ends it (seen here: 300 s
-    after the last cell of notebook 00, `widgets.explorer`, in 1 of 2-8 runs; nbclient issue 312).
-    Polling in `poll_s` slices up to the same deadline reads the queued reply at the next slice."""
-    from jupyter_client.channels import AsyncZMQSocketChannel
-    original = AsyncZMQSocketChannel.get_msg
-
-    async def get_msg(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = poll_s if deadline is None else max(0.0, min(poll_s, deadline - time.monotonic()))
-            try:
-                return await original(self, left)
-            except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline:
-                    raise
-
-    AsyncZMQSocketChannel.get_msg = get_msg
-    try:
-        yield
-    finally:
-        AsyncZMQSocketChannel.get_msg = original
-
-
-def execute(path: str, out: str, **papermill_kwargs):
-    """`papermill.execute_notebook(path, out, ...)`, replies read promptly (`prompt_replies`)."""
-    import papermill
-    with prompt_replies():
-        return papermill.execute_notebook(path, out, **papermill_kwargs)
-
-
-def main(argv=None) -> int:
-    """papermill's command line, replies read promptly: `python -m gdtool.frontends.notebook IN OUT [papermill flags]`."""
-    from papermill.cli import papermill as cli
-    with prompt_replies():
-        try:
-            cli.main(args=list(sys.argv[1:] if argv is None else argv), prog_name="papermill", standalone_mode=False)
-        except SystemExit as exit_:
-            return int(exit_.code or 0)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

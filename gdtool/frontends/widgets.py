@@ -9,11 +9,22 @@ On a GPU the explorer also has a "run this config now" button: with exactly one 
 filter it runs that config (one warm-up, one repetition), appends the row and redraws, so a reader can
 check a committed figure on their own GPU. Without a GPU the button is disabled and says why (CPU
 timings of a captured step say nothing about a GPU's).
+
+The plot goes into the output area as widget state (`Output.outputs`), never by capturing `display()`
+into it (`with output:`): a headless run (nbconvert, papermill: nbclient) mimics the front end's capture
+by sending the widget's outputs back to the kernel on the shell socket while it waits there for the
+cell's execute reply, and jupyter_client sends through a blocking shadow of the asyncio socket, which can
+swallow the wake-up for a reply that already arrived: the run then sat out its whole cell timeout after
+the explorer's cell (nbclient issue 312). Set as state, nothing goes back to the kernel.
 """
 from __future__ import annotations
 
+import base64
+import io
+
 import matplotlib.pyplot as plt
 import pandas as pd
+from matplotlib.figure import Figure
 
 from . import plot
 from ..core.models import load_model
@@ -82,32 +93,34 @@ class Explorer:
 
     # -- drawing --------------------------------------------------------------------------------
     def redraw(self):
-        from IPython.display import clear_output, display
         data = self.filtered()
         view = _VIEWS[self.view.value]
-        with self.output:
-            clear_output(wait=True)
-            ok = data[data["error"].fillna("") == ""] if "error" in data.columns else data
-            if ok.empty:
-                self.status.value = "<b>no successful runs match this selection</b>"
-                self.last_figure = None
-                return
-            self.status.value = f"{len(ok)} runs, {ok['name'].nunique() if 'name' in ok else len(ok)} configs"
-            if view == "table":
-                from .sweep import summarize
-                display(summarize(ok))
-                self.last_figure = None
-                return
-            if view == "interval":
-                hue = "batch" if ok["batch"].nunique() > 1 or ok["mode"].nunique() == 1 else "mode"
-                fig, ax = plot.throughput_vs_interval(ok, hue=hue)
-            elif view == "wasted":
-                fig, ax = plot.throughput_vs_interval(ok, hue="batch", metric="wasted_steps")
-            else:
-                fig, ax = plot.throughput_vs_batch(ok, hue="mode" if ok["mode"].nunique() > 1 else "poll")
-            self.last_figure = fig
-            display(fig)
-            plt.close(fig)
+        ok = data[data["error"].fillna("") == ""] if "error" in data.columns else data
+        if ok.empty:
+            self.status.value = "<b>no successful runs match this selection</b>"
+            self.last_figure = None
+            self._show(None)
+            return
+        self.status.value = f"{len(ok)} runs, {ok['name'].nunique() if 'name' in ok else len(ok)} configs"
+        if view == "table":
+            from .sweep import summarize
+            self.last_figure = None
+            self._show(summarize(ok))
+            return
+        if view == "interval":
+            hue = "batch" if ok["batch"].nunique() > 1 or ok["mode"].nunique() == 1 else "mode"
+            fig, ax = plot.throughput_vs_interval(ok, hue=hue)
+        elif view == "wasted":
+            fig, ax = plot.throughput_vs_interval(ok, hue="batch", metric="wasted_steps")
+        else:
+            fig, ax = plot.throughput_vs_batch(ok, hue="mode" if ok["mode"].nunique() > 1 else "poll")
+        self.last_figure = fig
+        self._show(fig)
+        plt.close(fig)
+
+    def _show(self, obj):
+        """Replace what the output area shows by `obj` (None: nothing), as widget state (module docstring)."""
+        self.output.outputs = () if obj is None else (_display_data(obj),)
 
     # -- running --------------------------------------------------------------------------------
     def selected_config(self) -> RunConfig:
@@ -151,6 +164,20 @@ class Explorer:
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
+
+
+def _display_data(obj) -> dict:
+    """`obj` as one display_data output: a figure as PNG, anything else as IPython's `display` formats it."""
+    if isinstance(obj, Figure):
+        png = io.BytesIO()
+        obj.savefig(png, format="png", bbox_inches="tight")
+        data, metadata = {"image/png": base64.b64encode(png.getvalue()).decode("ascii"), "text/plain": repr(obj)}, {}
+    else:
+        from IPython import get_ipython
+        from IPython.core.formatters import DisplayFormatter
+        shell = get_ipython()
+        data, metadata = (shell.display_formatter if shell is not None else DisplayFormatter()).format(obj)
+    return {"output_type": "display_data", "data": data, "metadata": metadata}
 
 
 def explorer(df: pd.DataFrame, **kwargs) -> Explorer:
