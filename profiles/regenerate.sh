@@ -13,7 +13,8 @@
 #            and 16), 01_host_vs_device (llama-1b, batch 1, 16, 64, against the committed nsys sessions),
 #            02_eos_polling_and_batch (reads the sweep). Each prints its environment first; on a machine
 #            without a GPU they run tiny models instead and say so (not what to commit).
-# With COPY_TO the results are also copied there (profiles/sweeps/, notebooks/*.ipynb, regenerate.log).
+# With COPY_TO the results are also copied there (profiles/sweeps/, notebooks/*.ipynb). The logs never go into the
+# tree: COPY_TO/regenerate.log and COPY_TO/notebooks/NN.log, or results/regenerate/ (git ignores it) without COPY_TO.
 #
 # The sweep is resumable: a rerun skips configs already in the CSV, so SWEEP_SECONDS (default 300)
 # can cut it into chunks. Knobs: MODEL, BATCHES, POLLS, LENGTHS, REPEATS, SWEEP_SECONDS, NOTEBOOKS
@@ -38,7 +39,10 @@ sweep_seconds=${SWEEP_SECONDS:-300}
 notebooks=${NOTEBOOKS:-00 01 02}
 nb_timeout=${NOTEBOOK_TIMEOUT:-240}
 csv=${CSV:-profiles/sweeps/${model}_geom128.csv}
-log=profiles/sweeps/regenerate.log
+logs=${copy_to:-results/regenerate}   # the run's logs: with its output, not in the tree
+mkdir -p "$logs"
+logs=$(cd "$logs" && pwd)
+log=$logs/regenerate.log
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the notebooks' kernels run in notebooks/
 mkdir -p profiles/sweeps
@@ -77,23 +81,25 @@ for nb in $notebooks; do
   # 01 profiles three models, qwen3-30b-a3b among them: more than 240 s on an H200 (cut there at 907aa70)
   limit=$nb_timeout
   [[ $nb == 01 ]] && limit=${NOTEBOOK_01_TIMEOUT:-420}
+  # its log: its cells' output as it came, progress bars included (where a run cut short spent its time)
+  mkdir -p "$logs/notebooks"
   if ! timeout "$limit" "$python" -m papermill "$path" "$path" --kernel python3 --cwd notebooks \
-      --execution-timeout "$limit" --no-progress-bar --log-output "${params[@]}" 2>&1 | seconds > "$path.log"; then
-    tail -n 5 "$path.log"
+      --execution-timeout "$limit" --no-progress-bar --log-output "${params[@]}" 2>&1 | seconds > "$logs/notebooks/${nb}.log"; then
+    tail -n 5 "$logs/notebooks/${nb}.log"
     stamp "FAILED: $path (see its error cell and its log)"
     failed="$failed $path"
   fi
-  # each notebook copied as soon as it ran, with its log (its cells' output as it came, progress bars included:
-  # where a run cut short spent its time): a run cut short keeps those that finished
+  # each notebook copied as soon as it ran: a run cut short keeps those that finished
   if [[ -n "$copy_to" ]]; then
-    mkdir -p "$copy_to/notebooks" && cp "$path" "$copy_to/notebooks/" && cp "$path.log" "$copy_to/notebooks/${nb}.log"
+    cp "$path" "$copy_to/notebooks/"
   fi
-  rm -f "$path.log"
 done
 stamp "done${failed:+; failed:$failed}"
 
 if [[ -n "$copy_to" ]]; then
   mkdir -p "$copy_to/profiles/sweeps"
-  cp profiles/sweeps/* "$copy_to/profiles/sweeps/"
+  for made in "$csv" "${csv%.csv}.json"; do   # the sweep and its sidecar
+    if [[ -e $made ]]; then cp "$made" "$copy_to/profiles/sweeps/"; fi
+  done
 fi
 [[ -z "$failed" ]]
