@@ -150,7 +150,8 @@ BAD = [
     ("run", ["--lengths", "garbage"], "--lengths garbage; --lengths is an option of bench --workload rollout and sweep, "
                                       "not of run"),
     ("bench", ["--poll", "4"], "--poll is an option of run, profile and sweep, not of bench"),
-    ("sweep", ["--kernels", "fast"], "--kernels is an option of run, bench, bench --workload rollout and profile, not of sweep"),
+    ("sweep", ["--kernels", "fast"],
+     "--kernels is an option of run, bench, bench --workload rollout and profile, not of sweep"),
     ("profile", ["--device", "cpu"], "--device is an option of run, bench and bench --workload rollout, not of profile"),
 ]
 
