@@ -190,3 +190,33 @@ def test_setup_keeps_gpu_parameters_on_a_gpu_and_replaces_them_on_a_cpu():
     forced = notebook.setup(given, cpu=dict(models=["tiny-llama"], batches=[1]), gpu=dict(models=["llama-1b"]),
                             cuda=False, cpu_fallback=False, echo=said.append)
     assert forced.batches == [1, 16, 64] and forced.models == ["tiny-llama"] and "cpu_fallback=False" in said[1]
+
+
+def _first_line(name: str) -> str:
+    cells = json.loads((NOTEBOOKS / f"{name}.ipynb").read_text())["cells"]
+    for cell in cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream":
+                text = out["text"] if isinstance(out["text"], str) else "".join(out["text"])
+                return text.splitlines()[0]
+    return ""
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_committed_outputs_are_what_the_readme_says(name):
+    """Each committed notebook's first output line names where it ran and a commit without local changes, and
+    the README's notebooks paragraph says the same: the GPU runs at that commit, the CPU runs as such."""
+    import re
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme[readme.index("## The notebooks"):readme.index("## ", readme.index("## The notebooks") + 3)]
+    paragraph = " ".join(paragraph.split())
+    line = _first_line(name)
+    assert line.startswith("Environment: ") and "local changes" not in line, line
+    commit = re.search(r"at commit (\w+)", line).group(1)[:7]
+    number = name[:2]
+    if line.startswith("Environment: no CUDA GPU"):
+        assert re.search(rf"\b{number}\b[^.;]* run no model: their outputs were made on a CPU", paragraph), \
+            f"{name} ran on a CPU ({line[:80]}...): the README's notebooks paragraph must say so"
+    else:
+        assert re.search(rf"\b{number}\b[^.;]*? at {commit}", paragraph), \
+            f"{name} ran at {commit} on a GPU: the README's notebooks paragraph must name that commit for it"
