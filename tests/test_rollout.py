@@ -200,6 +200,25 @@ def test_windows_per_row_equal_generate_alone(family):
                 _assert_same_sequences(out, twin)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_windows_per_row_seeded_sweep(seed):
+    """A seeded sweep of per-row windows: Gemma 3 (sdpa) and gpt-oss (eager, sinks, MoE) with a window of 1-9
+    tokens, 2-9 prompts of 1-16 tokens, 1-5 slots, EOS at the cap or in a long tail: each sequence is generate()
+    on its prompt alone (eager attention to float32 rounding, as above)."""
+    rng = random.Random(1000 + seed)
+    family = ("gemma3_text", "gpt_oss")[seed % 2]
+    window = rng.randint(1, 9)
+    model = _lively(f"zoo:{family}", sliding_window=window)
+    if rollout_step.experts_modules(model):
+        model.set_experts_implementation("batched_mm")
+    prompts = _prompts(model, rng.randint(2, 9), seed=seed, lengths=(1, 16))
+    case = rng.choice(["none", "tail"])
+    settings = _eos_cases(model, prompts, seed=seed)[case]
+    slots = rng.randint(1, 5)
+    out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+    _assert_alone(model, prompts, out, tolerance=1e-5 if family == "gpt_oss" else 1e-9, **settings)
+
+
 @pytest.mark.parametrize("window", [None, 4096], ids=["no-window", "window-longer-than-cache"])
 def test_host_mistral(window):
     model = _lively("zoo:mistral", sliding_window=window)
