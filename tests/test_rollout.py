@@ -436,8 +436,8 @@ BAD_INPUT = [
     (dict(refill="host", do_sample=True), r"needs a seed: pass seed=<int> \(got seed=None\)"),
     (dict(refill="host", do_sample=True, seed="7"), r"pass seed=<int> \(got seed='7'\)"),
     (dict(refill="host", do_sample=True, seed=True), r"pass seed=<int> \(got seed=True\)"),
-    (dict(refill="host", kernels="fast"), "kernels='fast' writes one cache column shared by every row"),
     (dict(refill="host", mode="forward-graph", kernels="compiled"), "kernels='compiled' compiles the whole decode"),
+    (dict(refill="host", mode="forward-graph", kernels="fast"), "kernels='fast' compiles the whole decode"),
     (dict(return_logprobs="raw"), "return_logprobs='raw': use True or 'processed'"),
 ]
 
@@ -843,6 +843,26 @@ def test_compiled_kernels_per_row():
         out = gdtool.rollout(model, prompts, kernels="compiled", **args)
         assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(ref.sequences, out.sequences))
     assert compiled.compiles(model).compiles.tolist() == [1, 1, 1, 1]
+
+
+def test_fast_kernels_per_row_without_triton():
+    """kernels="fast" with refill: the compiled row step, plus gdtool's split-KV attention over each row's mask
+    where Triton runs (tests/test_rollout_cuda.py). Without it the plan says why, and the step is the compiled
+    one's program (the same entry of the model's table: nothing compiled again), so the same bits, in every mode
+    of both policies."""
+    from gdtool.kernels import attention, compiled
+    model = _lively("tiny-llama")
+    compiled.forget(model)
+    split, note = attention.split_kv_plan(model, "fast")
+    assert not split and "no Triton" in note
+    prompts = _prompts(model, 5, seed=4)
+    settings = _eos_cases(model, prompts, seed=2)["tail"]
+    twin = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", kernels="compiled", **settings)
+    for refill, mode in [("host", "eager"), ("device", "step-graph")]:
+        out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill=refill, mode=mode, kernels="fast",
+                             **settings)
+        _assert_same_sequences(twin, out)
+    assert compiled.compiles(model).compiles.tolist() == [1, 1]
 
 
 @pytest.mark.parametrize("value", ["raw", 1, "Temperature"])

@@ -113,11 +113,13 @@ def test_real_size_bf16_with_reproducible_attention(name):
     assert reference.prefills > 12
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-gpt-oss"])
 @pytest.mark.parametrize("case", ["targets", "sampling"])
-def test_compiled_modes_are_the_compiled_eager_run(name, case):
-    """kernels="compiled": one inductor program for the decode step; every captured mode and both policies give the
-    bits of its eager run (the program called directly), and the tokens of HF's kernels in float32 here."""
+@pytest.mark.parametrize("kernels", ["compiled", "fast"])
+def test_compiled_modes_are_the_compiled_eager_run(name, case, kernels):
+    """kernels="compiled" and "fast" (the split-KV attention over each row's mask): one inductor program for the
+    decode step; every captured mode and both policies give the bits of its eager run (the program called
+    directly)."""
     model = _model(name)
     rng, prompts, slots = _case(31 + len(case))
     settings = dict(max_new_tokens=N, pad_token_id=0, eos_token_id=1)
@@ -125,11 +127,11 @@ def test_compiled_modes_are_the_compiled_eager_run(name, case):
         settings["target_lengths"] = [rng.randint(1, N) for _ in prompts]
     else:
         settings.update(do_sample=True, temperature=0.9, top_k=40, seed=3)
-    reference = gdtool.rollout(model, prompts, slots=slots, refill="host", mode="eager", kernels="compiled",
+    reference = gdtool.rollout(model, prompts, slots=slots, refill="host", mode="eager", kernels=kernels,
                                **settings)
     for refill, mode, extra in RUNS:
         if mode == "forward-graph":
             continue   # refused: the compiled step is the whole step
-        out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, kernels="compiled", **settings,
+        out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, kernels=kernels, **settings,
                              **extra)
-        _same(reference, out, ("compiled", refill, mode, extra))
+        _same(reference, out, (kernels, refill, mode, extra))

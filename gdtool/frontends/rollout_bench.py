@@ -16,9 +16,10 @@ the tokens someone keeps:
     hf-cb     transformers' continuous batching (`model.continuous_batching_context_manager`), one `add_request`
               per prompt with its drawn length as max_new_tokens, greedy
 
-`--kernels` (one config per value): static and eos-off run those kernels; host and device run them too, except
-"fast", whose own decode kernels write one cache column shared by every row: they run "compiled" there (the
-label says which ran).
+`--kernels` (one config per value): every gdtool runner runs those kernels. With "fast" the static runners run
+gdtool's own decode forward where it applies, and the refill runners the compiled step over the per-row cache write
+with gdtool's split-KV attention (`kernels/rows.py`): gdtool's own forward writes one cache column shared by
+every row.
 
 Prompts are `--prompts` rows of `--prompt-len` random tokens (seeded). Each prompt's response length is drawn
 from `--lengths` (gdtool.measure.workloads; max_new_tokens is the distribution's cap); gdtool's runners force EOS
@@ -110,7 +111,7 @@ class RolloutConfig(record.Config):
     seed: int = 0
     cb_cuda_graphs: str = "auto"
     runners: tuple = RUNNERS     # the runners measured, in RUNNERS' order
-    kernels: str = "hf"          # static and eos-off run these; host and device run row_kernels(kernels)
+    kernels: str = "hf"          # every gdtool runner runs these
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
@@ -197,14 +198,7 @@ def label(runner: str, kernels: str) -> str:
     """The runner's label, with the kernels it runs where they are not HF's."""
     if runner == "hf-cb" or kernels == "hf":
         return LABELS[runner]
-    ran = kernels if runner in ("static", "eos-off") else row_kernels(kernels)
-    return f"{LABELS[runner][:-1]}, {ran})"
-
-
-def row_kernels(kernels: str) -> str:
-    """The kernels a refill runner runs for the config's `kernels`: the same, or "compiled" for "fast" (gdtool's
-    own decode kernels write one cache column shared by every row; the compiled step writes each row's own)."""
-    return "compiled" if kernels == "fast" else kernels
+    return f"{LABELS[runner][:-1]}, {kernels})"
 
 
 def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf"):
@@ -390,7 +384,7 @@ def _error(error: Exception) -> str:
 def _make(model, runner: str, work: Workload, cfg: RolloutConfig):
     if runner in ROLLOUTS:
         refill, mode = ROLLOUTS[runner]
-        return rollout_runner(model, work, refill, mode, cfg.kernels if refill == "off" else row_kernels(cfg.kernels))
+        return rollout_runner(model, work, refill, mode, cfg.kernels)
     if runner == "eos-off":
         return EosOffRunner(model, work, cfg.kernels)
     return ContinuousBatchingRunner(model, work, cfg.cb_cuda_graphs)

@@ -1,4 +1,4 @@
-"""kernels="compiled" for a rollout whose rows are their own sequences (`core/rollout_step.py`).
+"""kernels="compiled" and "fast" for a rollout whose rows are their own sequences (`core/rollout_step.py`).
 
 Two inductor programs: the decode forward of `RowStep` (HF's forward over the per-row cache write) with the
 selection of each slot's token (`forward_select`), and a refill's prefill of one prompt with its first token
@@ -10,6 +10,14 @@ log-probabilities are of). The seed is
 read from a buffer (`noise.seed_words`), so a new seed compiles nothing; neither does another rollout of the same
 slots and cache columns.
 
+Each call runs inside the attention dispatcher's scope (`attention.scope`), as the static compiled step does: a
+one-token query over the cache takes the packed grouped-query form, not HF's `repeat_kv`, which copies every row's
+whole cache per layer (at 64 slots that copy is most of the step). kernels="fast" adds gdtool's split-KV kernels for
+those calls (`attention.split_kv_plan`; gpt-oss: `sinks_plan`), which read the per-row mask and skip each row's
+masked columns: the rows' own lengths, without a shared write index. A prefill (W query tokens) keeps HF's
+attention; gdtool's own decode forward and the MoE and matrix-vector kernels of "fast" are not used here (their
+cache write is one column shared by every row).
+
 As with the static step, the compiled program rounds differently from HF's kernels (it is not bitwise
 generate()); each mode is bit for bit its eager run, the same program called directly.
 """
@@ -20,6 +28,7 @@ import time
 import torch
 
 from ..core.rollout_step import RowStep
+from . import attention
 from . import step as kernel_step
 from .compiled import _ATTR, _Compiled, _fresh, _graphs_compiled, _no_function_modes
 
@@ -33,12 +42,16 @@ def _prefill_select(step, *args):
 
 
 class CompiledRowStep(RowStep):
-    """`RowStep` whose `forward_select` and `prefill_select` run compiled functions."""
+    """`RowStep` whose `forward_select` and `prefill_select` run compiled functions (kernels "compiled" or "fast")."""
 
-    kernels = "compiled"
-
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, kernels: str = "compiled", **kwargs):
         super().__init__(*args, **kwargs)
+        if kernels not in ("compiled", "fast"):
+            raise ValueError(f"kernels={kernels!r}: a compiled row step runs 'compiled' or 'fast'")
+        self.kernels = kernels
+        self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels)
+        self.split_kernel, self.split_note = attention.split_kv_plan(self.model, kernels)
+        attention.install()
         # the cache allocated now, not at the first write: a program compiled around that write would branch on
         # it and be compiled again once it is done
         config = self.model.config.get_text_config()
@@ -57,7 +70,7 @@ class CompiledRowStep(RowStep):
         entry = self._entry(body)
         before = _graphs_compiled()
         t0 = time.perf_counter()
-        with _no_function_modes():
+        with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel):
             result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
@@ -73,7 +86,7 @@ class CompiledRowStep(RowStep):
         buffers = tuple(None if t is None else (tuple(t.shape), t.dtype, str(t.device)) for t in read)
         param = next(self.model.parameters())
         return ("rows", body.__name__, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
-                self.window, self.logprobs_of)
+                self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel)
 
     def _entry(self, body) -> _Compiled:
         table = self.model.__dict__.setdefault(_ATTR, {})
@@ -82,8 +95,9 @@ class CompiledRowStep(RowStep):
             slots, columns = self.state.mask.shape
             what = "decode" if body is _forward_select else f"prefill_w{self.state.queue_ids.shape[1]}"
             name = f"rows_{what}_s{slots}_c{columns}_n{self.settings.max_new_tokens}_" + \
-                ("sample" if self.settings.do_sample else "greedy")
+                ("sample" if self.settings.do_sample else "greedy") + ("_split" if self.split_kernel else "") + \
+                ("_sinks" if self.sinks_kernel else "")
             fn = torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                options=kernel_step.INDUCTOR_OPTIONS)   # the static step's, read at each compile
-            table[key] = _Compiled(fn, name, kernels="compiled")
+            table[key] = _Compiled(fn, name, kernels=self.kernels)
         return table[key]

@@ -23,7 +23,9 @@ refill="host"  each slot holds one sequence at its own positions (`core/rollout_
 refill="device" the same step and refills, decided on the device: step-graph launches one graph per
                step whose refills run in a WHILE node; device-loop runs the whole rollout in one
                launch (`steps_per_launch` chunks it). Bit for bit refill="host".
-               Both: HF's kernels, dense full-attention models for now (docs/rollout.md).
+               Both: every kernels option. "compiled" compiles the decode step over the per-row cache
+               write and the refill's prefill (`kernels/rows.py`); "fast" adds gdtool's split-KV
+               attention, which reads each row's mask. Families: docs/rollout.md.
 
 Figures: `useful_tokens` (the sequences' lengths), `row_steps` (one per slot and decode step, plus one per
 refill: what the device ran, counted on the device), `row_step_share`, host
@@ -49,7 +51,6 @@ from .decoder import Decoder
 
 __all__ = ["REFILLS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
 REFILLS = ("off", "host", "device")
-ROW_KERNELS = ("hf", "compiled")   # the kernels a refill policy runs (refill="off": every kernels option)
 
 
 @dataclass
@@ -230,12 +231,8 @@ def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, st
     if refill == "device" and spec.graph == "forward":
         raise ValueError("refill='device' with mode='forward-graph': only the forward is captured, so the host runs "
                          "every refill anyway; use mode='step-graph' or 'device-loop' (or refill='host')")
-    if kernels not in ROW_KERNELS:
-        raise ValueError(f"refill={refill!r} runs kernels {' or '.join(map(repr, ROW_KERNELS))}; kernels={kernels!r} "
-                         "writes one cache column shared by every row (gdtool's own decode kernels), not each row's "
-                         "own: use kernels='compiled' (the step compiled over the per-row write), or refill='off'")
-    if kernels == "compiled" and spec.graph == "forward":
-        raise ValueError(f"refill={refill!r} with kernels='compiled' compiles the whole decode step, and "
+    if kernels != "hf" and spec.graph == "forward":
+        raise ValueError(f"refill={refill!r} with kernels={kernels!r} compiles the whole decode step, and "
                          "mode='forward-graph' captures the forward alone; use mode='step-graph' (or 'eager', "
                          "'device-loop'), or kernels='hf'")
     if poll is not None and (refill != "device" or spec.device_loop or mode == "eager"
@@ -399,8 +396,9 @@ class _RowRollout:
         cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
         self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets)
-        step_class = CompiledRowStep if kernels == "compiled" else RowStep
-        self.step = step_class(model, row_cache(model, cache_len), self.state, settings, seed)
+        cache = row_cache(model, cache_len)
+        self.step = RowStep(model, cache, self.state, settings, seed) if kernels == "hf" else \
+            CompiledRowStep(model, cache, self.state, settings, seed, kernels=kernels)
         self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
         self.capture = self.spec.captures and capture is not False and graphs.can_capture(self.device)
         self.graphs: list = []
