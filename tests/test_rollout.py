@@ -865,6 +865,25 @@ def test_fast_kernels_per_row_without_triton():
     assert compiled.compiles(model).compiles.tolist() == [1, 1]
 
 
+def test_compiled_row_step_refuses_a_dispatch_mode():
+    """Under a TorchDispatchMode (a capture's watching warm-up is one) dynamo skips the compiled step's function and
+    marks its code to run uncompiled for good; the step refuses to be called there, naming the mode."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 3, seed=5)
+    with Passthrough(), pytest.raises(RuntimeError, match=r"ran under a TorchDispatchMode \(Passthrough\)"):
+        gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", kernels="compiled",
+                       eos_token_id=None, pad_token_id=0)
+    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="host", kernels="compiled",
+                         eos_token_id=None, pad_token_id=0)
+    assert out.useful_tokens == 3 * N
+
+
 @pytest.mark.parametrize("value", ["raw", 1, "Temperature"])
 def test_return_logprobs_refuses_what_it_does_not_know(value):
     model = _lively("tiny-llama")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..core.rollout_step import RowStep
 from . import attention
@@ -67,6 +68,13 @@ class CompiledRowStep(RowStep):
         return self._call(_prefill_select, *args)
 
     def _call(self, body, *args) -> tuple:
+        if _get_current_dispatch_mode() is not None:
+            # dynamo skips a frame under a dispatch mode and marks its code to run uncompiled for good: every
+            # later call, captured or not, would run HF's eager ops in place of this program
+            raise RuntimeError(f"the compiled row step ({self.kernels}) ran under a TorchDispatchMode "
+                               f"({type(_get_current_dispatch_mode()).__name__}); dynamo would leave it "
+                               "uncompiled from then on. Call it outside the mode (a capture's warm-up watches HF's "
+                               "kernels only: kernels.step.watched)")
         entry = self._entry(body)
         before = _graphs_compiled()
         t0 = time.perf_counter()

@@ -46,6 +46,7 @@ from ..core.rollout_step import RowStep, check_rows, new_row_state, row_cache
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from ..kernels.rows import CompiledRowStep
+from ..kernels.step import watched
 from .decode import check_run, check_samples
 from .decoder import Decoder
 
@@ -390,7 +391,7 @@ class _RowRollout:
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
-        self.num_samples = num_samples
+        self.num_samples, self.kernels = num_samples, kernels
         self.device = next(model.parameters()).device
         width = max(len(ids) for _, _, ids in sequences)
         cache_len = width + settings.max_new_tokens
@@ -429,13 +430,16 @@ class _RowRollout:
         if not self.capture:
             return
         snap = state.snapshot()
+        # HF's kernels: the first warm-up step watched for what a graph cannot hold. Never a compiled step: under
+        # the watching dispatch mode dynamo skips its function, and marks it to run uncompiled from then on
+        watch = watched(self.model, self.kernels)
         with ranges.span(ranges.WARMUP):
-            constants = graphs.warm_up(step.refill, 2, model=self.model)
+            constants = graphs.warm_up(step.refill, 2, model=watch)
             if self.spec.graph == "forward":
                 step.phase["prefill"] = None
-                forward = graphs.warm_up(step.forward, 2, model=self.model)
+                forward = graphs.warm_up(step.forward, 2, model=watch)
             else:
-                forward = graphs.warm_up(step, 2, model=self.model)
+                forward = graphs.warm_up(step, 2, model=watch)
         state.restore(snap)
         pool = torch.cuda.graph_pool_handle()
         keep = self.refill == "device"
