@@ -1,6 +1,6 @@
 """Markdown tables of the committed `kernels="fast"` results (profiles/h200/decode-kernels/).
 
-    python profiles/decode_kernels_tables.py                # every table, as docs/fast.md quotes them
+    python profiles/decode_kernels_tables.py                # every table, as docs/history.md quotes them
     python profiles/decode_kernels_tables.py account        # one of: step, gemv, attention, account
 
 `account` adds up the batch-1 step of llama-1b from the per-kernel timings (each kernel timed alone,

@@ -87,7 +87,7 @@
 #                  greedy vs sampling per step (fast-decode-64: batch 64, compiled kernels only), the
 #                  samplers' parts alone at batch 64 (reads SELECT_VARIANTS, default: all)
 # Parts of earlier sessions whose question is answered (retests, launch and sort-compile probes) are
-# gone; profiles/README.md names the command and commit of each of their committed files.
+# gone; docs/history.md names the command and commit of each of their committed files.
 # Bench parts read BENCH_MODES (default below), BENCH_BATCHES (1,64), BENCH_FLAGS (e.g. --fuse-projections, or
 # --prompt-len 1024: Gemma 3's every window full), BENCH_KERNELS (bench-qwen3-8b, bench-gemma, bench-moe; default
 # hf,compiled,fast), BENCH_PEERS (bench-moe; default none: e.g. generate-static, the peer its issue asks for in the

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Record the Nsight Systems sessions described in profiles/README.md on one CUDA GPU, and draw its pictures.
+# Record the Nsight Systems sessions described in docs/nsys.md on one CUDA GPU, and draw their pictures.
 #
 #   profiles/nsys_session.sh OUT_DIR [PART ...]     PART: graph node fixtures figures (default: all four)
 #
@@ -9,7 +9,7 @@
 # node      the same with --cuda-graph-trace=node: kernel-level busy time and gaps.
 #                                                     -> OUT_DIR/llama-1b-node-b{1,16}.tar
 # fixtures  tiny-llama, batch 4, 32 steps, node trace, slimmed exports for tests/data/.  -> OUT_DIR/fixtures.tar
-# figures   the README's pictures, from the tars above (needs no GPU).                   -> OUT_DIR/figures.tar
+# figures   the docs' pictures, from the tars above (needs no GPU).                     -> OUT_DIR/figures.tar
 #
 # Each llama-1b tar holds the <config>.sqlite.gz exports, steps.csv, summary.csv and env.json; every
 # table printed goes to OUT_DIR/summary.txt. Extra session arguments can come through $NSYS_SESSION_ARGS

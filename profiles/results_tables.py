@@ -1,11 +1,11 @@
-"""Markdown tables of the committed H200 results quoted in `profiles/h200/README.md`.
+"""Markdown tables of the committed H200 results of the early sessions, as `docs/history.md` quotes them.
 
     python profiles/results_tables.py [eos-off] [devloop-host] [fast-decode] [sampling] [cost-model] [launch]
 
 Each table is computed from the files under `profiles/` (nothing typed in): the sweep's EOS-off mode
 comparison, device-loop host time per token, sampling against greedy in the compiled step (per run
 and sampler), the cost model's check against the sweep, and the
-host cost of one graph launch (the launch probe's files; its command: `profiles/README.md`).
+host cost of one graph launch (the launch probe's files; its command: `docs/history.md`).
 """
 from __future__ import annotations
 

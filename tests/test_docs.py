@@ -1,7 +1,9 @@
 """What the docs say that the code can check: their links and the repository paths they name exist, the README's
-mode table is `gdtool.MODES`, and the kernels options the docs and docstrings name are `gdtool.core.modes.KERNELS`.
+mode table is `gdtool.MODES`, the kernels options the docs and docstrings name are `gdtool.core.modes.KERNELS`, the
+measured tables are what their result files give (`profiles/doc_tables.py`), no commit hash stands in the prose of a
+doc but the dated record's (`docs/history.md`), and docs/fast.md's environment switches are those the code reads.
 
-No model is loaded: the checks read README.md, docs/*.md and the docstrings.
+No model is loaded: the checks read README.md, docs/*.md, the docstrings and the committed result files.
 """
 import inspect
 import itertools
@@ -228,3 +230,94 @@ def test_docstrings_that_describe_kernels_name_every_option(where):
     doc = inspect.getdoc(obj)
     left_out = [k for k in modes.KERNELS if not re.search(rf"""["']{re.escape(k)}["']""", doc)]
     assert left_out == [], f"{where}'s docstring leaves out kernels options {left_out} (gdtool.core.modes.KERNELS)"
+
+
+# -- measured tables, commit hashes, environment switches --------------------------------------------------------
+
+def _doc_tables():
+    import sys
+    sys.path.insert(0, str(ROOT / "profiles"))
+    import doc_tables  # profiles/doc_tables.py
+    return doc_tables
+
+
+def test_the_rendered_tables_are_what_their_files_give():
+    """Every table between `<!-- rendered: NAME -->` and `<!-- end rendered -->` is what profiles/doc_tables.py makes
+    from the result files it cites: rendering every doc again changes nothing."""
+    doc_tables = _doc_tables()
+    stale = doc_tables.stale()
+    assert not stale, f"rendered tables that differ from their files in {stale}: python profiles/doc_tables.py --write"
+
+
+def test_every_rendered_block_is_a_table_the_script_makes_in_a_doc_it_writes():
+    doc_tables = _doc_tables()
+    holding = {}
+    for doc in DOCS:
+        for name, _, _ in doc_tables.blocks(doc.read_text()):
+            assert name in doc_tables.TABLES, f"{doc.relative_to(ROOT)}: <!-- rendered: {name} --> names no table"
+            holding.setdefault(doc, []).append(name)
+    assert set(holding) == set(doc_tables.DOCS), "doc_tables.DOCS must list every doc that holds a rendered table"
+    names = [name for found in holding.values() for name in found]
+    assert sorted(names) == sorted(set(names)) == sorted(doc_tables.TABLES), "each table stands in one place"
+
+
+# A commit hash: 7 to 40 hex digits with a letter and a digit among them, not part of a word, a path or a file name.
+HASH = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])")
+# The docs whose prose may name commits: the dated record, and install.md's suite timings (each names the commit it ran
+# at; they move with scripts/dev.sh's estimates).
+HASHES_ALLOWED = {"history.md", "install.md"}
+
+
+def prose_hashes(text: str) -> list[tuple[int, str]]:
+    """(line, hash) of each commit hash in a doc's prose: not in a rendered table (its provenance column names
+    commits), not in a code span that names a path (`profiles/h200/moe-sweep-c6bba88/`: a run's folder)."""
+    out, rendered = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("<!-- rendered:"):
+            rendered = True
+        elif line.startswith("<!-- end rendered"):
+            rendered = False
+        if rendered:
+            continue
+        line = re.sub(r"`[^`]*/[^`]*`", "", line)
+        out += [(number, match.group(0)) for match in HASH.finditer(line)]
+    return out
+
+
+@pytest.mark.parametrize("doc", [d for d in DOCS if d.parent.name == "docs" and d.name not in HASHES_ALLOWED],
+                         ids=lambda d: str(d.relative_to(ROOT)))
+def test_no_commit_hash_in_the_prose_of_a_doc(doc):
+    found = [f"{_where(doc, n)}: {h}" for n, h in prose_hashes(doc.read_text())]
+    assert not found, ("commit hashes in prose (the provenance of a figure goes in its rendered table's commit "
+                       "column; a dated account in docs/history.md):\n" + "\n".join(found))
+
+
+def test_the_hash_check_catches_what_it_is_for():
+    text = ("measured at 57347d7 and 3e2aadc.\n`profiles/h200/moe-sweep-c6bba88/` and moe-sweep-a7748ba/ name runs\n"
+            "<!-- rendered: x -->\n| a | 57347d7 |\n<!-- end rendered -->\n1024 tokens, 0.8752 ms, deadline\n")
+    assert prose_hashes(text) == [(1, "57347d7"), (1, "3e2aadc")]
+
+
+def _switches_in(paths) -> set[str]:
+    return {name for path in paths for name in re.findall(r"\bGDTOOL_[A-Z][A-Z_]*[A-Z]\b", path.read_text())}
+
+
+def documented_switches() -> list[str]:
+    """The first column of docs/fast.md's table under "## Environment switches"."""
+    text = (ROOT / "docs" / "fast.md").read_text()
+    section = text[text.index("## Environment switches"):]
+    section = section[:section.index("\n## ")]
+    return [m.group(1) for m in re.finditer(r"^\| `([A-Z_]+)` \|", section, flags=re.M)]
+
+
+def test_fast_md_lists_every_environment_switch_the_code_reads():
+    """docs/fast.md's table of switches names every GDTOOL_ variable the package reads, and only variables that the
+    package or the test session's hooks (tests/conftest.py) read."""
+    documented = documented_switches()
+    package = _switches_in((ROOT / "gdtool").rglob("*.py"))
+    readers = package | _switches_in([ROOT / "tests" / "conftest.py"])
+    assert len(documented) == len(set(documented)), documented
+    assert package - set(documented) == set(), "switches the code reads that docs/fast.md's table leaves out"
+    stale = {name for name in documented if name.startswith("GDTOOL_")} - readers
+    assert stale == set(), f"switches docs/fast.md lists that nothing reads any more: {stale}"
+    assert "TRITON_INTERPRET" in documented

@@ -7,7 +7,7 @@ py=${PYTHON:-python3}
 table="$py ../../../bench_table.py"
 {
 echo "# The batch curve of the fast step (H200; step-graph, kernels=\"fast\", fused projections, prompt 128, 256 new tokens, greedy, EOS off)"; echo
-echo "Rendered by \`bash profiles/h200/bench/batches/render.sh\` (\`bench_table.py --curve | --paths\` over the files beside this one); the commands and commits of the runs are in profiles/h200/README.md (nineteenth and twentieth sessions)."; echo
+echo "Rendered by \`bash profiles/h200/bench/batches/render.sh\` (\`bench_table.py --curve | --paths\` over the files beside this one); the commands and commits of the runs are in docs/history.md (the nineteenth and twentieth H200 sessions)."; echo
 echo "## The line per shape (twentieth session): the kernels at 1-2 rows up to hidden size 2048 (llama-1b), at 1 row wider (llama-8b, qwen3-8b)"; echo
 cat <<'TEXT'
 Each curve combines the files of the code the default runs at each batch: the kernels at 1 row (and 2 for llama-1b) from 5a2de9b; the compiled forward with cuBLAS's products past the line from 6a6ed8e (`plan_bench.py --gemv-rows 1`: at 2-4 rows what the default runs there now), edef802 (5 and 8 rows) and 5a2de9b (9-64; qwen3-8b's 16 from 5a2de9b's line-0 run, no swap past 4 rows); qwen3-8b's 64 from profiles/h200/bench/qwen3-8b (57347d7). qwen3-8b at 5-12 and 32 rows: not run.

@@ -1,0 +1,387 @@
+"""The measured tables of the docs, rendered from the committed result files they come from.
+
+    python profiles/doc_tables.py                  # every table, printed
+    python profiles/doc_tables.py fast-pdl         # some of them (the keys of TABLES)
+    python profiles/doc_tables.py --write          # render each doc's tables into it, between their markers
+    python profiles/doc_tables.py --check          # exit 1 where a doc's table is not what its files give
+
+A doc holds a rendered table between `<!-- rendered: NAME -->` and `<!-- end rendered -->` (NAME a key of TABLES);
+nothing between the markers is typed by hand, and `tests/test_docs.py` renders every one again and compares. Each
+table ends with its provenance: the device a row ran on (the result's sidecar) and the commit of the code that ran
+(the commit in the file's path, else its sidecar's `git_commit` where GDTOOL_COMMIT set it, else COMMITS). Commit
+hashes stand in those columns only: the prose of the docs names none (`docs/history.md` keeps the dated record).
+
+Everything here reads files and runs no model: a CPU with pandas renders it.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import json
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROFILES = ROOT / "profiles"
+H200 = PROFILES / "h200"
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(PROFILES))
+
+import bench_table  # noqa: E402  (profiles/bench_table.py: the bench's JSON files as rows)
+
+START = re.compile(r"<!-- rendered: ([\w-]+) -->")
+END = "<!-- end rendered -->"
+
+# Where neither the path nor the sidecar names the code that ran (the sidecar's git index was older than the tree
+# copied to the GPU machine; profiles/MANIFEST.md names the commit of each): path prefix -> commit.
+COMMITS = {
+    "profiles/h200/nsys-graph/": "a9a2052",
+    "profiles/h200/bench/llama-1b/llama-1b_b1_p128_n256_khf+compiled_fused": "7765f37",
+    "profiles/h200/bench/llama-1b/llama-1b_b64_p128_n256_khf+compiled_fused": "7765f37",
+    "profiles/h200/bench/llama-8b/llama-8b_b1_p128_n256_khf+compiled_fused": "7765f37",
+    "profiles/h200/bench/llama-8b/llama-8b_b64_p128_n256_kcompiled_fused": "7765f37",
+}
+
+
+# -- provenance ------------------------------------------------------------------------------------------------
+
+def _sidecar(path: Path) -> dict:
+    """The environment a result file was made in: a bench JSON's own `environment`, else the `env.json` or
+    `env-<stem>.json` beside it ({} where there is none)."""
+    if path.suffix == ".json":
+        doc = json.loads(path.read_text())
+        if isinstance(doc, dict) and "environment" in doc:
+            return doc["environment"]
+    for name in (f"env-{path.stem}.json", "env.json"):
+        if (path.parent / name).exists():
+            doc = json.loads((path.parent / name).read_text())
+            return doc.get("environment", doc)
+    return {}
+
+
+def device(path: Path) -> str:
+    env = _sidecar(path)
+    name = env.get("device_name") or env.get("gpu") or "?"
+    return name.replace("NVIDIA ", "")
+
+
+def commit(path: Path) -> str:
+    relative = path.relative_to(ROOT).as_posix()
+    for prefix, value in COMMITS.items():
+        if relative.startswith(prefix):
+            return value
+    named = re.findall(r"(?<![0-9a-f])[0-9a-f]{7}(?![0-9a-f])", relative)
+    if named:
+        return named[-1]
+    env = _sidecar(path)
+    if env.get("git_commit_source") == "GDTOOL_COMMIT":
+        return str(env["git_commit"])[:7]
+    raise ValueError(f"{relative}: no commit in its path or its sidecar; add it to COMMITS (profiles/MANIFEST.md "
+                     "names the commit of each result file)")
+
+
+def _joined(values) -> str:
+    return " / ".join(dict.fromkeys(values))
+
+
+# -- formatting ------------------------------------------------------------------------------------------------
+
+def fmt(value, spec: str = ".3f") -> str:
+    if value is None or (isinstance(value, float) and value != value):
+        return "-"
+    return format(value, spec) if isinstance(value, (int, float)) else str(value)
+
+
+def table(header: list[str], rows: list[list], right: set[int] = frozenset()) -> str:
+    """A markdown table; the columns whose index is in `right` aligned right (numbers)."""
+    lines = ["| " + " | ".join(header) + " |",
+             "|" + "|".join("---:" if i in right else "---" for i in range(len(header))) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _bench(path: Path) -> list[dict]:
+    """The summary rows of one bench JSON (`bench_table.frame`: runner, status, tok/s, ms/step, % of floor)."""
+    return bench_table.frame([path]).to_dict("records")
+
+
+def _runner(rows: list[dict], label: str) -> dict | None:
+    return next((r for r in rows if r["runner"] == label and r["status"] == "ok"), None)
+
+
+def _fastest_peer(rows: list[dict]) -> dict | None:
+    peers = [r for r in rows if r["family"] != "gdtool" and r["status"] == "ok" and r["ms_per_step"] is not None]
+    return min(peers, key=lambda r: r["ms_per_step"], default=None)
+
+
+# -- docs/results.md -------------------------------------------------------------------------------------------
+
+NSYS_GRAPH = H200 / "nsys-graph" / "summary.csv"
+
+
+def results_nsys() -> str:
+    """Per decode step under Nsight Systems' graph-level trace, llama-1b at batch 1 and 16 (medians)."""
+    rows = []
+    with open(NSYS_GRAPH) as f:
+        for r in csv.DictReader(f):
+            rows.append([r["batch"], r["mode"], fmt(float(r["host_us"]), ".0f"), fmt(float(r["device_busy_us"]), ".0f"),
+                         fmt(float(r["gpu_idle_us"]), ".1f" if float(r["gpu_idle_us"]) < 10 else ".0f"), r["bound"],
+                         device(NSYS_GRAPH), commit(NSYS_GRAPH)])
+    return table(["batch", "mode", "host work µs/step", "GPU busy µs/step", "GPU idle µs/step", "bound", "device",
+                  "commit"], rows, right={0, 2, 3, 4})
+
+
+# The compiled step (fused projections) against its peers, each file one process: llama-1b and llama-8b.
+PEERS_COMPILED = [H200 / "bench" / "llama-1b" / f"llama-1b_b{b}_p128_n256_khf+compiled_fused.json" for b in (1, 64)] + [
+    H200 / "bench" / "llama-8b" / "llama-8b_b1_p128_n256_khf+compiled_fused.json",
+    H200 / "bench" / "llama-8b" / "llama-8b_b64_p128_n256_kcompiled_fused.json"]
+
+
+def peers_compiled() -> str:
+    """`kernels="compiled"` with fused projections against what users run instead, in the same process."""
+    rows = []
+    for path in PEERS_COMPILED:
+        runs = _bench(path)
+        ours = _runner(runs, "gdtool device-loop+compiled")
+        cells = [ours["model"], ours["batch"], fmt(ours["tok_s"], ".1f"), fmt(ours["ms_per_step"])]
+        for label in ("gpt-fast-style step", "HF generate static+compile"):
+            peer = _runner(runs, label)
+            cells.append(f"{peer['tok_s']:.1f} ({peer['ms_per_step'] / ours['ms_per_step']:.2f}x)")
+        rows.append(cells + [fmt(ours["floor_pct"], ".1f"), device(path), commit(path)])
+    return table(["model", "batch", "gdtool device-loop+compiled tok/s", "ms/step", "gpt-fast-style tok/s (gdtool x)",
+                  "generate static+compile tok/s (gdtool x)", "% of floor", "device", "commit"], rows,
+                 right={1, 2, 3, 6})
+
+
+# `kernels="fast"` per preset and batch: the latest bench of each, with the peer that ran in the same process.
+BENCH = H200 / "bench"
+PEERS_FAST = [
+    BENCH / "llama-1b" / "llama-1b_b1_p128_n256_kfast.json",
+    BENCH / "llama-1b" / "llama-1b_b64_p128_n256_kfast_fused.json",
+    BENCH / "llama-8b" / "llama-8b_b1_p128_n256_kfast.json",
+    BENCH / "llama-8b" / "llama-8b_b64_p128_n256_kfast_fused.json",
+    BENCH / "qwen3-8b" / "qwen3-8b_b1_p128_n256_kfast.json",
+    BENCH / "qwen3-8b" / "qwen3-8b_b64_p128_n256_kfast_fused.json",
+    BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b1_p128_n256_kcompiled+fast_fused.json",
+    BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b64_p128_n256_kcompiled+fast_fused.json",
+    BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b1_p128_n256_kfast.json",
+    BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b64_p128_n256_kfast.json",
+    BENCH / "gpt-oss-20b" / "fused-projections" / "gpt-oss-20b_b1_p128_n256_kfast_fused.json",
+    BENCH / "gpt-oss-20b" / "gpt-oss-20b_b64_p128_n256_kfast.json",
+]
+
+
+def peers_fast() -> str:
+    """`kernels="fast"` (step-graph) per preset and batch, beside the fastest peer of the same run."""
+    rows = []
+    for path in PEERS_FAST:
+        runs = _bench(path)
+        ours = _runner(runs, "gdtool step-graph+fast")
+        peer = _fastest_peer(runs)
+        against = f"{peer['runner']} {peer['tok_s']:.1f} ({peer['ms_per_step'] / ours['ms_per_step']:.2f}x)" \
+            if peer else "none in this run"
+        rows.append([ours["model"], ours["batch"], "yes" if path.stem.endswith("_fused") else "no",
+                     fmt(ours["tok_s"], ".1f"), fmt(ours["ms_per_step"]), against, fmt(ours["floor_pct"], ".0f"),
+                     device(path), commit(path)])
+    return table(["model", "batch", "fused projections", "gdtool step-graph+fast tok/s", "ms/step",
+                  "peer in the same run: tok/s (gdtool x)", "% of floor", "device", "commit"], rows,
+                 right={1, 3, 4, 6})
+
+
+# -- docs/fast.md ----------------------------------------------------------------------------------------------
+
+# The fast step at 1-4 rows, step-graph, fused projections, each run apart: the matrix-vector kernels (the fast
+# decode forward) against the compiled HF forward with cuBLAS's products and gdtool's split-KV attention
+# (`plan_bench.py --gemv-rows 1`), what the step runs past its line.
+BATCHES = BENCH / "batches"
+LINE_FILES = [
+    *sorted((BATCHES / "llama-1b" / "5a2de9b" / "line-8").glob("*_b[124]_*.json")),
+    *sorted((BATCHES / "llama-1b" / "5a2de9b-gemv-line" / "line-8").glob("*_b3_*.json")),
+    *sorted((BATCHES / "llama-8b" / "5a2de9b" / "line-8").glob("*_b1_*.json")),
+    *sorted((BATCHES / "qwen3-8b" / "5a2de9b-gemv-line" / "line-8").glob("*_b1_*.json")),
+    *sorted(BATCHES.glob("*/763504d/chunk-0/*.json")),
+    *sorted(BATCHES.glob("*/6a6ed8e/line-1/*.json")),
+]
+HIDDEN = {"llama-1b": 2048, "llama-8b": 4096, "qwen3-8b": 4096}   # the presets' hidden sizes (gdtool/core/models.py)
+
+
+def fast_line() -> str:
+    """ms a step at 1-4 rows on each path, and the path `forward.MEASURED_LINES` gives that batch."""
+    from gdtool.kernels import forward
+    found: dict = {}
+    for path in LINE_FILES:
+        for r in _bench(path):
+            if r["status"] == "ok" and r["family"] == "gdtool":
+                which = "kernels" if bench_table.path_of(r["note"]) == "fast: fast decode forward" else "matmuls"
+                found.setdefault((r["model"], r["batch"]), {})[which] = (r["ms_per_step"], path)
+    rows = []
+    for (model, batch), got in sorted(found.items(), key=lambda kv: (list(HIDDEN).index(kv[0][0]), kv[0][1])):
+        kernels, matmuls = got.get("kernels"), got.get("matmuls")
+        faster = "-" if not (kernels and matmuls) else "kernels" if kernels[0] < matmuls[0] else "matmuls"
+        default = "kernels" if batch <= forward.gemv_rows(forward.line_paths(HIDDEN[model])) else "matmuls"
+        paths = [found_path for _, found_path in filter(None, (kernels, matmuls))]
+        rows.append([model, batch, fmt(kernels[0] if kernels else None), fmt(matmuls[0] if matmuls else None), faster,
+                     default, _joined(device(p) for p in paths), " / ".join(commit(p) for p in paths)])
+    return table(["model", "rows", "matrix-vector kernels ms/step", "compiled forward, cuBLAS ms/step", "faster",
+                  "default path", "device", "commit (kernels / matmuls)"], rows, right={1, 2, 3})
+
+
+PDL_PRESETS = ("gemma-3-1b", "llama-1b")
+
+
+def fast_pdl() -> str:
+    """The fast step at batch 1, step-graph, with PDL off, on every kernel and `auto` (GDTOOL_PDL=0, 1, auto)."""
+    rows = []
+    for preset in PDL_PRESETS:
+        paths = [BENCH / preset / f"pdl-{setting}" / f"{preset}_b1_p128_n256_kfast.json" for setting in ("0", "1", "auto")]
+        ms = [_runner(_bench(p), "gdtool step-graph+fast")["ms_per_step"] for p in paths]
+        rows.append([preset, 1, *(fmt(v) for v in ms), _joined(device(p) for p in paths), _joined(commit(p) for p in paths)])
+    return table(["model", "batch", "PDL off ms/step", "on", "auto", "device", "commit"], rows, right={1, 2, 3, 4})
+
+
+# The experts sweeps the tiles of gdtool/kernels/experts/tiles.py were read from (its TUNED_FROM): one MoE block
+# captured, µs a block per tokens a step, the best config of each path beside HF's two implementations.
+EXPERTS_SWEEPS = [(H200 / "moe-sweep-c6bba88" / "qwen3-30b-a3b.csv", "qwen3_moe", "small"),
+                  (H200 / "moe-sweep-0f91d78" / "gpt-oss-20b.csv", "gpt_oss", "oss")]
+
+
+def fast_experts() -> str:
+    """Per tokens a step: the small kernels' best, the grouped kernels' best, HF's batched_mm and grouped_mm, and
+    the path gdtool runs there (`experts.runs_grouped`)."""
+    from gdtool.kernels.experts import tiles
+    rows = []
+    for path, family, small in EXPERTS_SWEEPS:
+        best: dict = {}
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                ours = r["variant"] in (small, "grouped")
+                if ours and (r["ok"] != "True" or r["error"]):
+                    continue
+                key = (int(r["batch"]), "small" if r["variant"] == small else r["variant"])
+                best[key] = min(best.get(key, float("inf")), float(r["us_per_block"]))
+        for batch in sorted({b for b, _ in best}):
+            rows.append([path.stem, batch, *(fmt(best.get((batch, v)), ".1f")
+                                                 for v in ("small", "grouped", "batched_mm", "grouped_mm")),
+                         "grouped" if tiles.runs_grouped(family, batch) else "small", device(path), commit(path)])
+    return table(["model", "tokens", "small kernels µs", "grouped kernels µs", "HF batched_mm µs", "HF grouped_mm µs",
+                  "gdtool runs", "device", "commit"], rows, right={1, 2, 3, 4, 5})
+
+
+ACCURACY = H200 / "accuracy-a7748ba" / "step.csv"
+
+
+def fast_accuracy() -> str:
+    """`accuracy()`: kernels="fast" and HF's bf16 kernels, each against the model upcast to float32, teacher-forced."""
+    rows = []
+    with open(ACCURACY) as f:
+        for r in csv.DictReader(f):
+            rows.append([r["model"], r["batch"], *(fmt(float(r[c]), spec) for c, spec in (
+                ("fast_max_error", ".3f"), ("fast_mean_error", ".3f"), ("fast_top1", ".2f"),
+                ("hf_max_error", ".3f"), ("hf_mean_error", ".3f"), ("hf_top1", ".2f"), ("max_abs_logit", ".2f"))),
+                device(ACCURACY), commit(ACCURACY)])
+    return table(["model", "batch", "fast: largest error", "mean error", "top-1 as float32", "HF bf16: largest error",
+                  "mean error", "top-1 as float32", "largest logit", "device", "commit"], rows,
+                 right=set(range(1, 9)))
+
+
+# Every tile config of a preset's projections at one row, timed alone, PDL off (`kernels-sweep`): what
+# gemv.gemv_config and gemv.qkv_rope_config pick (tests/test_fast_kernels.py holds them within 3% and 5% of the
+# fastest).
+GEMV_SWEEPS = [("gemma-3-1b", H200 / "decode-kernels" / "sweep-6e765ba" / "gemv.csv", 256),
+               ("llama-1b", H200 / "decode-kernels" / "sweep-14cc799" / "gemv.csv", 64),
+               ("llama-8b", H200 / "decode-kernels" / "sweep-fa2489e" / "gemv.csv", 128)]
+
+
+def fast_tiles() -> str:
+    """Per projection at one row: cuBLAS's matmul alone, the tiles gdtool picks today, the fastest tiles swept."""
+    from gdtool.kernels import gemv
+    rows = []
+    for model, path, head_dim in GEMV_SWEEPS:
+        timed: dict = {}
+        cublas: dict = {}
+        with open(path) as f:
+            for r in csv.DictReader(f):
+                if r["model"] != model or r["pdl"] != "False":
+                    continue
+                key = (r["proj"], int(r["n"]), int(r["k"]))
+                if r["kernel"].startswith("cublas"):
+                    cublas[key] = float(r["us"])
+                elif r["kernel"].startswith("triton") and "whole-head" not in r["kernel"] and "(" in r["kernel"]:
+                    timed.setdefault(key, {})[ast.literal_eval("(" + r["kernel"].split("(", 1)[1])] = float(r["us"])
+        for (proj, n, k), times in timed.items():
+            picked = gemv.qkv_rope_config(k, head_dim)[:3] if proj == "qkv" else \
+                gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1)
+            best = min(times, key=times.get)
+            rows.append([model, proj, f"{n} x {k}", fmt(cublas.get((proj, n, k)), ".2f"), str(picked),
+                         fmt(times.get(picked), ".2f"), str(best), fmt(times[best], ".2f"), device(path), commit(path)])
+    return table(["model", "projection", "N x K", "cuBLAS µs", "gdtool's tiles (rows, warps, per SM)", "µs",
+                  "fastest swept", "µs", "device", "commit"], rows, right={3, 5, 7})
+
+
+TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
+          "fast-line": fast_line, "fast-pdl": fast_pdl, "fast-experts": fast_experts, "fast-accuracy": fast_accuracy,
+          "fast-tiles": fast_tiles}
+DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md"]   # the docs that hold rendered tables
+
+
+# -- the docs' markers -----------------------------------------------------------------------------------------
+
+def blocks(text: str) -> list[tuple[str, int, int]]:
+    """(name, start, end) of each rendered block: the text between a start marker's line and its end marker."""
+    out = []
+    for match in START.finditer(text):
+        body = match.end() + 1
+        end = text.find(END, body)
+        if end < 0:
+            raise ValueError(f"<!-- rendered: {match.group(1)} --> has no {END} after it")
+        out.append((match.group(1), body, end))
+    return out
+
+
+def render(text: str, rendered: dict | None = None) -> str:
+    """`text` with each rendered block's body made again from its files."""
+    rendered = {} if rendered is None else rendered
+    out, last = [], 0
+    for name, start, end in blocks(text):
+        if name not in TABLES:
+            raise ValueError(f"<!-- rendered: {name} -->: no such table (profiles/doc_tables.py TABLES: {list(TABLES)})")
+        if name not in rendered:
+            rendered[name] = TABLES[name]()
+        out += [text[last:start], rendered[name], "\n"]
+        last = end
+    return "".join(out + [text[last:]])
+
+
+def stale(docs=DOCS) -> list[str]:
+    """The docs whose rendered tables differ from what their files give ([] when none)."""
+    rendered: dict = {}
+    return [str(doc.relative_to(ROOT)) for doc in docs if render(doc.read_text(), rendered) != doc.read_text()]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help=f"tables to print (default: all): {', '.join(TABLES)}")
+    p.add_argument("--write", action="store_true", help="render the tables into the docs that hold their markers")
+    p.add_argument("--check", action="store_true", help="exit 1 where a doc's tables are not what their files give")
+    args = p.parse_args(argv)
+    if args.check:
+        out = stale()
+        print("\n".join(f"{doc}: its rendered tables differ from their files (python profiles/doc_tables.py --write)"
+                        for doc in out) or "ok: every rendered table is what its files give")
+        return 1 if out else 0
+    if args.write:
+        rendered: dict = {}
+        for doc in DOCS:
+            doc.write_text(render(doc.read_text(), rendered))
+        return 0
+    unknown = [n for n in args.names if n not in TABLES]
+    if unknown:
+        p.error(f"unknown table(s) {unknown}; choose from {list(TABLES)}")
+    print("\n\n".join(f"### {name}\n\n{TABLES[name]()}" for name in args.names or TABLES))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
