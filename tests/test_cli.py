@@ -200,6 +200,39 @@ def test_default_model_progress_bar_json_and_the_cpu_note(command, tmp_path, cap
     assert "%|" not in captured.err and options.UNCAPTURED in captured.out and not captured.out.startswith("{")
 
 
+# Grids of a known size on top of TINY, and what the line before the first config must count: (extra arguments,
+# configs, decodes, decode steps). bench: batch 1 and 2, each running eager and generate(), each runner a warm-up and
+# one timed decode of 2 steps; profile: batch 1 and 2 x eager and step-graph, one decode of 2 steps each; sweep:
+# batch 1 and 2 x poll 1 (fixed:2 ends after 1 step) and never (all 2 steps), one decode each.
+GRIDS = {"bench": (["--batch", "2", "--peers", "generate"], 2, 8, 16),
+         "profile": (["--batch", "2"], 4, 4, 8),
+         "sweep": (["--batch", "2", "--poll", "never"], 4, 4, 6)}
+
+
+@pytest.mark.parametrize("command", sorted(GRIDS))
+def test_long_commands_say_what_is_coming_and_count_configs(command, tmp_path, capsys):
+    """Before its first config a command prints one line: the configs it will run, the decodes and steps they hold,
+    and an estimate of the time with the rates it rests on. Its progress bar counts configs (not runners, passes or
+    decodes). Run again, the line says every config is already there."""
+    import re
+    extra, configs, decodes, steps = GRIDS[command]
+    out = tmp_path / ("out.csv" if command == "sweep" else "out")
+    argv = TINY[command] + extra + ["--out", str(out)]
+    assert MAINS[command](argv) == 0
+    captured = capsys.readouterr()
+    first = captured.out.splitlines()[0]
+    assert first.startswith(f"{command}: {configs} configs to run (none in {out} yet); estimate ~"), first
+    assert f": {decodes} decodes, ~{steps} steps expected, at " in first, first
+    assert re.search(r"at [\d.]+(-[\d.]+)? ms/step and [\d.]+(-[\d.]+)? ms/prefill timed here \(short ", first), first
+    counts = re.findall(r"\| *(\d+)/(\d+) \[[^\]]*config", captured.err)
+    assert counts and counts[-1] == (str(configs), str(configs)), captured.err[-600:]
+    assert not re.search(r"(runner|pass|decode)/s|s/(runner|pass|decode)", captured.err)
+    assert MAINS[command](argv + ["--no-progress"]) == 0
+    again = capsys.readouterr().out.splitlines()[0]
+    assert again == (f"{command}: 0 configs to run ({configs} of {configs} already in {out}, same config hash: "
+                     "skipped); nothing to measure (--redo measures them again)")
+
+
 def test_run_says_uncaptured_where_a_graph_mode_captured_nothing(capsys):
     """On a CPU step-graph captures and replays nothing: its row says "uncaptured" in the replays and capture ms
     columns (eager's keeps its zeros), and its JSON figures count no replay or capture, only the launches of

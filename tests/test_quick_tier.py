@@ -94,22 +94,26 @@ def test_the_quick_tier_runs_every_test_function_once_but_the_long_ones(tmp_path
     assert len(every) > 3 * len(kept)
 
 
-def _dev_sh(tmp_path, *args, **env):
+def _dev_sh(tmp_path, *args, said=None, **env):
     """Run scripts/dev.sh test ARGS with a stand-in Python for VENV (and VENV-oldest, and python3) that writes
-    each call, its GDTOOL_QUICK and its arguments, to a log; the calls, one a line."""
+    each call, its GDTOOL_QUICK and its arguments, to a log; the calls, one a line. `said`: a list to which
+    dev.sh's own output is added."""
     log = tmp_path / "calls.log"
+    log.unlink(missing_ok=True)
     stand_in = ("#!/bin/sh\n"
                 f'{{ printf "%s GDTOOL_QUICK=%s" "$0" "${{GDTOOL_QUICK-unset}}"; printf " [%s]" "$@"; echo; }}'
                 f" >> {log}\n")
     for venv in ("venv", "venv-oldest"):
-        (tmp_path / venv / "bin").mkdir(parents=True)
+        (tmp_path / venv / "bin").mkdir(parents=True, exist_ok=True)
         python = tmp_path / venv / "bin" / "python"
         python.write_text(stand_in)
         python.chmod(0o755)
     env = dict(os.environ, VENV=str(tmp_path / "venv"), PYTHON=str(tmp_path / "venv" / "bin" / "python"),
                GDTOOL_NO_BROWSER="1", **env)
-    subprocess.run(["bash", "scripts/dev.sh", "test", *args], cwd=ROOT, env=env, check=True, timeout=60,
-                   stdout=subprocess.DEVNULL)
+    done = subprocess.run(["bash", "scripts/dev.sh", "test", *args], cwd=ROOT, env=env, check=True, timeout=60,
+                          stdout=subprocess.PIPE, text=True)
+    if said is not None:
+        said += done.stdout.replace(str(tmp_path), "T").splitlines()
     return log.read_text().replace(str(tmp_path), "T").splitlines()
 
 
@@ -128,3 +132,20 @@ def test_dev_sh_test_without_quick_is_the_full_suite_then_the_oldest_transformer
         "T/venv-oldest/bin/python GDTOOL_QUICK=unset [-m] [pytest] [-q] [-ra] [-p] [no:xdist] [tests/test_parity.py] "
         "[tests/test_errors.py] [tests/test_windows.py] [tests/test_zoo.py]"]
     assert any("[install]" in c and "[transformers==" in c for c in calls)  # the setup ran, for both environments
+
+
+def test_dev_sh_says_what_it_will_install_first_and_a_second_run_installs_nothing(tmp_path):
+    """Environments set up from another pyproject.toml / environment.yml (here: none, no stamp) are named before the
+    setup, which then installs; it stamps them, and the same command again installs nothing and says so."""
+    said = []
+    first = _dev_sh(tmp_path, TEST_WORKERS="0", said=said)
+    assert said[0] == "== dev.sh test will install (about, on disk; docs/install.md): =="
+    assert said[1].startswith("   T/venv: gdtool again (editable)") and said[2].startswith("   T/venv-oldest: gdtool again")
+    assert any("[install]" in call for call in first)
+    for venv in ("venv", "venv-oldest"):
+        assert (tmp_path / venv / ".gdtool-setup").read_text().strip().isdigit()
+    said.clear()
+    again = _dev_sh(tmp_path, TEST_WORKERS="0", said=said)
+    assert said[0] == "== dev.sh test: nothing to install: T/venv and T/venv-oldest set up from this checkout already =="
+    assert not any("[install]" in call for call in again), again
+    assert sum("[pytest]" in call for call in again) == 2

@@ -64,7 +64,7 @@ from pathlib import Path
 
 import torch
 
-from . import options
+from . import estimate, options
 from ..measure import record
 from ..core.deprecation import renamed
 from ..core.models import load_model, random_prompts
@@ -617,6 +617,33 @@ def parser() -> options.Parser:
     return p
 
 
+def _announce(model, name, configs, todo, out, device) -> str:
+    """The line said before a model's first config runs: its configs to run and an estimate, from the decodes
+    `run_config` runs (per runner a warm-up, then `repeats`; EOS off, so every step) at the rates of a short decode
+    timed here, `generate()` timed as eager and a compiled peer as step-graph."""
+    works = []
+    for cfg in todo:
+        for planned in _plan(model, None, cfg, device):
+            if planned.make_once is None:  # n/a here
+                continue
+            runner = planned.result
+            mode = runner.runner.split("+")[0] if runner.family == "gdtool" else \
+                "eager" if runner.runner == "generate" else "step-graph"
+            works += [estimate.Work(mode, cfg.batch, 1, planned.warmup_tokens - 1),
+                      estimate.Work(mode, cfg.batch, cfg.repeats, cfg.steps)]
+    left_out = "model loads, captures" + (" and torch.compile" if device.type == "cuda" else "") + " not counted"
+    if not works:
+        return estimate.announce("bench", len(todo), len(configs), out, model=name)
+    try:
+        clock = estimate.probe(model, [w.mode for w in works], [cfg.batch for cfg in todo], todo[0].prompt_len,
+                               todo[0].max_new_tokens)
+    except Exception as err:  # no estimate is no reason to stop: the runners report their own errors
+        reason = traceback.format_exception_only(type(err), err)[-1].strip()[:200]
+        return (estimate.announce("bench", len(todo), len(configs), out, model=name)
+                + f"; no estimate (the timed probe decode failed: {reason})")
+    return estimate.announce("bench", len(todo), len(configs), out, clock, works, left_out, model=name)
+
+
 def _workload(argv: list[str]) -> str:
     """The --workload argv asks for ("decode" when absent or not one of WORKLOADS: the full parser then says why)."""
     pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
@@ -664,7 +691,7 @@ def _main(args, modes, peers) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     names = args.model or options.default_models(device.type == "cuda")
     n_runners = len(runners(modes, kernels)) + len(peers)
-    bar = options.progress(len(names) * len(args.batch) * n_runners, "bench", not args.no_progress, unit="runner")
+    bar = options.progress(len(names) * len(args.batch), "bench", not args.no_progress)
 
     def log(message):
         bar.write(message, file=sys.stderr)
@@ -678,13 +705,18 @@ def _main(args, modes, peers) -> int:
                                    peers=peers, kernels=kernels, seed=args.seed,
                                    fused_projections=args.fuse_projections) for batch in args.batch]
             previous = {cfg.name: None if args.redo else saved(cfg, Path(args.out)) for cfg in configs}
+            todo = [cfg for cfg in configs if previous[cfg.name] is None]
+            several = len(names) > 1
+            if not todo:
+                out.say(estimate.announce("bench", 0, len(configs), args.out, model=model_name if several else None),
+                        above=bar)
             model = None
             for cfg in configs:
                 if previous[cfg.name] is not None:
                     df, summary = previous[cfg.name]
                     log(f"[bench] {cfg.name}: already in {args.out} (same config hash), skipped; --redo measures "
                         "it again")
-                    bar.update(n_runners)
+                    bar.update(1)
                     files += [str(Path(args.out) / f"{cfg.name}.csv"), str(Path(args.out) / f"{cfg.name}.json")]
                     out.say(format_table(summary, f"\n{cfg.name} (from {args.out})"))
                     if device.type != "cuda" and modes:
@@ -702,12 +734,17 @@ def _main(args, modes, peers) -> int:
                             raise ValueError(f"--fuse-projections found no q/k/v or gate/up nn.Linear groups in "
                                              f"{model_name}; drop the flag for this model")
                         log(f"[bench] fused {fused} projection groups (q/k/v, gate/up)")
+                    out.say(_announce(model, model_name if several else None, configs, todo, args.out, device),
+                            above=bar)
                 if env is None:
                     copy_bytes_s = copy_bandwidth(device)
                     env = record.environment(device)
                     env["copy_gb_s"] = copy_bytes_s / 1e9
                     log(f"[bench] {env['device_name']}: copy bandwidth {copy_bytes_s / 1e9:.0f} GB/s (read + write)")
-                results = run_config(model, cfg, log=log, on_runner=lambda result: bar.update(1))
+                count = iter(range(1, n_runners + 1))  # the bar counts configs; its label, the runners of this one
+                results = run_config(model, cfg, log=log, on_runner=lambda result: bar.set_postfix_str(
+                    f"{cfg.name}: {next(count)} of {n_runners} runners"))
+                bar.update(1)
                 failed |= any(r.status.startswith("error") for r in results)
                 bytes_info = step_bytes(model, cfg.batch, cfg.prompt_len, cfg.max_new_tokens)
                 df = tidy_rows(cfg, results, bytes_info, copy_bytes_s, env["device_name"])

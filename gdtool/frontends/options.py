@@ -542,8 +542,13 @@ class Output:
     def __init__(self, as_json: bool = False):
         self.as_json = as_json
 
-    def say(self, text: str = "") -> None:
-        print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+    def say(self, text: str = "", above=None) -> None:
+        """Print `text`; `above`: a progress bar on stderr to lift out of the way first (it redraws below)."""
+        if above is None:
+            print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
+            return
+        with above.external_write_mode(file=sys.stderr):
+            print(text, file=sys.stderr if self.as_json else sys.stdout, flush=True)
 
     def document(self, doc: dict) -> None:
         if self.as_json:
@@ -557,8 +562,8 @@ def _plain(value):
         return str(value)
 
 
-def progress(total: int | None = None, desc: str = "", enabled: bool = True, unit: str = "run"):
-    """A tqdm progress bar on stderr (tqdm.auto: a widget in a notebook)."""
+def progress(total: int | None = None, desc: str = "", enabled: bool = True, unit: str = "config"):
+    """A tqdm progress bar on stderr (tqdm.auto: a widget in a notebook), counting configs unless told otherwise."""
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=sys.stderr, dynamic_ncols=True,
                 mininterval=0.5)

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from ..measure import nsys, record
-from . import options
+from . import estimate, options
 
 NSYS_ONLY = ("trace", "repeat", "keep_report", "fixture")
 IN_PROCESS_OUT, NSYS_OUT = "results/profile", "results/nsys"
@@ -177,12 +178,12 @@ def _in_process(args) -> int:
         return True
 
     todo = [cfg for cfg in configs if not done(cfg)]
-    skipped = len(configs) - len(todo)
-    if skipped:
-        out.say(f"{skipped} of {len(configs)} configs already in {folder} (same config hash): skipped; --redo "
-                "measures them again")
-    bar = options.progress(len(todo) * (2 if busy else 1), "profile", not args.no_progress, unit="pass")
+    if not todo:  # else each model's line, once it loads, says what is coming
+        out.say(estimate.announce("profile", 0, len(configs), str(folder)))
+    # The bar counts configs: timed first, then (on CUDA) again through their kernel passes.
+    bar = options.progress(len(todo), "profile: timing", not args.no_progress)
     results, loaded = [], {}
+    warmup = 1 if args.warmup is None else args.warmup
 
     def write(cfg, res):  # after every timed config and every kernel pass: a crash keeps what was measured
         columns = cfg.columns()
@@ -195,20 +196,22 @@ def _in_process(args) -> int:
         # Every config is timed before any kernel pass: torch.profiler leaves CUPTI attached, which would tax
         # the host side of every later config (timing.TAINTED).
         for cfg in todo:
-            bar.set_postfix_str(f"timing {cfg.name}", refresh=False)
+            bar.set_postfix_str(cfg.name, refresh=False)
             if cfg.model not in loaded:
                 loaded[cfg.model] = load_model(cfg.model, seed=0)
+                out.say(_announce(loaded[cfg.model], cfg.model, configs, todo, folder, warmup, busy), above=bar)
             model = loaded[cfg.model]
             prompt = random_prompts(model, batch=cfg.batch, lengths=(cfg.prompt_len, cfg.prompt_len), seed=cfg.seed)
-            warmup = 1 if args.warmup is None else args.warmup
             res = timing.profile(model, prompt.input_ids, prompt.attention_mask, mode=cfg.mode, warmup=warmup,
                                  busy=False, **cfg.decode_kwargs())
             results.append((cfg, res))
             write(cfg, res)
             bar.update(1)
         if busy:
+            bar.reset(total=len(results))
+            bar.set_description("profile: kernel passes")
             for cfg, res in results:
-                bar.set_postfix_str(f"kernels {cfg.name}", refresh=False)
+                bar.set_postfix_str(cfg.name, refresh=False)
                 timing.add_device_busy(res)
                 write(cfg, res)
                 bar.update(1)
@@ -226,6 +229,28 @@ def _in_process(args) -> int:
     out.document({"out": str(folder), "captured": cuda, "per_token": json.loads(table.to_json(orient="records")),
                   "environment": env})
     return 0
+
+
+def _announce(model, name: str, configs, todo, folder: Path, warmup: int, busy: bool) -> str:
+    """The line said before a model's first config is timed: its configs to run and an estimate, from their decodes
+    (`warmup` untimed, one timed, and with `busy` the kernel pass; every step counted, as with --no-eos: random
+    weights seldom end a row early) at the rates of a short decode timed here."""
+    several = len({cfg.model for cfg in configs}) > 1
+    mine = [cfg for cfg in todo if cfg.model == name]
+    total = sum(cfg.model == name for cfg in configs)
+    who = name if several else None
+    works = [estimate.Work(cfg.mode, cfg.batch, warmup + 1 + busy, cfg.max_new_tokens - 1) for cfg in mine]
+    try:
+        clock = estimate.probe(model, [cfg.mode for cfg in mine], [cfg.batch for cfg in mine],
+                               max(cfg.prompt_len for cfg in mine), max(cfg.max_new_tokens for cfg in mine))
+    except Exception as err:  # no estimate is no reason to stop: the configs raise their own errors
+        reason = traceback.format_exception_only(type(err), err)[-1].strip()[:200]
+        return estimate.announce("profile", len(mine), total, str(folder), model=who) + \
+            f"; no estimate (the timed probe decode failed: {reason})"
+    left_out = "model loads and captures" + (", the profiler's overhead" if busy else "") + " not counted"
+    if several and name == todo[0].model:
+        left_out += "; each further model's configs are estimated when it loads"
+    return estimate.announce("profile", len(mine), total, str(folder), clock, works, left_out, model=who)
 
 
 def _table(summary: pd.DataFrame, order: list[str] | None = None) -> pd.DataFrame:

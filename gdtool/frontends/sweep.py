@@ -42,6 +42,7 @@ step-token, wasted steps included; ``profile_runs`` says how many).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -59,6 +60,7 @@ from ..core.modes import MODES, SPECS
 from ..loops.decoder import Decoder
 from ..measure import record, workloads
 from ..measure.polls import POLL_ORDER, poll_label, poll_order, poll_value
+from . import estimate
 
 __all__ = [
     "POLL_ORDER",
@@ -402,7 +404,8 @@ def sweep(models, modes=("step-graph",), batches=(1, 4, 16, 64), polls=(1, 4, 16
           lengths=("geom:128:512",), *, repeats: int = 3, warmup: int = 1, out: str | os.PathLike | None = None,
           max_new_tokens: int | None = None, prompt_len: int = 128, sample: bool = False, seed: int = 0,
           configs: list[RunConfig] | None = None, max_seconds: float | None = None, retry_failed: bool = False,
-          profile: bool = False, progress: bool = True, device=None, dtype=None, redo: bool = False) -> pd.DataFrame:
+          profile: bool = False, progress: bool = True, device=None, dtype=None, redo: bool = False,
+          echo=None) -> pd.DataFrame:
     """Run a grid (or the given ``configs``) and return its repetitions as a tidy DataFrame (rows
 already in ``out`` for these configs included; the CSV keeps every config it ever held).
 
@@ -411,7 +414,10 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     it are skipped (done = ``repeats`` rows without error; failed ones too unless ``retry_failed``;
     ``redo=True`` measures the grid's configs again), and ``<out>.json`` gets the environment
     (`gdtool.measure.record`). ``max_seconds`` stops before starting a config past that
-    budget (``df.attrs["complete"]`` says whether the grid is done)."""
+    budget (``df.attrs["complete"]`` says whether the grid is done). ``echo`` (a callable, ``print`` say; the
+    command passes one) gets one line before a model's first config: how many configs run, how many ``out``
+    already holds, and an estimate of how long they take, from a few short decodes timed first
+    (`gdtool.frontends.estimate`); without it nothing is timed beyond the configs."""
     loaded = {_model_name(m): m for m in _as_list(models) if not isinstance(m, str)}
     if configs is None:
         configs = grid(models, modes, batches, polls, lengths, max_new_tokens=max_new_tokens,
@@ -437,10 +443,11 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     from tqdm.auto import tqdm
     start = time.perf_counter()
     done = 0
-    bar = tqdm(total=len(todo), desc="sweep", unit="config", disable=not progress)
+    bar = None
     current = {"name": None, "model": None}
     engines = Engines()
     profiled = []  # (config, repetitions) timed with profile=True: their kernel passes come last
+    announced = set()
 
     def model_for(cfg):
         if cfg.model != current["name"]:
@@ -450,9 +457,23 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             current["model"] = loaded.get(cfg.model) or load_model(cfg.model, seed=0, device=device,
                                                                             dtype=dtype)
             current["name"] = cfg.model
+            if echo is not None and cfg.model not in announced:
+                announced.add(cfg.model)
+                line = _announce(current["model"], cfg.model, configs, todo, path, repeats, warmup, profile,
+                                 max_seconds)
+                with bar.external_write_mode(file=sys.stderr) if bar is not None else contextlib.nullcontext():
+                    echo(line)
         return current["model"]
 
     try:
+        if todo and echo is not None:
+            try:  # the first model loads before the bar, so that its line comes first
+                model_for(todo[0][0])
+            except Exception:  # the loop loads it again and records the error against its first config
+                pass
+        elif echo is not None:
+            echo(estimate.announce("sweep", 0, len(configs), str(path) if path else None))
+        bar = tqdm(total=len(todo), desc="sweep", unit="config", disable=not progress, file=sys.stderr)
         for cfg, n_ok in todo:
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
@@ -501,13 +522,47 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
                 results.save()
     finally:
         engines.close()
-        bar.close()
+        if bar is not None:
+            bar.close()
     df = results.df
     if not df.empty:
         df = df[df["config_hash"].isin({cfg.hash for cfg in configs})].reset_index(drop=True)
     df.attrs.update(complete=done == len(todo), configs=len(configs), ran=done, remaining=len(todo) - done,
                     seconds=time.perf_counter() - start)
     return df
+
+
+def _announce(model, name: str, configs, todo, path, repeats: int, warmup: int, profile: bool, max_seconds) -> str:
+    """The line said before the first config of model `name`: its configs to run and an estimate, from its decodes
+    (warm-ups once per captured graph, as `run_config` runs them; timed repetitions; with `profile`, the profiled
+    runs, each after a warm-up, and on CUDA their kernel passes) at the rates of a short decode timed here."""
+    mine = [(cfg, n_ok) for cfg, n_ok in todo if cfg.model == name]
+    cuda = next(model.parameters()).device.type == "cuda"
+    works, engine = [], None
+    for cfg, n_ok in mine:
+        key = (cfg.mode, cfg.batch, cfg.prompt_len, cfg.max_new_tokens, cfg.sample, cfg.seed, cfg.dist.eos)
+        runs = repeats - n_ok
+        decodes = runs + (warmup if key != engine else 0) + (runs * (3 if cuda else 2) if profile else 0)
+        engine = key
+        works.append(estimate.Work(cfg.mode, cfg.batch, decodes,
+                                   estimate.expected_steps(cfg.lengths, cfg.batch, cfg.poll, cfg.max_new_tokens)))
+    several = len({cfg.model for cfg in configs}) > 1
+    where = str(path) if path else None
+    total = sum(cfg.model == name for cfg in configs)
+    try:
+        clock = estimate.probe(model, [cfg.mode for cfg, _ in mine], [cfg.batch for cfg, _ in mine],
+                               max(cfg.prompt_len for cfg, _ in mine), max(cfg.max_new_tokens for cfg, _ in mine))
+    except Exception as err:  # no estimate is no reason to stop: the configs record their own errors
+        reason = traceback.format_exception_only(type(err), err)[-1].strip()[:200]
+        return estimate.announce("sweep", len(mine), total, where, model=name if several else None) + \
+            f"; no estimate (the timed probe decode failed: {reason})"
+    left_out = "model loads and captures" + (", profiler overhead" if profile else "") + " not counted"
+    if max_seconds is not None:
+        left_out += f"; --max-seconds {max_seconds:g} stops it sooner (run the command again to go on)"
+    if several and name == todo[0][0].model:
+        left_out += "; each further model's configs are estimated when it loads"
+    return estimate.announce("sweep", len(mine), total, where, clock, works, left_out,
+                             model=name if several else None)
 
 
 def _free():
@@ -592,7 +647,7 @@ def _main(args) -> int:
                repeats=args.repeats, warmup=args.warmup, out=args.out, max_new_tokens=args.max_new_tokens,
                prompt_len=args.prompt_len, sample=args.sample, seed=args.seed, max_seconds=args.max_seconds,
                retry_failed=args.retry_failed, profile=args.profile, progress=not args.no_progress,
-               redo=args.redo)
+               redo=args.redo, echo=out.say)
     failed = int((df["error"] != "").sum()) if "error" in df.columns and not df.empty else 0
     doc = {"out": str(args.out), "sidecar": str(Path(args.out).with_suffix(".json")), "rows": len(df),
            "failed_rows": failed, **{k: df.attrs.get(k) for k in ("configs", "ran", "remaining", "complete")},

@@ -249,12 +249,21 @@ def session(configs, out, nsys: str | None = None, keep_report: bool = False, fi
     results.write_sidecar(out / "env.json", results.environment(nsys=nsys), session=dict(configs=[c.name for c in configs]))
     steps_file = results.Results(out / "steps.csv", dtype={"model": str, "mode": str, "trace": str, "settings": str},
                                  first=())
+    def recorded(cfg) -> bool:
+        return not redo and bool(steps_file.count(cfg)[0]) and (out / f"{cfg.name}.sqlite.gz").exists()
+
+    todo = [cfg for cfg in configs if not recorded(cfg)]
+    held = f"{len(configs) - len(todo)} of {len(configs)} already in {out}: skipped" if len(todo) < len(configs) else \
+        f"none in {out} yet"
+    echo(f"nsys: {len(todo)} config{'s' if len(todo) != 1 else ''} to record ({held}), one process each under "
+         "Nsight Systems; no estimate before the first ends (a process start, a model load and an export each, "
+         "besides its decodes): the bar counts configs, its rate after the first is the estimate")
     from tqdm.auto import tqdm  # the commands' bar (options.progress), without importing the command line
     bar = tqdm(total=len(configs), desc="nsys", unit="config", disable=not progress, file=sys.stderr,
                dynamic_ncols=True, mininterval=0.5)
     try:
         for cfg in configs:
-            if not redo and steps_file.count(cfg)[0] and (out / f"{cfg.name}.sqlite.gz").exists():
+            if recorded(cfg):
                 echo(f"# {cfg.name}: already in {out} (same config hash), skipped")
                 bar.update(1)
                 continue
