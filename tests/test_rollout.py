@@ -865,6 +865,27 @@ def test_fast_kernels_per_row_without_triton():
     assert compiled.compiles(model).compiles.tolist() == [1, 1]
 
 
+def test_compiled_row_write_stays_in_place():
+    """The per-row cache write compiles to a write of the new columns alone. A `scatter_` (or a write through a
+    slice) into the cache compiled to a copy of the whole cache and a copy back at every layer and step: 1.4-1.9x
+    the static step on an H100. Read from inductor's generated code: no loop spans a whole cache tensor."""
+    from torch._inductor.utils import run_and_get_code
+    from gdtool.kernels import compiled
+    model = _lively("tiny-llama")
+    compiled.forget(model)
+    config = model.config.get_text_config()
+    prompts = _prompts(model, 4, seed=6)
+    slots, columns = 3, max(map(len, prompts)) + N
+    heads = config.num_key_value_heads
+    numel = slots * heads * columns * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    out, codes = run_and_get_code(lambda: gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host",
+                                                         kernels="compiled", eos_token_id=None, pad_token_id=0))
+    assert out.useful_tokens == 4 * N and len(codes) == 2   # the decode step's program and the prefill's
+    for code in codes:
+        assert f"{numel}L" not in code, "a loop over a whole cache tensor: the write is not in place"
+        assert f"{slots * heads * columns}L" not in code
+
+
 def test_compiled_row_step_refuses_a_dispatch_mode():
     """Under a TorchDispatchMode (a capture's watching warm-up is one) dynamo skips the compiled step's function and
     marks its code to run uncompiled for good; the step refuses to be called there, naming the mode."""

@@ -244,21 +244,35 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
     The cache is allocated at the first write, `slots` rows (a refill runs before the first decode step)."""
     layers = compat.cache_layers(cache)
     last = layers[0].max_cache_len - 1
+    ranges: dict = {}   # (n, device) -> arange(n), made once: the writes' index tensors (uncompiled)
 
+    def arange(n: int, device) -> torch.Tensor:
+        if torch.compiler.is_compiling():   # a constant of the program; a lookup here would be guarded on
+            return torch.arange(n, device=device)
+        if (n, device) not in ranges:
+            ranges[n, device] = torch.arange(n, device=device)
+        return ranges[n, device]
+
+    # Both writes are one index_put_ into the cache tensor itself: torch.compile keeps it in place (a scatter_, or
+    # a write through a slice, compiles to a copy of the whole cache and a copy back, at every step and layer)
     def writer(layer):
         def update(key_states, value_states, *args, **kwargs):
             if not layer.is_initialized:
                 layer.lazy_initialization(*(t[:1].expand(slots, -1, -1, -1) for t in (key_states, value_states)))
             row = phase["prefill"]
+            device = key_states.device
+            heads = arange(key_states.shape[1], device)
             if row is None:
                 if key_states.shape[-2] != 1 or key_states.shape[0] != slots:
                     raise RuntimeError("a rollout's decode step feeds one token per slot")
+                at = (arange(slots, device)[:, None], heads[None, :], columns.view(-1, 1))   # [S, H]
                 for store, new in ((layer.keys, key_states), (layer.values, value_states)):
-                    store.scatter_(2, columns.view(-1, 1, 1, 1).expand(-1, new.shape[1], 1, new.shape[3]), new)
+                    store.index_put_(at, new[:, :, 0])
                 return layer.keys, layer.values
             width = key_states.shape[-2]
+            at = (row.view(1, 1, 1), heads.view(1, -1, 1), arange(width, device).view(1, 1, -1))   # [1, H, W]
             for store, new in ((layer.keys, key_states), (layer.values, value_states)):
-                store[:, :, :width].index_copy_(0, row, new)
+                store.index_put_(at, new)
             return layer.keys.index_select(0, row), layer.values.index_select(0, row)
         return update
 
