@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -36,6 +36,7 @@
 results = "h100/rollout-bench"   # under profiles/: committed runs of `python -m gdtool bench --workload rollout`
 model = "llama-1b"
 lengths = "geom:128:512"         # the measured distribution
+kernels = "hf"                   # the kernels option of the runs shown (docs/rollout.md has the others' table)
 picture_slots = 64               # the occupancy picture: this slot count's run, its first prompts
 picture_prompts = 256
 other_lengths = ["geom:32:512", "uniform:1:256", "fixed:128"]   # predicted only
@@ -61,7 +62,7 @@ notebook.setup(dict(results=results, model=model, lengths=lengths), cpu=cpu, cpu
 root = Path(gdtool.__file__).resolve().parent.parent
 folder = root / "profiles" / results
 runs = [json.loads(f.read_text()) for f in sorted(folder.glob(f"{model}_rollout_*.json"))]
-runs = [r for r in runs if r["config"]["lengths"] == lengths]
+runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get("kernels", "hf") == kernels]
 rows = [{**s, "prompts": r["config"]["prompts"], "seed": r["config"]["seed"]} for r in runs for s in r["summary"]]
 summary = pd.DataFrame(rows).sort_values(["slots", "runner"], kind="stable")
 env = runs[0]["environment"]

@@ -42,6 +42,11 @@ COMMITS = {
     "profiles/h200/bench/llama-1b/llama-1b_b64_p128_n256_khf+compiled_fused": "7765f37",
     "profiles/h200/bench/llama-8b/llama-8b_b1_p128_n256_khf+compiled_fused": "7765f37",
     "profiles/h200/bench/llama-8b/llama-8b_b64_p128_n256_kcompiled_fused": "7765f37",
+    # HF's kernels, run from a tree whose index was a6bf446 with local changes: the code of 7c2fae9
+    "profiles/h100/rollout-bench/llama-1b_rollout_s128_n256_p128_geom128cap512_static-host-device-eos-off.": "7c2fae9",
+    "profiles/h100/rollout-bench/llama-1b_rollout_s16_n256_p128_geom128cap512_static-host-device-eos-off.": "7c2fae9",
+    "profiles/h100/rollout-bench/llama-1b_rollout_s32_n256_p128_geom128cap512_static-host-device-eos-off.": "7c2fae9",
+    "profiles/h100/rollout-bench/llama-1b_rollout_s64_n1024_p128_geom128cap512.": "7c2fae9",
 }
 
 
@@ -320,10 +325,44 @@ def fast_tiles() -> str:
                   "fastest swept", "µs", "device", "commit"], rows, right={3, 5, 7})
 
 
+def rollout_bench() -> str:
+    """`bench --workload rollout` per model, kernels and slot count: useful tokens/s of static batches, host and device
+    refill, HF's continuous batching where it ran, and the device runner's ratios, share and fraction of its ideal;
+    the refill runners' decode step (host: its decode time over its steps) beside the EOS-off step, and one refill
+    (host: its prefill time over the prompts)."""
+    rows = []
+    for path in sorted((PROFILES / "h100" / "rollout-bench").glob("*.json")):
+        doc = json.loads(path.read_text())
+        cfg, by = doc["config"], {s["runner"]: s for s in doc["summary"] if s["status"] == "ok"}
+
+        def tok(runner):
+            return f"{by[runner]['tok_s']:,.0f}" if runner in by else "-"
+
+        static, host, dev = (by.get(r) for r in ("static", "host", "device"))
+        rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], [
+            cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", tok("static"), tok("host"),
+            tok("device"), tok("hf-cb"), tok("eos-off"),
+            fmt(dev["tok_s"] / static["tok_s"], ".2f") if dev and static else "-",
+            fmt(dev["tok_s"] / host["tok_s"], ".2f") if dev and host else "-",
+            f"{fmt(static['row_step_share'], '.2f')} / {fmt(dev['row_step_share'], '.2f')}" if dev and static else "-",
+            fmt(dev.get("of_ideal"), ".2f") if dev else "-",
+            f"{host['host_syncs']:,} / {dev['host_syncs']:,}" if dev and host else "-",
+            f"{fmt(1e3 * host['decode_s'] / host['decode_steps'], '.1f')} / {fmt(1e3 * by['eos-off']['step_s'], '.1f')}"
+            if host and "eos-off" in by else "-",
+            fmt(1e3 * host["prefill_s"] / cfg["prompts"], ".1f") if host else "-",
+            device(path), commit(path)]))
+    kernels = {"hf": 0, "compiled": 1, "fast": 2}
+    rows.sort(key=lambda r: (r[0], kernels.get(r[1], 9), r[2], r[3]))
+    return table(["model", "kernels", "slots", "prompts", "static", "host", "device", "HF CB", "EOS off",
+                  "device / static", "device / host", "share static / device", "device of ideal",
+                  "host syncs host / device", "ms a step: refill (host) / EOS off", "ms a refill (host)", "device",
+                  "commit"], [r[4] for r in rows], right=set(range(2, 16)))
+
+
 TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
           "fast-line": fast_line, "fast-pdl": fast_pdl, "fast-experts": fast_experts, "fast-accuracy": fast_accuracy,
-          "fast-tiles": fast_tiles}
-DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md"]   # the docs that hold rendered tables
+          "fast-tiles": fast_tiles, "rollout-bench": rollout_bench}
+DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md", ROOT / "docs" / "rollout.md"]   # the docs that hold rendered tables
 
 
 # -- the docs' markers -----------------------------------------------------------------------------------------
