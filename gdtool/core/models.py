@@ -257,6 +257,16 @@ def random_prompts(model, batch: int, lengths: tuple[int, int] | int = (5, 12), 
     return Prompt(ids.to(device), mask.to(device))
 
 
+def eos_ids(model) -> list[int]:
+    """The model's EOS ids (generation config, then config), [2] where it names none: what the benches and sweeps
+    end a sequence on where they force lengths."""
+    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(source, "eos_token_id", None)
+        if eos is not None:
+            return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
+    return [2]
+
+
 def _pad_id(model) -> int:
     config = model.generation_config
     if config.pad_token_id is not None:

@@ -116,14 +116,14 @@ def probe(model, modes, batches, prompt_len: int, max_new_tokens: int, steps: in
     from ..core.models import random_prompts
     from ..core.modes import SPECS
     from ..loops.decoder import Decoder
-    from .sweep import _eos_ids
+    from ..core.models import eos_ids
     tokens = max(2, min(steps + 1, max_new_tokens))
     modes = list(dict.fromkeys(modes))
     clock = Clock()
     if next(model.parameters()).device.type != "cuda":
         modes, clock.uncaptured = modes[:1], True  # every mode runs the same step uncaptured: one stands for all
     for mode in modes:
-        settings = dict(max_new_tokens=max_new_tokens, eos_token_id=_eos_ids(model))
+        settings = dict(max_new_tokens=max_new_tokens, eos_token_id=eos_ids(model))
         if SPECS[mode].host_steps:
             settings["eos_poll_interval"] = 1  # stop right after the forced EOS, whatever the mode's default
         for batch in sorted({min(batches), max(batches)}):

@@ -72,7 +72,7 @@ from pathlib import Path
 import torch
 
 from . import options
-from ..core.models import load_model, random_prompts
+from ..core.models import eos_ids, load_model, random_prompts
 from ..loops.decoder import Decoder
 from ..loops.rollout import rollout
 from ..measure import record, rollouts, workloads
@@ -159,15 +159,6 @@ class RunnerResult:
 
 
 # ----------------------------------------------------------------------------- the workload
-
-def eos_ids(model) -> list[int]:
-    """The model's EOS ids (generation config, then config), [2] where it names none."""
-    for source in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(source, "eos_token_id", None)
-        if eos is not None:
-            return [int(e) for e in eos] if isinstance(eos, (list, tuple)) else [int(eos)]
-    return [2]
-
 
 def make_workload(model, cfg: RolloutConfig) -> Workload:
     dist = workloads.parse(cfg.lengths)

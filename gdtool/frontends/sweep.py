@@ -55,7 +55,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from ..core.models import load_model, random_prompts
+from ..core.models import eos_ids, load_model, random_prompts
 from ..core.modes import MODES, SPECS
 from ..loops.decoder import Decoder
 from ..measure import record, workloads
@@ -170,15 +170,6 @@ def grid(models, modes, batches, polls, lengths, *, max_new_tokens: int | None =
 
 # ---------------------------------------------------------------------------------------------
 # running
-def _eos_ids(model) -> list[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
-    if eos is None:
-        return [2]
-    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
-
-
 def _default_poll_label(mode: str) -> str:
     """The poll label of a run that leaves eos_poll_interval unset: the mode's default interval, or "default" where
     the host never polls (device-loop) or the mode is unknown."""
@@ -189,7 +180,7 @@ def _default_poll_label(mode: str) -> str:
 def _decode_kwargs(model, cfg: RunConfig, repeat: int) -> tuple[dict, torch.LongTensor | None]:
     targets = cfg.lengths_for(repeat)
     kwargs = dict(max_new_tokens=cfg.max_new_tokens, do_sample=cfg.sample, seed=cfg.seed * 1000 + repeat,
-                  eos_token_id=None if targets is None else _eos_ids(model))
+                  eos_token_id=None if targets is None else eos_ids(model))
     if cfg.sample:
         kwargs.update(temperature=1.0, top_k=50, top_p=1.0)
     return kwargs, targets
