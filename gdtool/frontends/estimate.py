@@ -113,10 +113,9 @@ def probe(model, modes, batches, prompt_len: int, max_new_tokens: int, steps: in
     (and capture), then `PROBE_TIMED`, whose medians count. HF's kernels, this process's threads. Without CUDA
     only the first mode is timed: every mode runs the same step uncaptured there."""
     import torch
-    from ..core.models import random_prompts
+    from ..core.models import eos_ids, random_prompts
     from ..core.modes import SPECS
     from ..loops.decoder import Decoder
-    from ..core.models import eos_ids
     tokens = max(2, min(steps + 1, max_new_tokens))
     modes = list(dict.fromkeys(modes))
     clock = Clock()
