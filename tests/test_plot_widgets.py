@@ -381,11 +381,13 @@ def test_where_says_it_in_one_form():
         "gemma-3-1b and qwen3-30b-a3b, NVIDIA H200, commits 04f3054 and e34d967"
     assert plot.where([GPU_ENV, GPU_ENV], "llama-1b") == plot.where(GPU_ENV, "llama-1b")   # each named once
     # the forms committed sidecars take: a whole sidecar document; one from before "device" (the GPU only) and
-    # without a hash ("HEAD"); an early bench's "+dirty"; a probe's own "commit" over a copied git folder's
+    # without a hash ("HEAD"); an early bench's "+dirty"; a setting tagged on with $GDTOOL_COMMIT; a probe's own
+    # "commit" over a copied git folder's
     assert plot.where({"environment": GPU_ENV, "sessions": []}, "x") == "x, NVIDIA H200, commit 04f3054"
     assert plot.where({"gpu": "NVIDIA H200", "git_commit": "HEAD"}, "x") == "x, NVIDIA H200, commit not recorded"
     assert plot.where(dict(device="cuda", device_name="NVIDIA H200", git_commit="bbb08543ec+dirty"), "x") == \
         "x, NVIDIA H200, commit bbb0854 (local changes)"
+    assert plot.where(dict(GPU_ENV, git_commit="5a2de9b+line4"), "x") == "x, NVIDIA H200, commit 5a2de9b+line4"
     assert plot.where(dict(GPU_ENV, commit="7ced66b", git_dirty=True), "x") == "x, NVIDIA H200, commit 7ced66b"
     assert plot.where(pd.Series(dict(device="cuda", device_name="NVIDIA H200", commit="7ced66b")), "x") == \
         "x, NVIDIA H200, commit 7ced66b"

@@ -153,11 +153,14 @@ def _commit(env: dict) -> str | None:
     given = env.get("commit")
     commit = str(given or env.get("git_commit") or "")
     dirty = env.get("git_dirty") in (True, "true") and not given   # not NaN, not None: unknown is not dirty
-    if commit.endswith("+dirty"):   # early bench sidecars wrote it so
-        commit, dirty = commit.removesuffix("+dirty"), True
-    if not re.fullmatch(r"[0-9a-f]{7,40}", commit):   # missing, or not a hash ("HEAD" in early sidecars)
+    # a hash, perhaps tagged: "+dirty" (early bench sidecars), or a setting given with $GDTOOL_COMMIT ("+line4")
+    found = re.fullmatch(r"([0-9a-f]{7,40})(\+[\w.-]+)?", commit)
+    if not found:   # missing, or not a hash ("HEAD" in early sidecars)
         return None
-    return commit[:7] + (" (local changes)" if dirty else "")
+    tag = found.group(2) or ""
+    if tag == "+dirty":
+        tag, dirty = "", True
+    return found.group(1)[:7] + tag + (" (local changes)" if dirty else "")
 
 
 def _join(items) -> str:
