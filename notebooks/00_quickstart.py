@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -100,7 +100,8 @@ torch.use_deterministic_algorithms(False)
 # `us_per_token`: on a GPU the captured step should win most at batch 1, where the eager step is
 # host-bound, and the gap should shrink as the batch grows and the device work per step catches up
 # with the host's launch cost. (On a CPU nothing is captured: the graph modes run the same step
-# uncaptured, and their speed there says nothing about capture.)
+# uncaptured, and their speed there says nothing about capture.) The caption opens with where the
+# numbers came from: the model, the GPU (or "CPU, uncaptured") and the gdtool commit.
 
 # %%
 df = sweep([model], modes=gdtool.MODES, batches=p.batches, polls=["never"], lengths=["eos-off"],
@@ -110,7 +111,8 @@ table = summarize(df)[["mode", "batch", "tokens_per_s", "tokens_per_s_p20", "tok
 table.round(1)
 
 # %%
-fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{p.model_name}, {p.max_new_tokens} tokens per row")
+fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{p.model_name}, {p.max_new_tokens} tokens per row",
+                                   env=p.environment)
 
 # %% [markdown]
 # ## Explore
@@ -118,4 +120,4 @@ fig, ax = plot.throughput_vs_batch(df, hue="mode", title=f"{p.model_name}, {p.ma
 # reruns the selected configuration on your machine; pick one value in every filter first.
 
 # %%
-widgets.explorer(df, view="batch", models={p.model_name: model})
+widgets.explorer(df, view="batch", models={p.model_name: model}, env=p.environment)

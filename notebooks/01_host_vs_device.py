@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -53,7 +53,7 @@ from IPython.display import display
 
 import gdtool
 from gdtool.frontends import notebook, options, plot
-from gdtool.measure import nsys, timing
+from gdtool.measure import nsys, record, timing
 
 p = notebook.setup(dict(models=models, batches=batches, max_new_tokens=max_new_tokens, prompt_len=prompt_len),
                    cpu=cpu, gpu=dict(models=["llama-1b", "gemma-3-1b", "qwen3-30b-a3b"]), cpu_fallback=cpu_fallback)
@@ -115,7 +115,8 @@ display(measured[["model", "mode", "batch", "steps", *shown, "bound"]].rename(co
 
 # %%
 for name, group in measured.groupby("model", sort=False):
-    fig, ax = plot.per_token_vs_batch(group, stat="median", title=f"{name}: in-process timing, typical step")
+    fig, ax = plot.per_token_vs_batch(group, stat="median", title=f"{name}: in-process timing, typical step",
+                                      env=p.environment)
 
 # %% [markdown]
 # ## Against Nsight Systems
@@ -131,6 +132,7 @@ for name, group in measured.groupby("model", sort=False):
 if sessions is None:
     sessions = sorted(d for d in (root / "profiles" / "h200").glob("nsys-*") if d.is_dir())
 traced = nsys.load_sessions(sessions)
+session_env = {Path(d).name: record.read_sidecar(Path(d) / "env.json") for d in sessions}   # where each ran
 if traced.empty:
     print("no nsys session found; record one with `python -m gdtool profile --nsys`")
 else:
@@ -144,18 +146,22 @@ else:
 # for the graph modes: under nsys's graph-level trace the launch call itself costs 98-174 µs where
 # it costs 6-34 µs untraced (`profiles/h200/README.md`), and eager's host runs slower under API
 # tracing too. Where this machine measured no device time (no GPU), the in-process side is the
-# committed H200 profile, `profiles/h200/profile/summary.csv`.
+# committed H200 profile, `profiles/h200/profile/summary.csv`. The caption names where each side ran: the
+# in-process one's GPU and commit, and the nsys sessions' (their `env.json`).
 
 # %%
-compare = measured
+compare, compare_env = measured, p.environment
 if not p.cuda or compare["device_busy_us_per_token"].isna().all():
     committed = root / "profiles" / "h200" / "profile" / "summary.csv"
     compare = timing.per_token_table(pd.read_csv(committed)) if committed.exists() else pd.DataFrame()
+    compare_env = record.read_sidecar(committed.with_name("env.json"))
     print(f"in-process side: {committed.relative_to(root)} (this machine measured no device time)")
 both = [m for m in dict.fromkeys(compare["model"]) if m in set(traced["model"])] if len(compare) and len(traced) else []
 print(f"models in both: {both or 'none'}")
 for name in both:
-    fig, axes = plot.agreement(compare, traced, model=name)
+    hf = traced[(traced["model"] == name) & (traced["implementation"] == "hf")]   # the traces compared
+    fig, axes = plot.agreement(compare, traced, model=name, env=compare_env,
+                               traced_env=[session_env[folder] for folder in dict.fromkeys(hf["folder"])])
     table = fig.gdtool_table
     display(table.round(3))
     busy = table.dropna(subset=["busy_ratio"])

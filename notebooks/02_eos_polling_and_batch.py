@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -36,8 +36,9 @@
 # probability 1/mean, capped), and the decode forces EOS at that length inside the captured step,
 # so the device-side EOS bookkeeping runs exactly as with a real model's EOS.
 #
-# The results below come from `profiles/sweeps/` (measured on the GPU named under "Environment";
-# see `profiles/regenerate.sh`); with `live=True` the notebook sweeps on your machine instead.
+# The results below come from `profiles/sweeps/` (measured on the GPU named under "Results measured on",
+# which every caption names with the model and commit; see `profiles/regenerate.sh`); with `live=True` the
+# notebook sweeps on your machine instead.
 
 # %% tags=["parameters"]
 results = "sweeps/llama-1b_geom128.csv"   # under profiles/: committed GPU sweep
@@ -88,6 +89,7 @@ if live:
 df = load(path)
 dist = workloads.parse(p.lengths)
 sidecar = record.read_sidecar(path.with_suffix(".json"))
+env = sidecar.get("environment")   # where the rows were measured: each figure's caption names it
 print(f"{len(df)} runs from {'a live sweep' if live else path.relative_to(root)}; failed configs: "
       f"{(df['error'] != '').sum()}")
 if sidecar.get("environment"):
@@ -107,14 +109,15 @@ table = summarize(graph)
 pd.pivot_table(table, index="batch", columns="poll", values="tokens_per_s", sort=False).round(0)
 
 # %%
-fig, ax = plot.throughput_vs_interval(graph, hue="batch", title=f"step-graph, {dist.name}")
+fig, ax = plot.throughput_vs_interval(graph, hue="batch", title=f"step-graph, {dist.name}", env=env)
 
 # %% [markdown]
 # The same curves, each divided by its best median, so batch sizes can be compared by shape: how
 # much does a bad interval cost at each batch size?
 
 # %%
-fig, ax = plot.throughput_vs_interval(graph, hue="batch", normalize=True, title=f"step-graph, {dist.name}")
+fig, ax = plot.throughput_vs_interval(graph, hue="batch", normalize=True, title=f"step-graph, {dist.name}",
+                                      env=env)
 
 # %% [markdown]
 # What the longer intervals pay for: steps run after the last row had finished (per decode).
@@ -122,7 +125,8 @@ fig, ax = plot.throughput_vs_interval(graph, hue="batch", normalize=True, title=
 # steps relative to the whole; at batch 1 a late poll can double a short response's cost.
 
 # %%
-fig, ax = plot.throughput_vs_interval(graph, hue="batch", metric="wasted_steps", title="wasted steps per decode")
+fig, ax = plot.throughput_vs_interval(graph, hue="batch", metric="wasted_steps", title="wasted steps per decode",
+                                      env=env)
 
 # %% [markdown]
 # ## A cost model
@@ -140,7 +144,7 @@ params.round(2)
 # %%
 prediction = costmodel.predict(params, dist, polls=p.polls)
 fig, ax = plot.throughput_vs_interval(graph, hue="batch", prediction=prediction,
-                                      title=f"measured (solid) vs cost model (dashed), {dist.name}")
+                                      title=f"measured (solid) vs cost model (dashed), {dist.name}", env=env)
 
 # %% [markdown]
 # Each run against its own prediction (from the lengths drawn for it). Hollow markers are the
@@ -148,7 +152,7 @@ fig, ax = plot.throughput_vs_interval(graph, hue="batch", prediction=prediction,
 
 # %%
 runs = costmodel.predict_runs(graph, params)
-fig, ax = plot.prediction_vs_measurement(runs)
+fig, ax = plot.prediction_vs_measurement(runs, env=env)
 
 # %% [markdown]
 # **The checks.** Per batch size, the policy the model recommends for the distribution against the
@@ -199,8 +203,10 @@ pd.pivot_table(best_by_dist, index="batch", columns="lengths", values="best_poll
 
 # %%
 middle = sorted(graph["batch"].unique())[len(graph["batch"].unique()) // 2]
+fitted = "cost model fitted to " + ", ".join(map(str, graph["model"].unique()))   # no run: a prediction
 fig, ax = plot.throughput_vs_interval(predicted[predicted["batch"] == middle], hue="lengths", normalize=True,
-                                      title=f"cost model, batch {middle}: tokens/s relative to each best")
+                                      title=f"cost model, batch {middle}: tokens/s relative to each best",
+                                      env=env, model=fitted)
 
 # %% [markdown]
 # ## The modes side by side
@@ -211,7 +217,7 @@ fig, ax = plot.throughput_vs_interval(predicted[predicted["batch"] == middle], h
 # %%
 eos_off = df[df["lengths"] == "eos-off"]
 if len(eos_off):
-    fig, ax = plot.throughput_vs_batch(eos_off, hue="mode", title="EOS off: every row runs to the end")
+    fig, ax = plot.throughput_vs_batch(eos_off, hue="mode", title="EOS off: every row runs to the end", env=env)
 
 # %%
 eos_on = summarize(df[df["lengths"] == dist.name])
@@ -227,4 +233,4 @@ pd.pivot_table(side.assign(label=side["mode"] + " poll " + side["poll"]), index=
 # reruns the selected configuration on your machine and adds it to the plot.
 
 # %%
-widgets.explorer(df)
+widgets.explorer(df, env=env)

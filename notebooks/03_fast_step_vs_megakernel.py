@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -26,7 +26,7 @@
 #
 # Everything below is read from `profiles/h200/decode-kernels/` (measured on one H200; commands and
 # commits in its README) through `profiles/decode_kernels_tables.py`, which renders the same tables
-# for `docs/fast.md`.
+# for `docs/fast.md`. Each caption opens with the models, the GPU and the commits of the files it draws.
 
 # %% tags=["parameters"]
 results = "h200/decode-kernels"   # under profiles/: the committed H200 results
@@ -56,6 +56,7 @@ from IPython.display import display
 
 import gdtool
 from gdtool.frontends import notebook, plot
+from gdtool.measure import record
 
 notebook.setup(dict(results=results, model=model, bench_presets=bench_presets, moe_presets=moe_presets), cpu=cpu,
                cpu_fallback=cpu_fallback)
@@ -67,6 +68,7 @@ data = tables.load(root / "profiles" / results)
 env = pd.read_json(root / "profiles" / results / "run2" / "env.json", typ="series")
 print("Measured on:", {k: env.get(k) for k in ("device_name", "driver", "torch", "transformers", "triton", "commit",
                                                 "date", "copy_gb_s")})
+where = plot.where(env, model)   # each caption opens with it: the model, the GPU and the commit of the run
 
 # %% [markdown]
 # ## The whole step
@@ -87,10 +89,10 @@ ax.axvline(800, color="tab:red", linestyle="--", label="target 0.80 ms")
 ax.set_xlabel("µs per step, llama-1b, batch 1")
 ax.legend(loc="lower right")
 ax.invert_yaxis()
-plot.caption(fig, f"Blue: gdtool's kernels=\"fast\" step, one 256-token greedy decode of {model} at batch 1 "
-                  "(prompt 128, EOS off) on the GPU named above, captured (step-graph) or in a WHILE node "
-                  "(device-loop), PDL off and on. Grey: the anchor's published H200 figures, quoted, not measured "
-                  "here. Dashed red: the 0.80 ms target.")
+plot.caption(fig, f"{where}. Blue: gdtool's kernels=\"fast\" step, one 256-token greedy decode of {model} at "
+                  "batch 1 (prompt 128, EOS off), captured (step-graph) or in a WHILE node (device-loop), PDL off and "
+                  "on. Grey: the anchor's published H200 figures, quoted, not measured here. Dashed red: the 0.80 ms "
+                  "target.")
 plt.show()
 
 # %% [markdown]
@@ -114,8 +116,8 @@ ax.set_yticks(list(y), parts["kernel"])
 ax.invert_yaxis()
 ax.set_xlabel("µs per step")
 ax.legend()
-plot.caption(fig, f"Each kernel of the {model} batch-1 step, timed alone (back to back in a captured graph, so "
-                  "each figure includes one in-graph launch gap), times its calls per step; PDL off and on.")
+plot.caption(fig, f"{where}. Each kernel of the {model} batch-1 step, timed alone (back to back in a captured graph, "
+                  "so each figure includes one in-graph launch gap), times its calls per step; PDL off and on.")
 plt.show()
 
 # %% [markdown]
@@ -137,7 +139,8 @@ ax.axhline(float(env["copy_gb_s"]) / 1e3, color="k", linestyle="--", label="copy
 ax.set_xticks(list(x), names, rotation=30, ha="right")
 ax.set_ylabel("TB/s")
 ax.legend(ncol=4, fontsize=8)
-plot.caption(fig, "TB/s over each projection's weight bytes at batch 1: cuBLAS (F.linear, the matmul alone), "
+plot.caption(fig, f"{plot.where(env, list(gemv['model'].unique()))}. "
+                  "TB/s over each projection's weight bytes at batch 1: cuBLAS (F.linear, the matmul alone), "
                   "gdtool's Triton GEMV as the step runs it (with its fused norm, RoPE, residual or SiLU), and the "
                   "same with PDL. Dashed: the copy bandwidth measured in the same run.")
 plt.show()
@@ -181,8 +184,12 @@ paths = sorted(p for preset in bench_presets for p in (root / "profiles" / "h200
 runs = bench_table.frame(paths)
 summary = bench_table.fastest(runs)   # the peer of the same run (JSON file) as gdtool's fastest runner
 display(summary.round(3))
+shown = runs.merge(summary.reset_index(), left_on=["model", "batch", "runner", "ms_per_step"],
+                   right_on=["model", "batch", "gdtool, fastest", "ms/step"])   # the files of the bars drawn
+bench_where = plot.where([record.read_sidecar(f) for f in dict.fromkeys(shown["file"])],
+                         list(dict.fromkeys(summary.index.get_level_values("model"))))
 fig, ax = plt.subplots(figsize=(8, 0.55 * len(summary) + 1.2), layout="constrained")
-names = [f"{m}, batch {b}" for m, b in summary.index]
+names = [f"{m}, batch {b} ({c})" for (m, b), c in zip(summary.index, summary["commit"])]
 y = range(len(summary))
 ax.barh([i - 0.2 for i in y], summary["ms/step"], height=0.4, color="tab:blue", label="gdtool, fastest runner")
 ax.barh([i + 0.2 for i in y], summary["peer ms/step"], height=0.4, color="tab:gray",
@@ -193,10 +200,10 @@ ax.invert_yaxis()
 ax.set_xscale("log")
 ax.set_xlabel("ms per decode step (log scale)")
 ax.legend(loc="lower right", fontsize="small")
-plot.caption(fig, "Per preset and batch size, from the committed bench runs (commit in the table): blue, gdtool's "
-                  "fastest runner (mode and kernels in the table); grey, the fastest peer measured in the same process "
-                  "(generate() with a static cache and torch.compile, or the gpt-fast-style step); red tick, the "
-                  "bytes-over-bandwidth floor of that step. Lower is faster.")
+plot.caption(fig, f"{bench_where}. Per preset and batch size, from the committed bench runs (commit in the label): "
+                  "blue, gdtool's fastest runner (mode and kernels in the table); grey, the fastest peer measured in "
+                  "the same process (generate() with a static cache and torch.compile, or the gpt-fast-style step); "
+                  "red tick, the bytes-over-bandwidth floor of that step. Lower is faster.")
 plt.show()
 
 # %% [markdown]
@@ -224,9 +231,10 @@ ax.set_yscale("log")
 ax.set_xlabel("batch (rows decoded per step)")
 ax.set_ylabel("tokens per second")
 ax.legend()
-plot.caption(fig, "The fast step's tokens per second against the batch on one H200 (committed bench runs, commits in "
-                  "profiles/h200/README.md): circles, gdtool's matrix-vector kernels; squares, the compiled HF forward "
-                  "with cuBLAS's products. Each curve should rise at every batch.")
+curve_where = plot.where([record.read_sidecar(f) for f in dict.fromkeys(curves["file"])], list(curves.model.unique()))
+plot.caption(fig, f"{curve_where}. The fast step's tokens per second against the batch (committed bench runs): "
+                  "circles, gdtool's matrix-vector kernels; squares, the compiled HF forward with cuBLAS's products. "
+                  "Each curve should rise at every batch.")
 plt.show()
 print(f"{int(curves.cliff.sum())} cliff(s) in {len(curves)} points")
 
@@ -241,9 +249,10 @@ print(f"{int(curves.cliff.sum())} cliff(s) in {len(curves)} points")
 # %%
 import kernel_breakdown  # noqa: E402
 
-traced, per_kernel = [], []
+traced, per_kernel, moe_env = [], [], []
 for preset in moe_presets:
     for export in sorted((root / "profiles" / "h200" / "nsys-fast").glob(f"{preset}-b*-*/fast/*.sqlite.gz")):
+        moe_env.append(record.read_sidecar(export.parent / "env.json"))
         kernels, launches = kernel_breakdown.launch_kernels(export)
         batch = kernel_breakdown.export_batch(export)
         experts_table = kernel_breakdown.experts_by_kernel(kernels, launches, preset, batch)
@@ -274,7 +283,8 @@ else:
     ax.invert_yaxis()
     ax.set_xlabel("µs per decode step (own time per kernel class)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    plot.caption(fig, "Per MoE preset and batch, the fast step's GPU time by kernel class from a node-level nsys trace "
+    plot.caption(fig, f"{plot.where(moe_env, list(moe.index.get_level_values('preset').unique()))}. "
+                      "Per MoE preset and batch, the fast step's GPU time by kernel class from a node-level nsys trace "
                       "(commit in the label): each kernel from where the ones before it ended, so the bars sum to the "
                       "time some kernel runs. Black tick: the bytes-over-bandwidth floor of that preset's bench run.")
     plt.show()
@@ -336,12 +346,13 @@ h200 = root / "profiles" / "h200"
 exports = sorted(h200.glob("nsys-gemma-fast-*/fast/*.sqlite.gz")) + sorted(
     h200.glob("nsys-fast/gemma-3-1b-b*-*/fast/*.sqlite.gz"))
 types = kernel_breakdown.layer_types("gemma-3-1b")
-per_kind = []
+per_kind, window_env = [], []
 for export in exports:
     kernels, launches = kernel_breakdown.launch_kernels(export)
     table = kernel_breakdown.attention_by_layer_type(kernels, launches, types)
     if table is None:
         continue
+    window_env.append(record.read_sidecar(export.parent / "env.json"))
     folder = export.parent.parent.name
     prompt = re.search(r"-p(\d+)-", folder)
     sliding = int((pd.Series(types) == "sliding_attention").sum())
@@ -369,7 +380,7 @@ else:
     ax.invert_yaxis()
     ax.set_xlabel("attention µs per layer (own time)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
-    plot.caption(fig, "Gemma 3's fast step from node-level nsys traces (commit in the label): the attention kernels' "
-                      "time per layer, sliding-window layers apart from full ones, at each committed prompt length; "
-                      "red, the roll of a full window per sliding layer.")
+    plot.caption(fig, f"{plot.where(window_env, 'gemma-3-1b')}. Gemma 3's fast step from node-level nsys traces "
+                      "(commit in the label): the attention kernels' time per layer, sliding-window layers apart from "
+                      "full ones, at each committed prompt length; red, the roll of a full window per sliding layer.")
     plt.show()

@@ -58,7 +58,7 @@ import gdtool
 from gdtool.frontends import notebook, plot
 from gdtool.measure import record, rollouts, workloads
 
-notebook.setup(dict(results=results, model=model, lengths=lengths), cpu=cpu, cpu_fallback=cpu_fallback)
+p = notebook.setup(dict(results=results, model=model, lengths=lengths), cpu=cpu, cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 folder = root / "profiles" / results
 runs = [json.loads(f.read_text()) for f in sorted(folder.glob(f"{model}_rollout_*.json"))]
@@ -66,7 +66,8 @@ runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get
 rows = [{**s, "prompts": r["config"]["prompts"], "seed": r["config"]["seed"]} for r in runs for s in r["summary"]]
 summary = pd.DataFrame(rows).sort_values(["slots", "runner"], kind="stable")
 env = runs[0]["environment"]
-where = f"{model}, {env['device_name']}, commit {env['git_commit'][:7]}{' (local changes)' if env['git_dirty'] else ''}"
+where = plot.where([r["environment"] for r in runs], model)   # the measured figures' captions open with it
+computed = plot.where(p.environment)   # the pictures computed here from lengths alone: no model, this commit
 print(f"{len(runs)} configs from profiles/{results}; measured on: {record.describe(env)}")
 
 # %% [markdown]
@@ -123,8 +124,8 @@ for ax, (refill, plan) in zip(axes, plans.items()):
     ax.set_title(f"{name}: {plan.steps:,} steps, {plan.share:.0%} of row-steps kept", fontsize="medium")
     ax.set_ylabel("slot")
 axes[-1].set_xlabel("decode step")
-plot.caption(fig, f"The first {picture_prompts} prompts of the {picture_slots}-slot run's draw ({lengths}, seed "
-                  f"{picture['config']['seed']}), {picture_slots} slots. Computed from the lengths (no model): "
+plot.caption(fig, f"{computed}. The first {picture_prompts} prompts of the {picture_slots}-slot run's draw ({lengths}, "
+                  f"seed {picture['config']['seed']}), {picture_slots} slots, scheduled from the lengths alone by "
                   "gdtool.measure.rollouts.schedule, equal to what the device counts (table below).")
 plt.show()
 
@@ -175,8 +176,8 @@ ax.set_ylim(0, 1.02)
 ax.set_xlabel("slots")
 ax.set_ylabel("share of row-steps kept")
 ax.legend(fontsize="x-small", ncol=2)
-plot.caption(fig, f"Computed, no model: {prompts} prompts per rollout, lengths drawn with seed 0; solid refill, "
-                  "dashed static batches.")
+plot.caption(fig, f"{computed}. {prompts} prompts per rollout, lengths drawn with seed 0; solid refill, dashed "
+                  "static batches.")
 plt.show()
 
 # %% [markdown]

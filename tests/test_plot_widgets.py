@@ -286,13 +286,13 @@ def test_a_speed_figure_made_without_a_cuda_device_says_the_graph_modes_ran_unca
         for fig, _ in (plot.throughput_vs_batch(df, hue="mode"), plot.throughput_vs_interval(df)):
             assert ("ran their step uncaptured" in _caption(fig).replace("\n", " ")) is said, device
     fig, _ = plot.throughput_vs_batch(rows.assign(device="cpu")[lambda d: d["mode"] == "eager"], hue="mode")
-    assert "uncaptured" not in _caption(fig)   # eager alone captures nothing anywhere
+    assert "ran their step uncaptured" not in _caption(fig)   # eager alone captures nothing anywhere
     timing = pd.DataFrame([_per_token(mode, batch, 100.0, float("nan")) for mode in ("eager", "step-graph")
                            for batch in (1, 4)])
     fig, _ = plot.per_token_vs_batch(timing)   # no device clock on a CPU: device time NaN
     assert "ran their step uncaptured" in _caption(fig).replace("\n", " ")
     fig, _ = plot.per_token_vs_batch(timing.assign(device_busy_us_per_token=50.0))
-    assert "uncaptured" not in _caption(fig)
+    assert "uncaptured" not in _caption(fig)   # no record of the device, and a device clock: nothing says CPU
 
 
 def test_notebook_03_captions_every_figure():
@@ -315,3 +315,144 @@ def test_the_explorer_leaves_no_thread_or_open_figure_behind():
         ex.view.value = view
     assert [t for t in threading.enumerate() if t not in before and t.is_alive()] == []
     assert plt.get_fignums() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# every figure says where its numbers came from
+
+GPU_ENV = dict(date="2026-12-01T21:40:06+00:00", device="cuda", device_name="NVIDIA H200", gpu="NVIDIA H200",
+               git_commit="04f3054" + "ab" * 16, git_dirty=False, git_commit_source="git")
+CPU_ENV = dict(date="2026-12-06T10:38:22+00:00", device="cpu", device_name="x86_64", gpu=None,
+               git_commit="829123a" + "cd" * 16, git_dirty=True, git_commit_source="git")
+SAID = {"gpu": ("NVIDIA H200", "commit 04f3054"), "cpu": ("CPU, uncaptured", "commit 829123a (local changes)")}
+
+
+def _figure_text(fig) -> str:
+    """Every title, the suptitle and the caption, one line: what a reader sees said about the figure."""
+    texts = [fig._suptitle, fig._supxlabel, *(ax.title for ax in fig.axes)]
+    return " ".join(t.get_text() for t in texts if t is not None).replace("\n", " ")
+
+
+def _timing():
+    return pd.DataFrame([_per_token(mode, batch, 900.0 / batch, 400.0) for mode in ("eager", "step-graph")
+                         for batch in (1, 4)]).assign(host_us_per_token=lambda d: d["host_us_median_per_token"])
+
+
+def _agreement(env):
+    inproc = pd.DataFrame([_per_token("eager", 1, 23600, 2190), _per_token("step-graph", 1, 14.6, 2256)])
+    traced = pd.DataFrame([dict(_per_token("eager", 1, 34700, 2185), trace="graph"),
+                           dict(_per_token("step-graph", 1, 174, 2456), trace="graph")])
+    return plot.agreement(inproc, traced, env=env, traced_env=env)
+
+
+FIGURES = {   # name: (draw it with env, the model it must name)
+    "throughput_vs_interval": (lambda env: plot.throughput_vs_interval(sweep_like(), env=env), "tiny-llama"),
+    "throughput_vs_batch": (lambda env: plot.throughput_vs_batch(
+        sweep_like(polls=("1",), modes=("eager", "step-graph")), env=env), "tiny-llama"),
+    "host_device_bars": (lambda env: plot.host_device_bars(_timing(), env=env), "llama-1b"),
+    "per_token_vs_batch": (lambda env: plot.per_token_vs_batch(_timing(), stat="mean", env=env), "llama-1b"),
+    "agreement": (_agreement, "llama-1b"),
+    "prediction_vs_measurement": (lambda env: plot.prediction_vs_measurement(
+        costmodel.predict_runs(sweep_like(), costmodel.fit(sweep_like())), env=env), "tiny-llama"),
+}
+
+
+@pytest.mark.parametrize("where", ["gpu", "cpu"])
+@pytest.mark.parametrize("name", FIGURES)
+def test_every_plot_names_the_model_the_device_and_the_commit(name, where):
+    """Drawn on this machine (no GPU) from rows measured elsewhere: the figure names the given environment's GPU
+    (or "CPU, uncaptured") and commit, and the rows' model."""
+    draw, model = FIGURES[name]
+    fig, _ = draw(GPU_ENV if where == "gpu" else CPU_ENV)
+    text = _figure_text(fig)
+    device, commit = SAID[where]
+    assert model in text and device in text and commit in text, text
+    other = SAID["cpu" if where == "gpu" else "gpu"]
+    assert other[0] not in text and other[1] not in text, text
+    assert name in plot.__all__
+
+
+def test_where_says_it_in_one_form():
+    assert plot.where(GPU_ENV, "llama-1b") == "llama-1b, NVIDIA H200, commit 04f3054"
+    assert plot.where(CPU_ENV, "tiny-llama") == "tiny-llama, CPU, uncaptured, commit 829123a (local changes)"
+    assert plot.where(CPU_ENV) == "computed, no model, commit 829123a (local changes)"
+    assert plot.where(None) == "computed, no model, commit not recorded"
+    assert plot.where([GPU_ENV, dict(GPU_ENV, git_commit="e34d967")], ["gemma-3-1b", "qwen3-30b-a3b"]) == \
+        "gemma-3-1b and qwen3-30b-a3b, NVIDIA H200, commits 04f3054 and e34d967"
+    assert plot.where([GPU_ENV, GPU_ENV], "llama-1b") == plot.where(GPU_ENV, "llama-1b")   # each named once
+    # the forms committed sidecars take: a whole sidecar document; one from before "device" (the GPU only) and
+    # without a hash ("HEAD"); an early bench's "+dirty"; a setting tagged on with $GDTOOL_COMMIT; a probe's own
+    # "commit" over a copied git folder's
+    assert plot.where({"environment": GPU_ENV, "sessions": []}, "x") == "x, NVIDIA H200, commit 04f3054"
+    assert plot.where({"gpu": "NVIDIA H200", "git_commit": "HEAD"}, "x") == "x, NVIDIA H200, commit not recorded"
+    assert plot.where(dict(device="cuda", device_name="NVIDIA H200", git_commit="bbb08543ec+dirty"), "x") == \
+        "x, NVIDIA H200, commit bbb0854 (local changes)"
+    assert plot.where(dict(GPU_ENV, git_commit="5a2de9b+line4"), "x") == "x, NVIDIA H200, commit 5a2de9b+line4"
+    assert plot.where(dict(GPU_ENV, commit="7ced66b", git_dirty=True), "x") == "x, NVIDIA H200, commit 7ced66b"
+    assert plot.where(pd.Series(dict(device="cuda", device_name="NVIDIA H200", commit="7ced66b")), "x") == \
+        "x, NVIDIA H200, commit 7ced66b"
+    assert plot.where({}, "x") == "x, device not recorded, commit not recorded"
+
+
+def test_rows_that_ran_on_a_cpu_say_so_whatever_the_record_says():
+    """A sweep run with device="cpu" on a GPU machine: its rows say cpu, the environment names the GPU."""
+    fig, _ = plot.throughput_vs_batch(sweep_like(modes=("eager", "step-graph")).assign(device="cpu"), env=GPU_ENV)
+    assert "tiny-llama, CPU, uncaptured, commit 04f3054" in _figure_text(fig)
+    fig, _ = plot.throughput_vs_batch(sweep_like(modes=("eager", "step-graph")).assign(device="cuda:0"))
+    assert "tiny-llama, a CUDA GPU (name not recorded), commit not recorded" in _figure_text(fig)
+
+
+def test_a_loaded_sweep_names_its_sidecars_environment(tmp_path):
+    """`sweep.load` keeps the sidecar's environment with the rows (df.attrs), through filtering, into the caption;
+    the machine drawing the figure (this CPU) is not what it names."""
+    from gdtool.frontends.sweep import load
+    from gdtool.measure import record
+    sweep_like().to_csv(tmp_path / "s.csv", index=False)
+    record.write_sidecar(tmp_path / "s.json", GPU_ENV)
+    df = load(tmp_path / "s.csv")
+    fig, _ = plot.throughput_vs_interval(df[df["batch"] > 1], hue="batch")
+    assert "tiny-llama, NVIDIA H200, commit 04f3054" in _figure_text(fig)
+    (tmp_path / "s.json").unlink()
+    fig, _ = plot.throughput_vs_interval(load(tmp_path / "s.csv"))
+    assert "device not recorded, commit not recorded" in _figure_text(fig)
+
+
+def test_the_explorer_names_where_its_rows_came_from():
+    pytest.importorskip("ipywidgets")
+    from gdtool.frontends import widgets
+    ex = widgets.explorer(sweep_like(), allow_runs=False, env=GPU_ENV)
+    assert "tiny-llama, NVIDIA H200, commit 04f3054" in _figure_text(ex.last_figure)
+    ex.view.value = "tokens/s vs batch size"
+    assert "NVIDIA H200" in _figure_text(ex.last_figure)
+
+
+NOTEBOOK_PLOTS = {"throughput_vs_interval", "throughput_vs_batch", "host_device_bars", "per_token_vs_batch",
+                  "agreement", "prediction_vs_measurement"}
+
+
+def test_every_notebook_figure_is_told_where_its_numbers_came_from():
+    """In each notebook, every gdtool plot and the explorer get ``env=`` (the results' environment), and every
+    caption of a figure drawn in the notebook opens with `plot.where` (called there, or a name bound to it)."""
+    import ast
+    from pathlib import Path
+    for path in sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.py")):
+        tree = ast.parse(path.read_text())
+
+        def is_call(node, module, names):
+            return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in names
+                    and isinstance(node.func.value, ast.Name) and node.func.value.id == module)
+        bound = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign) and is_call(node.value, "plot",
+                 {"where"}) for target in node.targets if isinstance(target, ast.Name)}
+        calls = [node for node in ast.walk(tree) if is_call(node, "plot", NOTEBOOK_PLOTS | {"caption"})
+                 or is_call(node, "widgets", {"explorer"})]
+        for call in calls:
+            line = f"{path.name}:{call.lineno}"
+            if call.func.attr != "caption":
+                assert "env" in {k.arg for k in call.keywords}, f"{line}: {call.func.attr}(...) without env="
+                continue
+            text = call.args[1]
+            first = text.values[0] if isinstance(text, ast.JoinedStr) and text.values else None
+            opens = first.value if isinstance(first, ast.FormattedValue) else None
+            assert opens is not None and (is_call(opens, "plot", {"where"}) or
+                                          (isinstance(opens, ast.Name) and opens.id in bound)), \
+                f"{line}: the caption does not open with plot.where(...)"

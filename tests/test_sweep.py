@@ -145,6 +145,7 @@ def test_sweep_writes_tidy_csv_and_sidecar(load, tmp_path):
     for key in ("gpu", "driver", "torch", "transformers", "git_commit", "date", "python"):
         assert key in env
     assert env["torch"] == torch.__version__
+    assert df.attrs["environment"] == env and back.attrs["environment"] == env   # what the plots name
     stats = summarize(df)
     assert len(stats) == 2 and {"tokens_per_s", "tokens_per_s_p20", "tokens_per_s_p80", "n"} <= set(stats.columns)
     assert (stats["n"] == 2).all()

@@ -10,26 +10,38 @@ The style, the same in every notebook:
   the caption, so no line is hidden without a word;
 - a log axis only when every value is positive and they span more than 8x: zeros go on a linear axis;
 - the legend sits outside the axes, to the right, clear of the data;
-- the caption under the figure says what the lines and bands are (median and p20-p80 of how many
+- the caption under the figure opens with where its numbers came from (`where`): the model, the GPU
+  they ran on or "CPU, uncaptured", and the gdtool commit, "(local changes)" where the checkout had
+  some; for committed results that is their sidecar's environment (``env=``), not the machine drawing
+  the figure; a figure computed without a model (a schedule from lengths) says so;
+- the caption then says what the lines and bands are (median and p20-p80 of how many
   repetitions; for curves divided by their best, why a band can pass 1.0), and, for a speed figure
   measured without a CUDA device, that the graph modes ran uncaptured; `caption` puts one under a
-  figure drawn elsewhere (a notebook's own bars).
+  figure drawn elsewhere (a notebook's own bars), `where` gives its first words.
 
 Raw sweep rows (one per repetition) are reduced here to medians with a p20-p80 band; summaries
 that already hold one row per config plot as they are.
 
     from gdtool.frontends import plot
-    fig, ax = plot.throughput_vs_interval(df)                    # tokens/s vs polling policy, per batch
+    from gdtool.measure import record
+    env = record.read_sidecar("profiles/sweeps/x.json")["environment"]   # where the rows were measured
+    fig, ax = plot.throughput_vs_interval(df, env=env)           # tokens/s vs polling policy, per batch
     fig, ax = plot.throughput_vs_interval(df, prediction=costmodel.predict(params, "geom:128:512"))
     fig, ax = plot.throughput_vs_batch(df, hue="mode")           # modes side by side
     fig, ax = plot.per_token_vs_batch(timing)                    # host vs device µs/token per mode
     fig, axes = plot.agreement(timing, traced)                   # in-process against Nsight Systems
     fig, ax = plot.prediction_vs_measurement(costmodel.predict_runs(df, params))
+    plot.caption(fig, f"{plot.where(env, 'llama-1b')}. Bars: ...")  # a figure drawn elsewhere
+
+Without ``env=`` a plot reads ``df.attrs["environment"]`` (`gdtool.frontends.sweep.sweep` and `load` set
+it); without either its caption says that the device and commit were not recorded.
 """
 from __future__ import annotations
 
 import math
+import re
 import textwrap
+from collections.abc import Mapping
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -49,6 +61,7 @@ __all__ = [
     "prediction_vs_measurement",
     "throughput_vs_batch",
     "throughput_vs_interval",
+    "where",
 ]
 
 MODE_STYLE = {
@@ -105,7 +118,98 @@ def _finish(ax, xlabel, ylabel, legend_title=None):
 
 def caption(fig, text: str) -> None:
     """Write `text` under the figure (wrapped), where the layout leaves room for it."""
-    fig.supxlabel(textwrap.fill(text, 110), fontsize="small", x=0.01, ha="left", linespacing=1.2)
+    fig.supxlabel(textwrap.fill(text, 110, break_on_hyphens=False), fontsize="small", x=0.01, ha="left",
+                  linespacing=1.2)   # whole names on a line: tiny-llama, step-graph
+
+
+def _environments(env) -> list[dict]:
+    """`env` as a list of environment dicts: one record, a sidecar document holding one under
+    "environment", a pandas Series of one (a flat env.json read with pandas), or a list of these."""
+    if env is None:
+        return []
+    if isinstance(env, (list, tuple)):
+        return [e for item in env for e in _environments(item)]
+    if hasattr(env, "to_dict") and not isinstance(env, Mapping):
+        env = env.to_dict()
+    if isinstance(env.get("environment"), Mapping):
+        env = env["environment"]
+    return [dict(env)]
+
+
+def _device(env: dict) -> str:
+    device = str(env.get("device") or "")
+    gpu = env.get("gpu") or (env.get("device_name") if device.startswith("cuda") else None)
+    if device.startswith("cuda") or (not device and gpu):   # sidecars before "device" name only the GPU
+        return str(gpu or "a CUDA GPU (name not recorded)")
+    if device:
+        # without a CUDA device nothing is captured: the graph modes run their step eagerly
+        return f"{'CPU' if device == 'cpu' else device}, uncaptured"
+    return "device not recorded"
+
+
+def _commit(env: dict) -> str | None:
+    """The short commit, "(local changes)" after it where git saw some. A probe's own ``commit`` (given to it,
+    as $GDTOOL_COMMIT is) wins over ``git_commit``, which a copy of a checkout may have taken from another."""
+    given = env.get("commit")
+    commit = str(given or env.get("git_commit") or "")
+    dirty = env.get("git_dirty") in (True, "true") and not given   # not NaN, not None: unknown is not dirty
+    # a hash, perhaps tagged: "+dirty" (early bench sidecars), or a setting given with $GDTOOL_COMMIT ("+line4")
+    found = re.fullmatch(r"([0-9a-f]{7,40})(\+[\w.-]+)?", commit)
+    if not found:   # missing, or not a hash ("HEAD" in early sidecars)
+        return None
+    tag = found.group(2) or ""
+    if tag == "+dirty":
+        tag, dirty = "", True
+    return found.group(1)[:7] + tag + (" (local changes)" if dirty else "")
+
+
+def _join(items) -> str:
+    items = list(dict.fromkeys(items))
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def where(env, model: str | list | None = None) -> str:
+    """Where a figure's numbers came from, in the words every caption opens with: the model, the GPU they
+    ran on (or "CPU, uncaptured": without a CUDA device the graph modes ran their step uncaptured) and the
+    gdtool commit, "(local changes)" where the checkout had uncommitted ones.
+
+        plot.where(env, "llama-1b")        # 'llama-1b, NVIDIA H200, commit 04f3054'
+        plot.where(cpu_env, "tiny-llama")  # 'tiny-llama, CPU, uncaptured, commit 04f3054 (local changes)'
+        plot.where(env)                    # 'computed, no model, commit 04f3054': a schedule from lengths alone
+
+    ``env``: an environment record (`gdtool.measure.record.environment()` for a run in this process); for
+    committed results the files' own (their sidecar's "environment"), never the machine drawing the
+    figure; a list of them where a figure draws on several runs (each GPU and commit named once).
+    ``model``: a name or a list of names; None for a figure computed without a model."""
+    envs = _environments(env)
+    commits = [_commit(e) for e in envs]
+    known = list(dict.fromkeys(c for c in commits if c))
+    if not known:
+        at = "commit not recorded"
+    else:
+        at = ("commit " if len(known) == 1 else "commits ") + _join(known)
+        if None in commits:
+            at += " (some not recorded)"
+    if model is None or (not isinstance(model, str) and not len(model)):
+        return f"computed, no model, {at}"
+    names = _join([model] if isinstance(model, str) else [str(m) for m in model])
+    devices = _join([_device(e) for e in envs]) if envs else "device not recorded"
+    return f"{names}, {devices}, {at}"
+
+
+def _where_of(df: pd.DataFrame, env=None, model=None) -> str:
+    """`where` for the rows of `df`: ``env`` as given, else ``df.attrs["environment"]``; the models its
+    ``model`` column names (unless ``model`` is given); "CPU, uncaptured" where its rows say they ran on no
+    CUDA device (``device`` column, or no device clock for any graph mode), whatever the record says."""
+    envs = _environments(env if env is not None else df.attrs.get("environment")) or [{}]
+    on_cuda = df["device"].astype(str).str.startswith("cuda") if "device" in df.columns else None
+    if uncaptured(df) or (on_cuda is not None and len(on_cuda) and not on_cuda.any()):
+        envs = [{**e, "device": "cpu"} for e in envs]
+    elif on_cuda is not None and on_cuda.all():
+        envs = [e if e.get("device") or e.get("gpu") else {**e, "device": "cuda"} for e in envs]
+    if model is None and "model" in df.columns:
+        model = [str(m) for m in dict.fromkeys(df["model"])]
+    return where(envs, model if model is not None and len(model) else "model not recorded")
 
 
 def _yscale(ax, values, prefer_log: bool = True) -> str:
@@ -227,13 +331,15 @@ def _poll_positions(labels) -> tuple[dict, float]:
 
 
 def throughput_vs_interval(df: pd.DataFrame, *, prediction: pd.DataFrame | None = None, hue: str = "batch",
-                           metric: str = "tokens_per_s", normalize: bool = False, ax=None, title: str | None = None):
+                           metric: str = "tokens_per_s", normalize: bool = False, ax=None, title: str | None = None,
+                           env=None, model: str | None = None):
     """``metric`` (default useful tokens/s) against the polling policy, one line per ``hue`` value.
 
     x: the interval k on a log2 axis, ``async`` to the left of 1 and ``never`` to the right of the
     largest k. Line: median over repetitions; band: p20-p80. ``prediction`` (from
     `costmodel.predict`) is drawn dashed in the same colour. ``normalize=True`` divides each line by
-    its best median, to compare shapes across batch sizes."""
+    its best median, to compare shapes across batch sizes. ``env`` (and ``model``, where the rows' own
+    ``model`` column is not what to name): where the rows came from, for the caption (`where`)."""
     df = _ok(df).assign(poll=lambda d: d["poll"].map(poll_label))
     stats = median_band(df, [hue, "poll"], metric)
     labels = sorted(set(stats["poll"]) | (set(prediction["poll"].map(poll_label)) if prediction is not None
@@ -260,7 +366,7 @@ def throughput_vs_interval(df: pd.DataFrame, *, prediction: pd.DataFrame | None 
     scale_kind = _yscale(ax, np.concatenate(drawn) if drawn else [], prefer_log=not normalize)
     ylabel = f"{_LABELS.get(metric, metric)} / best median" if normalize else _LABELS.get(metric, metric)
     _finish(ax, "EOS polling interval (steps; async = one step late, never = run to max_new_tokens)", ylabel, hue)
-    text = _repetitions(stats) + "."
+    text = f"{_where_of(df, env, model)}. {_repetitions(stats)}."
     if normalize:
         text += (" Each line is divided by its own best median, so its peak is 1.0; a band can pass 1.0 where "
                  "some repetitions beat that median.")
@@ -275,8 +381,9 @@ def throughput_vs_interval(df: pd.DataFrame, *, prediction: pd.DataFrame | None 
 
 
 def throughput_vs_batch(df: pd.DataFrame, *, hue: str = "mode", metric: str = "tokens_per_s", ax=None,
-                        title: str | None = None):
-    """``metric`` against batch size (log2 axis), one line per ``hue`` value, median and p20-p80 band."""
+                        title: str | None = None, env=None, model: str | None = None):
+    """``metric`` against batch size (log2 axis), one line per ``hue`` value, median and p20-p80 band;
+    ``env``, ``model``: where the rows came from, for the caption (`where`)."""
     df = _ok(df)
     stats = median_band(df, [hue, "batch"], metric)
     fig, ax = _new(ax)
@@ -296,20 +403,21 @@ def throughput_vs_batch(df: pd.DataFrame, *, hue: str = "mode", metric: str = "t
     ax.minorticks_off()
     scale_kind = _yscale(ax, stats["median"])
     _finish(ax, "batch size (rows)", _LABELS.get(metric, metric), hue)
-    caption(fig, _repetitions(stats) + "." + (_SYMLOG if scale_kind == "symlog" else "") + _overlap_note(lines)
-            + _uncaptured_note(df))
+    caption(fig, f"{_where_of(df, env, model)}. {_repetitions(stats)}." + (_SYMLOG if scale_kind == "symlog" else "")
+            + _overlap_note(lines) + _uncaptured_note(df))
     if title:
         ax.set_title(title)
     return fig, ax
 
 
 def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, title: str | None = None,
-                     host: str = "host_us_per_token", device: str | None = None):
+                     host: str = "host_us_per_token", device: str | None = None, env=None, model: str | None = None):
     """Host vs device time per token, two bars per mode, at one batch size (default: the smallest).
 
     ``df``: rows with ``mode``, `host` and a device column (``device_busy_us_per_token`` or
     ``device_us_per_token``), and ``batch``; several rows per mode are reduced to their median. The
-    host bar has the mode's colour, the device bar the same colour hatched."""
+    host bar has the mode's colour, the device bar the same colour hatched. ``env``, ``model``: where the
+    rows came from, for the caption (`where`)."""
     df = _ok(df)
     device = device or _device_column(df)
     for col in (host, device):
@@ -332,8 +440,8 @@ def host_device_bars(df: pd.DataFrame, *, batch: int | None = None, ax=None, tit
     _yscale(ax, df[[host, device]].to_numpy())
     _finish(ax, "mode", "µs/token", "time spent on")
     ax.set_title(title or (f"batch {batch}" if batch is not None else "time per token"))
-    caption(fig, "Solid: host time per token; hatched: device busy time per token, each mode in its colour."
-            + _uncaptured_note(df))
+    caption(fig, f"{_where_of(df, env, model)}. Solid: host time per token; hatched: device busy time per token, "
+                 "each mode in its colour." + _uncaptured_note(df))
     return fig, ax
 
 
@@ -344,13 +452,15 @@ def _device_column(df: pd.DataFrame, stat: str = "") -> str:
     return f"device_busy_us{stat}_per_token"
 
 
-def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title: str | None = None):
+def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title: str | None = None, env=None,
+                       model: str | None = None):
     """Host (solid) and device busy (dashed) µs per token against batch size, one colour per mode.
 
     ``stat="median"`` plots the typical step (``<metric>_median_per_token``: the median step over the
     batch size) with its p20-p80 band; ``stat="mean"`` plots ``<metric>_per_token`` (the total over
     steps / (steps x batch): first step and polls included). Where the host line lies above the
-    device line, the GPU waits for the host (host-bound)."""
+    device line, the GPU waits for the host (host-bound). ``env``, ``model``: where the rows came from,
+    for the caption (`where`)."""
     df = _ok(df)
     suffix = "_median" if stat == "median" else ""
     host, device = f"host_us{suffix}_per_token", _device_column(df, suffix)
@@ -387,21 +497,24 @@ def per_token_vs_batch(df: pd.DataFrame, *, stat: str = "median", ax=None, title
             "the total over all steps / (steps x batch), first step and polls included")
     if not any(k.endswith("device") for k in lines):
         what += "; no device line: there was no GPU clock to read"
-    caption(fig, f"Solid: host work, dashed (hollow markers): device busy time, per token: {what}."
-            + _overlap_note(lines) + _uncaptured_note(df))
+    caption(fig, f"{_where_of(df, env, model)}. Solid: host work, dashed (hollow markers): device busy time, "
+                 f"per token: {what}." + _overlap_note(lines) + _uncaptured_note(df))
     if title:
         ax.set_title(title)
     return fig, ax
 
 
-def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None = None, title: str | None = None):
+def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None = None, title: str | None = None,
+              env=None, traced_env=None):
     """In-process (`gdtool.measure.timing`) against Nsight Systems (`gdtool.measure.nsys`), per mode and batch size.
 
     Left: device busy time per token (the mean: total / (steps x batch)), in-process against nsys's
     node-level trace (graph-level for eager, which replays no graph), with their ratio. Right: host
     work of the median step, in-process against nsys's graph-level trace (its launch tracing costs the
     host; the ratio says how much). The table is `gdtool.measure.nsys.agreement(inproc, traced)`; it is also
-    in ``fig.gdtool_table``. Returns (fig, axes)."""
+    in ``fig.gdtool_table``. ``env``: where the in-process rows ran; ``traced_env``: the nsys sessions'
+    environments (a list where the traces come from several sessions); the caption names both (`where`).
+    Returns (fig, axes)."""
     from ..measure.nsys import agreement as compare
     table = compare(_ok(inproc), _ok(traced), model=model)
     model = table.attrs["model"]
@@ -428,7 +541,10 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
     axes[0].set_title("device busy per token (mean)", fontsize="medium")
     axes[1].set_title("host work per step (median)", fontsize="medium")
     fig.suptitle(title or f"{model}: in-process against Nsight Systems")
-    caption(fig, "Solid: in-process (gdtool.measure.timing, no profiler attached); hatched: Nsight Systems; labels: "
+    mine = inproc[inproc["model"] == model]
+    theirs = traced[traced["model"] == model]
+    caption(fig, f"In-process: {_where_of(mine, env, model)}; Nsight Systems: {_where_of(theirs, traced_env, model)}. "
+                 "Solid: in-process (gdtool.measure.timing, no profiler attached); hatched: Nsight Systems; labels: "
                  "in-process / nsys. Busy time from nsys's node-level trace (graph-level for eager). Host time from "
                  "nsys's graph-level trace, whose tracing of each launch call costs the host far more than the "
                  "launch itself: a graph mode's host ratio is that cost, not a disagreement.")
@@ -437,11 +553,12 @@ def agreement(inproc: pd.DataFrame, traced: pd.DataFrame, *, model: str | None =
 
 
 def prediction_vs_measurement(runs: pd.DataFrame, *, tolerance: float = 0.15, hue: str = "batch", ax=None,
-                              title: str | None = None):
+                              title: str | None = None, env=None, model: str | None = None):
     """Measured against predicted tokens/s, one point per run (from `costmodel.predict_runs`).
 
     Filled markers: out-of-sample runs (not used by the fit); hollow: calibration runs. The shaded
-    band is +-``tolerance`` around y = x."""
+    band is +-``tolerance`` around y = x. ``env``, ``model``: where the runs came from, for the caption
+    (`where`)."""
     runs = _ok(runs)
     fig, ax = _new(ax, figsize=(6.4, 5.0))
     calib = runs["calibration"] if "calibration" in runs.columns else pd.Series(False, index=runs.index)
@@ -465,6 +582,6 @@ def prediction_vs_measurement(runs: pd.DataFrame, *, tolerance: float = 0.15, hu
     _finish(ax, "predicted useful tokens/s", "measured useful tokens/s", hue)
     ax.set_title(title or f"cost model: median |error| {err.median():.1%}, max {err.max():.1%}"
                  f" ({'out-of-sample' if len(out) else 'all'} runs)")
-    caption(fig, f"One point per run. Filled: out-of-sample runs (not used by the fit); hollow: the calibration "
-                 f"runs the fit used. Line: y = x; grey band: ±{tolerance:.0%}.")
+    caption(fig, f"{_where_of(runs, env, model)}. One point per run. Filled: out-of-sample runs (not used by the "
+                 f"fit); hollow: the calibration runs the fit used. Line: y = x; grey band: ±{tolerance:.0%}.")
     return fig, ax

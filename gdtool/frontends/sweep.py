@@ -380,12 +380,18 @@ _FIRST = tuple(CONFIG_FIELDS) + ("name", "config_hash", "repeat")
 
 
 def load(path) -> pd.DataFrame:
-    """A sweep CSV with its column types (polls and length names stay strings)."""
-    return record.Results(path, dtype=_DTYPES).df
+    """A sweep CSV with its column types (polls and length names stay strings); ``df.attrs["environment"]``
+    is its sidecar's (where the rows were measured: the plots name it), when the sidecar is there."""
+    df = record.Results(path, dtype=_DTYPES).df
+    env = record.read_sidecar(Path(path).with_suffix(".json")).get("environment")
+    if env:
+        df.attrs["environment"] = env
+    return df
 
 
-def _write_sidecar(path: Path, configs: list[RunConfig], repeats: int, warmup: int) -> None:
-    record.write_sidecar(path.with_suffix(".json"), session=dict(configs=len(configs), repeats=repeats, warmup=warmup),
+def _write_sidecar(path: Path, configs: list[RunConfig], repeats: int, warmup: int, env: dict) -> None:
+    record.write_sidecar(path.with_suffix(".json"), env,
+                         session=dict(configs=len(configs), repeats=repeats, warmup=warmup),
                          columns_doc=__doc__.split("Metrics:")[1].strip())
 
 
@@ -405,7 +411,8 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     it are skipped (done = ``repeats`` rows without error; failed ones too unless ``retry_failed``;
     ``redo=True`` measures the grid's configs again), and ``<out>.json`` gets the environment
     (`gdtool.measure.record`). ``max_seconds`` stops before starting a config past that
-    budget (``df.attrs["complete"]`` says whether the grid is done). ``echo`` (a callable, ``print`` say; the
+    budget (``df.attrs["complete"]`` says whether the grid is done; ``df.attrs["environment"]`` is where
+    it ran, as the sidecar records it, and the plots name it). ``echo`` (a callable, ``print`` say; the
     command passes one) gets one line before a model's first config: how many configs run, how many ``out``
     already holds, and an estimate of how long they take, from a few short decodes timed first
     (`gdtool.frontends.estimate`); without it nothing is timed beyond the configs."""
@@ -418,8 +425,9 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
             raise ValueError(f"mode {cfg.mode!r} is not one of gdtool.MODES {MODES}")
     path = Path(out) if out is not None else None
     results = record.Results(path, dtype=_DTYPES, first=_FIRST)
+    env = record.environment(device=device)
     if path is not None:
-        _write_sidecar(path, configs, repeats, warmup)
+        _write_sidecar(path, configs, repeats, warmup, env)
     if redo:
         for cfg in configs:
             results.drop(cfg)
@@ -519,7 +527,7 @@ already in ``out`` for these configs included; the CSV keeps every config it eve
     if not df.empty:
         df = df[df["config_hash"].isin({cfg.hash for cfg in configs})].reset_index(drop=True)
     df.attrs.update(complete=done == len(todo), configs=len(configs), ran=done, remaining=len(todo) - done,
-                    seconds=time.perf_counter() - start)
+                    seconds=time.perf_counter() - start, environment=env)
     return df
 
 

@@ -4,6 +4,7 @@ distribution, pick a view, and the plot redraws.
     from gdtool.frontends import widgets
     widgets.explorer(df)                        # df: gdtool.sweep(...) or gdtool.sweep.load("x.csv")
     widgets.explorer(df, models={"llama-1b": model})   # reuse a loaded model for "run this config now"
+    widgets.explorer(df, env=sidecar["environment"])   # where the rows were measured (default: df.attrs)
 
 On a GPU the explorer also has a "run this config now" button: with exactly one value chosen in each
 filter it runs that config (one warm-up, one repetition), appends the row and redraws, so a reader can
@@ -28,6 +29,7 @@ from matplotlib.figure import Figure
 
 from . import plot
 from ..core.models import load_model
+from ..measure import record
 from .sweep import RunConfig, poll_label, poll_order, run_config
 
 __all__ = ["Explorer", "explorer"]
@@ -38,15 +40,21 @@ _VIEWS = {"tokens/s vs polling interval": "interval", "tokens/s vs batch size": 
 
 
 class Explorer:
-    """Filters, a view selector, an output area and (on a GPU) a run button; ``.widget`` is the box."""
+    """Filters, a view selector, an output area and (on a GPU) a run button; ``.widget`` is the box.
+
+    ``env``: where the rows of `df` were measured (default ``df.attrs["environment"]``, which
+    `gdtool.frontends.sweep.sweep` and `load` set); each figure's caption names it, and this machine's
+    too once the explorer has run a config here."""
 
     def __init__(self, df: pd.DataFrame, *, view: str = "interval", models: dict | None = None,
-                 allow_runs: bool | None = None, repeats: int = 1):
+                 allow_runs: bool | None = None, repeats: int = 1, env: dict | None = None):
         import ipywidgets as w
         import torch
         if df is None or df.empty:
             raise ValueError("explorer() needs a non-empty results DataFrame; run gdtool.sweep(...) or load a CSV")
         self.df = df.assign(poll=df["poll"].map(poll_label)) if "poll" in df.columns else df.copy()
+        self.env = env if env is not None else df.attrs.get("environment")
+        self.ran_env = None   # this machine's, once a config ran here
         self.models = dict(models or {})
         self.repeats = repeats
         self.last_figure = None
@@ -107,13 +115,16 @@ class Explorer:
             self.last_figure = None
             self._show(summarize(ok))
             return
+        ran_here = "source" in ok.columns and (ok["source"] == "explorer").any()
+        given = "source" not in ok.columns or (ok["source"] != "explorer").any()
+        env = ([self.env or {}] if given else []) + ([self.ran_env] if ran_here else [])   # {}: not recorded
         if view == "interval":
             hue = "batch" if ok["batch"].nunique() > 1 or ok["mode"].nunique() == 1 else "mode"
-            fig, ax = plot.throughput_vs_interval(ok, hue=hue)
+            fig, ax = plot.throughput_vs_interval(ok, hue=hue, env=env)
         elif view == "wasted":
-            fig, ax = plot.throughput_vs_interval(ok, hue="batch", metric="wasted_steps")
+            fig, ax = plot.throughput_vs_interval(ok, hue="batch", metric="wasted_steps", env=env)
         else:
-            fig, ax = plot.throughput_vs_batch(ok, hue="mode" if ok["mode"].nunique() > 1 else "poll")
+            fig, ax = plot.throughput_vs_batch(ok, hue="mode" if ok["mode"].nunique() > 1 else "poll", env=env)
         self.last_figure = fig
         self._show(fig)
         plt.close(fig)
@@ -145,6 +156,7 @@ class Explorer:
         done = self.df[self.df["config_hash"] == cfg.hash]["repeat"] if "config_hash" in self.df else []
         start = int(max(done) + 1) if len(done) else 0
         rows = run_config(model, cfg, repeats=self.repeats, warmup=1, start_repeat=start)
+        self.ran_env = record.environment(device=next(model.parameters()).device)
         for row in rows:
             row["source"] = "explorer"
         self.df = pd.concat([self.df, pd.DataFrame(rows)], ignore_index=True)
