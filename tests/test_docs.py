@@ -263,9 +263,8 @@ def test_every_rendered_block_is_a_table_the_script_makes_in_a_doc_it_writes():
 
 # A commit hash: 7 to 40 hex digits with a letter and a digit among them, not part of a word, a path or a file name.
 HASH = re.compile(r"(?<![\w./-])(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}(?![\w/-])")
-# The docs whose prose may name commits: the dated record, and install.md's suite timings (each names the commit it ran
-# at; they move with scripts/dev.sh's estimates).
-HASHES_ALLOWED = {"history.md", "install.md"}
+# The docs whose prose may name commits: the dated record alone.
+HASHES_ALLOWED = {"history.md"}
 
 
 def prose_hashes(text: str) -> list[tuple[int, str]]:
