@@ -191,7 +191,7 @@ setup() {  # setup VENV [transformers pin]: install what `missing` finds missing
         "$py" -m pip install $req | sed '/^Requirement already satisfied/d'
     done
     if [ -n "$pin" ]; then
-        "$py" -m pip install "transformers==$pin"
+        "$py" -m pip install "transformers==$pin" | sed "/^Requirement already satisfied/d"
     fi
     stamp "$pin" > "$venv/.gdtool-setup"
 }
