@@ -103,21 +103,26 @@ def _assert_alone(model, prompts, out, n=N, tolerance=1e-9, **settings):
 @pytest.mark.parametrize("name", FAMILIES)
 def test_host_equals_generate_alone(name):
     """Every family x slot count (1, 2, 3, 5, more than the prompts) x EOS case (all at the cap, all 1 token, EOS
-    set but never hit, mixed, long tail): each sequence is generate() on its prompt alone."""
+    set but never hit, mixed, long tail), with refills of one prompt or several in one forward, at once or once
+    some slots are free: each sequence is generate() on its prompt alone."""
     model = _lively(name)
     prompts = _prompts(model, 7, seed=FAMILIES.index(name))
     cases = _eos_cases(model, prompts, seed=1)
     lengths = {}
+    shapes = {1: (8, 1), 2: (1, 1), 3: (3, 2), 5: (8, 3), 9: (2, 1)}   # slots: (refill_rows, refill_after)
     for case, settings in cases.items():
-        for slots in (1, 2, 3, 5, 9):
-            out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **settings)
+        for slots, (rows_, after) in shapes.items():
+            shape = dict(refill_rows=rows_, refill_after=after)
+            out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **shape, **settings)
             _assert_alone(model, prompts, out, **settings)
             rows = min(slots, len(prompts))   # more slots than sequences: only the rows that hold one run
             assert out.slots == rows and out.row_steps == out.prefilled_rows + rows * out.decode_steps
-            assert out.prefilled_rows == out.prefills == len(prompts)
+            assert out.prefilled_rows == len(prompts) == sum(g * n for g, n in out.refill_sizes.items())
+            assert out.prefills == sum(out.refill_sizes.values()) and max(out.refill_sizes) <= min(rows_, rows)
             lengths[case] = [s.length for s in out.sequences]
             if slots == 3:  # the device policy, uncaptured: the same calls in the same order, the same bits
-                twin = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="device", **settings)
+                twin = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="device", **shape,
+                                      **settings)
                 _assert_same_sequences(out, twin)
     assert set(lengths["none"]) == set(lengths["never"]) == {N}
     assert set(lengths["first"]) == {1}
@@ -427,7 +432,10 @@ BAD_INPUT = [
     (dict(refill="device", mode="device-loop", eos_poll_interval=4), "a rollout polls only with refill='device' in"),
     (dict(refill="device", mode="step-graph", eos_poll_interval=0), "eos_poll_interval=0"),
     (dict(refill="device", mode="step-graph", steps_per_launch=4), "steps_per_launch=4: an int >= 1 with mode="),
-    (dict(refill="off", on_group=print), "on_group, eos_poll_interval and steps_per_launch are"),
+    (dict(refill="off", on_group=print), "on_group, eos_poll_interval, steps_per_launch, refill_rows and"),
+    (dict(refill="off", refill_rows=4), "refill_rows and refill_after are refill='host'/'device' options"),
+    (dict(refill="host", refill_rows=0), r"refill_rows=0 must be an int >= 1 \(the most prompts one refill"),
+    (dict(refill="device", refill_after="2"), r"refill_after='2' must be an int >= 1 \(refill once"),
     (dict(on_group=3), "on_group=3 must be callable"),
     (dict(refill="host", eos_token_id=1, target_lengths=[2]), "target_lengths has 1 values; pass one per sequence"),
     (dict(refill="device", eos_token_id=1, target_lengths=[2, 11]), r"target_lengths holds 11, outside \[1, max_new"),
@@ -830,19 +838,22 @@ def test_compiled_kernels_per_row():
                              **settings)
         _assert_same_sequences(twin, out)
     table = compiled.compiles(model).set_index("step")
-    assert table.compiles.tolist() == [1, 1]    # the prefill's program and the decode step's, compiled once
-    assert table.calls.to_dict() == {"rows_prefill_w9_s3_c19_n10_greedy": 5 * hf.prefills,
+    # one prefill program per refill size that ran, and the decode step's, each compiled once
+    assert len(hf.refill_sizes) >= 2 and set(table.compiles) == {1}
+    assert table.calls.to_dict() == {**{f"rows_prefill_g{g}_w9_s3_c19_n10_greedy": 5 * n
+                                        for g, n in hf.refill_sizes.items()},
                                      "rows_decode_s3_c19_n10_greedy": 5 * hf.decode_steps}
     more = prompts + prompts[:3]   # more prompts, the same slots and cache columns: the same programs
     out = gdtool.rollout(model, more, slots=3, max_new_tokens=N, refill="device", kernels="compiled", **settings)
     assert [s.tokens.tolist() for s in out.sequences[:6]] == [s.tokens.tolist() for s in twin.sequences]
-    assert compiled.compiles(model).compiles.tolist() == [1, 1]
+    table = compiled.compiles(model)
+    assert set(table.compiles) == {1} and len(table) == 1 + len(hf.refill_sizes.keys() | out.refill_sizes.keys())
     for seed in (1, 2):   # keyed sampling: the seed is a buffer, not a constant of the program
         args = dict(slots=3, max_new_tokens=N, refill="host", seed=seed, eos_token_id=None, **TEMPERATURE)
         ref = gdtool.rollout(model, prompts, **args)
         out = gdtool.rollout(model, prompts, kernels="compiled", **args)
         assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(ref.sequences, out.sequences))
-    assert compiled.compiles(model).compiles.tolist() == [1, 1, 1, 1]
+    assert set(compiled.compiles(model).compiles) == {1}
 
 
 def test_fast_kernels_per_row_without_triton():
@@ -862,7 +873,8 @@ def test_fast_kernels_per_row_without_triton():
         out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill=refill, mode=mode, kernels="fast",
                              **settings)
         _assert_same_sequences(twin, out)
-    assert compiled.compiles(model).compiles.tolist() == [1, 1]
+    table = compiled.compiles(model)
+    assert set(table.compiles) == {1} and len(table) == 1 + len(twin.refill_sizes)   # the compiled run's programs
 
 
 def test_compiled_row_write_stays_in_place():
@@ -880,7 +892,8 @@ def test_compiled_row_write_stays_in_place():
     numel = slots * heads * columns * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
     out, codes = run_and_get_code(lambda: gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host",
                                                          kernels="compiled", eos_token_id=None, pad_token_id=0))
-    assert out.useful_tokens == 4 * N and len(codes) == 2   # the decode step's program and the prefill's
+    # the decode step's program and a prefill's per refill size that ran (3 rows, then 1)
+    assert out.useful_tokens == 4 * N and out.refill_sizes == {3: 1, 1: 1} and len(codes) == 3
     for code in codes:
         assert f"{numel}L" not in code, "a loop over a whole cache tensor: the write is not in place"
         assert f"{slots * heads * columns}L" not in code

@@ -1,8 +1,10 @@
 """The twin rule of a rollout on a GPU: per refill policy, every mode gives the sequences of that policy's eager
 uncaptured run, bit for bit (tokens, log-probabilities, slots, counts); host and device refill follow one
 admission rule, so all of them equal the eager host run. Seeded draws of prompts, slots, lengths (forced EOS at
-drawn targets, and free EOS), greedy and keyed sampling, on five families: dense, a mixture of experts, and two with sliding windows shorter
-than the rollout (Gemma 3; gpt-oss, also MoE with sinks), decoded per row."""
+drawn targets, and free EOS), greedy and keyed sampling, refills of one prompt or several in one forward (one
+refill graph per size, their WHILE nodes in a row inside the device loop), at once or once some slots are free,
+on five families: dense, a mixture of experts, and two with sliding windows shorter than the rollout (Gemma 3;
+gpt-oss, also MoE with sinks), decoded per row."""
 import random
 
 import pytest
@@ -29,6 +31,9 @@ def _model(name):
     return _models[name]
 
 
+SHAPES = [dict(), dict(refill_rows=1), dict(refill_rows=3, refill_after=2), dict(refill_rows=4, refill_after=4)]
+
+
 def _case(seed: int):
     rng = random.Random(seed)
     count = rng.randint(5, 14)
@@ -44,8 +49,8 @@ def _same(a, b, label):
         assert torch.equal(x.tokens, y.tokens), (label, x.prompt_index, x.tokens.tolist(), y.tokens.tolist())
         assert torch.equal(x.logprobs, y.logprobs), (label, x.prompt_index)
         assert (x.slot, x.finish_reason) == (y.slot, y.finish_reason), label
-    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills) == \
-        (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills), label
+    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills, a.refill_sizes) == \
+        (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills, b.refill_sizes), label
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-gpt-oss"])
@@ -54,7 +59,7 @@ def _same(a, b, label):
 def test_every_mode_is_the_eager_run(name, seed, case):
     model = _model(name)
     rng, prompts, slots = _case(seed * 7 + len(case))
-    settings = dict(max_new_tokens=N, pad_token_id=0)
+    settings = dict(max_new_tokens=N, pad_token_id=0, **SHAPES[(seed + len(case)) % len(SHAPES)])
     samples = 1
     if case == "targets":
         count = len(prompts)
@@ -89,7 +94,7 @@ def test_device_loop_streams_groups_and_counts_on_the_device():
     assert len(singles) == len(targets) and len(groups) == len(prompts)
     for group in groups:
         assert len({s.prompt_index for s in group}) == 1 and [s.sample_index for s in group] == [0, 1, 2]
-    assert out.row_steps == out.prefills + 4 * out.decode_steps
+    assert out.row_steps == out.prefilled_rows + 4 * out.decode_steps and max(out.refill_sizes) == 4
     assert out.launches >= out.decode_steps // 4
 
 
@@ -110,7 +115,7 @@ def test_real_size_bf16_with_reproducible_attention(name):
         for refill, mode in [("host", "step-graph"), ("device", "step-graph"), ("device", "device-loop")]:
             _same(reference, gdtool.rollout(model, prompts, slots=12, refill=refill, mode=mode, **settings),
                   (name, refill, mode))
-    assert reference.prefills > 12
+    assert reference.prefilled_rows == len(prompts) and max(reference.refill_sizes) == 8
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-gpt-oss"])
@@ -122,7 +127,7 @@ def test_compiled_modes_are_the_compiled_eager_run(name, case, kernels):
     directly)."""
     model = _model(name)
     rng, prompts, slots = _case(31 + len(case))
-    settings = dict(max_new_tokens=N, pad_token_id=0, eos_token_id=1)
+    settings = dict(max_new_tokens=N, pad_token_id=0, eos_token_id=1, **SHAPES[len(name + case) % len(SHAPES)])
     if case == "targets":
         settings["target_lengths"] = [rng.randint(1, N) for _ in prompts]
     else:

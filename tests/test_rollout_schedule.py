@@ -41,11 +41,23 @@ def test_worked_by_hand():
     # batch 1 (3, 1): 2 steps, 2 rows x 3; batch 2 (2): 1 step, 1 row x 2
     assert (off.steps, off.row_steps, off.prefills, off.useful) == (3, 8, 2, 6)
     assert off.occupancy.tolist() == [[0, -1], [0, -1], [2, -1]]
-    dev = rollouts.schedule([3, 1, 2], slots=2, refill="device", occupancy=True)
+    one = rollouts.schedule([3, 1, 2], slots=2, refill="device", occupancy=True, refill_rows=1)
     # fill: seq 0 -> slot 0, seq 1 -> slot 1 ends at its refill, seq 2 -> slot 1; step 1: both; step 2: slot 0
-    assert (dev.steps, dev.row_steps, dev.prefills) == (2, 2 * 2 + 3, 3)
-    assert dev.occupancy.tolist() == [[0, 2], [0, -1]]
-    assert dev.share == pytest.approx(6 / 7)
+    assert (one.steps, one.row_steps, one.prefills, one.refill_sizes) == (2, 2 * 2 + 3, 3, ((1, 3),))
+    assert one.occupancy.tolist() == [[0, 2], [0, -1]]
+    assert one.share == pytest.approx(6 / 7)
+    # two rows a refill: seqs 0 and 1 in one prefill (slots 0, 1), seq 1 ends there, seq 2 -> slot 1 alone
+    dev = rollouts.schedule([3, 1, 2], slots=2, refill="device", occupancy=True)
+    assert (dev.steps, dev.row_steps, dev.prefills, dev.refill_sizes) == (2, 7, 2, ((2, 1), (1, 1)))
+    assert dev.occupancy.tolist() == one.occupancy.tolist()
+    # lengths 3, 1, 2, 2. At once: seqs 0 and 1 in one prefill (1 ends there), 2 alone in slot 1; step 1: 0 and 2,
+    # 2 ends and 3 takes slot 1; step 2: 0 and 3
+    now = rollouts.schedule([3, 1, 2, 2], slots=2, refill="device", occupancy=True)
+    assert now.occupancy.tolist() == [[0, 2], [0, 3]] and now.refill_sizes == ((2, 1), (1, 2))
+    # refill_after=2: slot 1, freed by seq 1, waits for a second free slot (2 sequences are left); it comes when
+    # seq 0 ends after step 2, and one prefill starts seqs 2 and 3
+    late = rollouts.schedule([3, 1, 2, 2], slots=2, refill="device", occupancy=True, refill_after=2)
+    assert late.occupancy.tolist() == [[0, -1], [0, -1], [2, 3]] and late.refill_sizes == ((2, 2),)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -56,13 +68,18 @@ def test_schedule_is_what_the_rollout_counts(seed):
     slots = rng.choice([1, 2, 3, 5, 8, 16])
     prompts = [[rng.randrange(3, 4000) for _ in range(rng.randint(1, 6))] for _ in range(count)]
     targets = _lengths(rng, SHAPES[seed % len(SHAPES)], count)
+    shape = dict(refill_rows=rng.choice([1, 2, 3, 8]), refill_after=rng.choice([1, 1, 2, 4]))
     for refill in rollouts.REFILLS:
+        given = shape if refill != "off" else {}
         out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill=refill, eos_token_id=1,
-                             pad_token_id=0, target_lengths=targets)
+                             pad_token_id=0, target_lengths=targets, **given)
         assert [s.length for s in out.sequences] == targets   # forced lengths: the schedule's premise
-        plan = rollouts.schedule(targets, slots, refill, occupancy=True)
-        assert (out.decode_steps, out.row_steps, out.prefilled_rows if refill != "off" else out.prefills,
-                out.useful_tokens) == (plan.steps, plan.row_steps, plan.prefills, plan.useful), (refill, slots)
+        plan = rollouts.schedule(targets, slots, refill, occupancy=True, **given)
+        assert (out.decode_steps, out.row_steps, out.prefills, out.useful_tokens) == \
+            (plan.steps, plan.row_steps, plan.prefills, plan.useful), (refill, slots, shape)
+        if refill != "off":
+            assert out.prefilled_rows == count and out.refill_sizes == dict(plan.refill_sizes), (slots, shape)
+            assert sum(g * n for g, n in plan.refill_sizes) == count
         assert out.row_step_share == pytest.approx(plan.share)
         grid = plan.occupancy
         assert grid.shape == (plan.steps, min(slots, count)) and plan.slots == min(slots, count)
@@ -83,18 +100,27 @@ def test_refill_never_worse_and_static_batches_wait():
         slots = int(rng.integers(1, 40))
         off, dev = (rollouts.schedule(lengths, slots, r) for r in ("off", "device"))
         assert dev.steps <= off.steps and dev.share >= off.share - 1e-12
+        # refilling together starts the same sequences at the same steps as one at a time (only slots differ)
+        one = rollouts.schedule(lengths, slots, "device", refill_rows=1)
+        assert (one.steps, one.row_steps) == (dev.steps, dev.row_steps) and one.prefills >= dev.prefills
         assert off.steps == sum(int(lengths[i:i + slots].max()) - 1 for i in range(0, lengths.size, slots))
 
 
 @pytest.mark.parametrize("kwargs,match", [
     (dict(lengths=[], slots=2), "one length >= 1"), (dict(lengths=[2, 0], slots=2), "one length >= 1"),
     (dict(lengths=[2], slots=0), "slots=0"), (dict(lengths=[2], slots=True), "slots=True"),
-    (dict(lengths=[2], slots=2, refill="sometimes"), "refill='sometimes'")])
+    (dict(lengths=[2], slots=2, refill="sometimes"), "refill='sometimes'"),
+    (dict(lengths=[2], slots=2, refill_rows=0), "refill_rows=0"),
+    (dict(lengths=[2], slots=2, refill_after=True), "refill_after=True")])
 def test_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         rollouts.schedule(**kwargs)
 
 
 def test_predict_prices_the_schedule():
-    plan = rollouts.schedule([3, 1, 2], slots=2, refill="host")
+    plan = rollouts.schedule([3, 1, 2], slots=2, refill="host", refill_rows=1)
     assert rollouts.predict_s(plan, step_s=0.01, prefill_s=0.002) == pytest.approx(2 * 0.01 + 3 * 0.002)
+    plan = rollouts.schedule([3, 1, 2], slots=2, refill="host")   # one refill of 2, one of 1
+    assert rollouts.predict_s(plan, 0.01, {2: 0.003, 1: 0.002}) == pytest.approx(2 * 0.01 + 0.003 + 0.002)
+    with pytest.raises(ValueError, match="no time for refills of 2 sequences"):
+        rollouts.predict_s(plan, 0.01, {1: 0.002})

@@ -20,23 +20,29 @@ row (slot) is its own sequence, and everything a refill needs is on the device:
              log-probabilities. A step writes each live row's token straight into its sequence's row (row Q
              and column N take the writes of empty and finished slots), so nothing is copied when a slot
              is refilled, and the host reads finished sequences whenever it likes.
-    flags    `settled` (no slot can take a prompt: none is free, or the queue is empty) and `done` (every
-             slot is free and the queue is empty), set by the step and by each refill.
+    flags    `settled` (no refill now: too few slots free, or the queue is empty), `group` (the rows the next
+             refill takes, 0 when settled), `pick` (per size: 0 where it is `group`) and `done` (every slot is
+             free and the queue is empty), set by the step and by each refill.
 
-`RowStep.__call__` is one decode step over every slot; `RowStep.refill` starts one sequence: the next one of
-the queue, in the first free slot (the lowest index whose `unfinished` is 0). It prefills that prompt alone
-(one row, W columns, right-padded, positions 0..W-1) writing its keys and values straight into the slot's
-columns [0, W) of the rollout's cache, picks its first token at the prompt's last position, and updates the
-slot. Neither reads a tensor on the host (the slot and the sequence are picked on the device), so both can be
-captured, and a captured refill can run inside a conditional node. Every refill policy runs these two
-functions in one order, which is the admission rule:
+`RowStep.__call__` is one decode step over every slot; `RowStep.refill(g)` starts g sequences together: the
+next g of the queue, in the g first free slots (the lowest indices whose `unfinished` is 0), in order. It
+prefills their prompts in one forward (g rows, W columns, right-padded, positions 0..W-1), writing each row's
+keys and values straight into its slot's columns [0, W) of the rollout's cache, picks each first token at its
+prompt's last position, and updates the slots. Neither reads a tensor on the host (slots and sequences are
+picked on the device), so both can be captured, one refill graph per group size g, and a captured refill can
+run inside a conditional node. Every refill policy runs these functions in one order, which is the admission
+rule (`refill_rows` R, `refill_after` A; `sizes`: R and the powers of two below it, largest first):
 
-    after each decode step, while a slot is free and the queue is not empty: refill
-    (so the slots that finish at step t take the next sequences, in slot order, before step t + 1; a
-    sequence that ends at its first token frees its slot again at once)
+    after each decode step, while the queue is not empty and at least min(A, queue left, slots) slots are free:
+    refill g = the largest size <= min(free slots, queue left)
+    (with A = 1 the slots that finish at step t take the next sequences, in slot order, before step t + 1;
+    a sequence that ends at its first token frees its slot again at once; A > 1 lets free slots gather
+    so that one forward prefills several prompts)
 
-`host` reads `settled` after each step and each refill; `device` leaves the decision to the device
-(`gdtool.loops.devloop`: a WHILE node around the refill). The tokens are the same bits either way.
+g never grows between two decode steps (a refill takes g free slots and frees at most g), so the sizes run in
+descending order. `host` reads `settled` and `group` after each step and each refill and replays the refill of
+that size; `device` leaves the decision to the device (`gdtool.loops.devloop`: one WHILE node per size, in
+descending order, each running its refill while `group` is its size). The tokens are the same bits either way.
 
 Noise. With sampling, a row's token t (t = its `lengths` before the token: 0 for the first one) is drawn by
 `sampling.choose_keyed` from noise keyed by (seed, prompt index, sample index, t), never from a generator
@@ -93,9 +99,12 @@ class RowState:
     out_lengths: torch.Tensor     # [Q + 1]
     finished: torch.Tensor        # [Q + 1] 1 once the sequence has ended
     logprobs: torch.Tensor | None  # [Q + 1, N + 1] float32 log-probability of each token, when asked for
-    settled: torch.Tensor         # [1] 1 when no slot can take a prompt (none free, or the queue is empty)
+    settled: torch.Tensor         # [1] 1 when no refill runs now (too few slots free, or the queue is empty)
+    group: torch.Tensor           # [1] the rows the next refill takes (one of the sizes), 0 when settled
+    pick: torch.Tensor            # [K] per refill size, largest first: 0 where that size is `group`, else 1
     done: torch.Tensor            # [1] 1 when every slot is free and the queue is empty
-    refills: torch.Tensor         # [] refills run
+    refills: torch.Tensor         # [] refills run (prefill forwards)
+    refill_counts: torch.Tensor   # [K] refills run per size
     steps: torch.Tensor           # [] decode steps run (a device loop counts them)
     slot_of: torch.Tensor         # [Q + 1] the slot each sequence ran in
     queue_targets: torch.Tensor | None = None  # [Q] forced lengths (a harness: EOS as token number t), else None
@@ -109,10 +118,20 @@ class RowState:
             getattr(self, name).copy_(saved)
 
 
+REFILL_ROWS = 8   # the most prompts one refill prefills together, unless refill_rows says otherwise
+
+
+def refill_sizes(rows: int, slots: int, queue: int) -> tuple[int, ...]:
+    """The group sizes a refill runs, largest first: `rows` (at most slots and queue) and the powers of two below."""
+    top = max(1, min(rows, slots, queue))
+    return tuple(sorted({top} | {1 << i for i in range(top.bit_length()) if 1 << i <= top}, reverse=True))
+
+
 def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, device,
-                  return_logprobs: bool, targets: list | None = None) -> RowState:
+                  return_logprobs: bool, targets: list | None = None, sizes: tuple = (1,)) -> RowState:
     """`sequences`: (prompt index, sample index, token ids) per sequence, in queue order; `targets`: a forced
-    length per sequence (its first EOS id is forced as that token), or None."""
+    length per sequence (its first EOS id is forced as that token), or None; `sizes`: the refill group sizes,
+    largest first (`refill_sizes`)."""
     long = dict(dtype=torch.long, device=device)
     n = settings.max_new_tokens
     q = len(sequences)
@@ -140,7 +159,8 @@ def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, d
         out=torch.full((q + 1, n + 1), pad, **long), out_lengths=torch.zeros(q + 1, **long),
         finished=torch.zeros(q + 1, **long),
         logprobs=torch.zeros(q + 1, n + 1, dtype=torch.float32, device=device) if return_logprobs else None,
-        settled=torch.zeros(1, **long), done=torch.zeros(1, **long), refills=torch.zeros((), **long),
+        settled=torch.zeros(1, **long), group=torch.zeros(1, **long), pick=torch.ones(len(sizes), **long),
+        done=torch.zeros(1, **long), refills=torch.zeros((), **long), refill_counts=torch.zeros(len(sizes), **long),
         steps=torch.zeros((), **long), slot_of=torch.zeros(q + 1, **long),
         queue_targets=None if targets is None else torch.tensor(list(targets), **long),
         targets=None if targets is None else torch.zeros(slots, **long),
@@ -238,8 +258,9 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
 
     decode (None)   one token per row: row b's key/value at column `columns[b]` ([S, 1], read at every
                     forward); the layer returns the whole cache, and the mask code gets a query offset of C - 1
-    prefill (row)   one prompt of W tokens: its keys/values at columns [0, W) of row `row` ([1] device tensor);
-                    the layer returns that row of the cache ([1, heads, C, dim]), and the query offset is 0
+    prefill (rows)  g prompts of W tokens: prompt j's keys/values at columns [0, W) of row `rows[j]` ([g] device
+                    tensor); the layer returns those rows of the cache ([g, heads, C, dim]), and the query offset
+                    is 0
 
     The cache is allocated at the first write, `slots` rows (a refill runs before the first decode step)."""
     layers = compat.cache_layers(cache)
@@ -270,7 +291,7 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
                     store.index_put_(at, new[:, :, 0])
                 return layer.keys, layer.values
             width = key_states.shape[-2]
-            at = (row.view(1, 1, 1), heads.view(1, -1, 1), arange(width, device).view(1, 1, -1))   # [1, H, W]
+            at = (row.view(-1, 1, 1), heads.view(1, -1, 1), arange(width, device).view(1, 1, -1))   # [g, H, W]
             for store, new in ((layer.keys, key_states), (layer.values, value_states)):
                 store.index_put_(at, new)
             return layer.keys.index_select(0, row), layer.values.index_select(0, row)
@@ -293,9 +314,12 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
 # -- the step and the refill ------------------------------------------------------------------------
 
 class RowStep(Step):
-    """A decode step over every slot (`__call__`) and the refill of one slot (`refill`), over a `RowState`."""
+    """A decode step over every slot (`__call__`) and the refill of g slots (`refill(g)`), over a `RowState`.
+    `sizes`: the refill group sizes, largest first (`refill_sizes`); `after`: refill once this many slots are free
+    (or all the queue has left)."""
 
-    def __init__(self, model, cache, state: RowState, settings: Settings, seed: int | None = None):
+    def __init__(self, model, cache, state: RowState, settings: Settings, seed: int | None = None,
+                 sizes: tuple = (1,), after: int = 1):
         if settings.do_sample and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed={seed!r}: a rollout's sampling draws noise keyed by (seed, prompt, sample, "
                              "token); pass seed=<int>")
@@ -310,7 +334,15 @@ class RowStep(Step):
         self.columns = torch.arange(state.mask.shape[1], device=device)[None]        # [1, C]
         self.prompt_positions = torch.arange(state.queue_ids.shape[1], device=device)[None]  # [1, W]
         self.slot_ids = torch.arange(self.slots, device=device)
-        self.one = torch.ones(1, dtype=torch.long, device=device)
+        if tuple(sizes) != tuple(sorted(set(sizes), reverse=True)) or not sizes or sizes[-1] != 1 \
+                or sizes[0] > min(self.slots, self.queue_size) or state.pick.numel() != len(sizes):
+            raise ValueError(f"sizes={sizes!r}: refill group sizes, largest first, ending at 1, at most the slots and "
+                             "the queue (refill_sizes), one `pick` flag each")
+        self.sizes = tuple(int(g) for g in sizes)
+        self.size_tensor = torch.tensor(self.sizes, dtype=torch.long, device=device)
+        self.after = int(after)
+        self.ones = torch.ones(self.sizes[0], dtype=torch.long, device=device)
+        self.row_ids = torch.arange(self.sizes[0], device=device)
         self.phase = {"prefill": None}
         self.window = row_window(model, state.mask.shape[1])
         self.records_logprobs = state.logprobs is not None
@@ -393,14 +425,20 @@ class RowStep(Step):
         s.mask.scatter_(1, s.positions, 1)
 
     def flags(self) -> None:
+        """`settled`, `group`, `pick` and `done` from the slots and the queue (the admission rule, module doc)."""
         s = self.state
-        more = s.next < self.queue_size
-        free = s.unfinished.min() == 0
-        s.settled.copy_((~(free & more)).long().view(1))
-        s.done.copy_(((s.unfinished.max() == 0) & ~more).long().view(1))
+        left = self.queue_size - s.next                       # sequences not started
+        free = (s.unfinished == 0).sum()
+        ready = (left > 0) & (free >= left.clamp(max=min(self.after, self.slots)))
+        room = torch.minimum(free, left)
+        group = torch.where(self.size_tensor <= room, self.size_tensor, 0).max() * ready
+        s.settled.copy_((~ready).long().view(1))
+        s.group.copy_(group.view(1))
+        s.pick.copy_((self.size_tensor != group).long())
+        s.done.copy_(((s.unfinished.max() == 0) & (left <= 0)).long().view(1))
 
     def prefill(self, *args, **kwargs):
-        raise TypeError("a RowStep starts sequences with refill(), one prompt of its queue at a time")
+        raise TypeError("a RowStep starts sequences with refill(g), g prompts of its queue at a time")
 
     def __call__(self) -> None:
         """One decode step over every slot, then the flags."""
@@ -416,21 +454,26 @@ class RowStep(Step):
         with self.feed.decoding(), row_writes(self.cache, self.slots, self.state.positions, self.phase):
             yield
 
-    def refill(self) -> None:
-        """The next sequence of the queue starts in the first free slot (see the module doc); then the flags.
-        Run it only while `settled` is 0: with no free slot it would overwrite slot 0's sequence."""
+    def refill(self, rows: int = 1) -> None:
+        """The next `rows` sequences of the queue start in the first `rows` free slots, in order, prefilled in one
+        forward (see the module doc); then the flags. Run it only with `group` == rows: with fewer slots free it
+        would overwrite running sequences, with fewer sequences left it would start the last one again."""
+        if rows not in self.sizes:
+            raise ValueError(f"refill({rows!r}): the refill sizes are {self.sizes}")
         s = self.state
-        slot = torch.argmin(s.unfinished).view(1)   # the first free slot (argmin takes the first of equals)
-        q = s.next.clamp(max=self.queue_size - 1).view(1)
-        ids = s.queue_ids.index_select(0, q)                    # [1, W]
-        length = s.queue_lengths.index_select(0, q)             # [1]
+        ones = self.ones[:rows]
+        # the first `rows` free slots: free slots sort before busy ones, each group by index
+        slot = torch.topk(s.unfinished * self.slots + self.slot_ids, rows, largest=False, sorted=True).indices
+        q = (s.next + self.row_ids[:rows]).clamp(max=self.queue_size - 1)   # the next `rows` sequences
+        ids = s.queue_ids.index_select(0, q)                    # [g, W]
+        length = s.queue_lengths.index_select(0, q)             # [g]
         prompt = s.queue_prompt.index_select(0, q)
         sample = s.queue_sample.index_select(0, q)
-        prompt_mask = (self.columns < length[:, None]).long()   # [1, C]
+        prompt_mask = (self.columns < length[:, None]).long()   # [g, C]
         seen = target = None
         if s.seen is not None:
             real = torch.where(self.prompt_positions < length[:, None], ids, ids[:, :1])  # the prompt, not its pads
-            seen = torch.zeros(1, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
+            seen = torch.zeros(rows, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
         if s.targets is not None:
             target = s.queue_targets.index_select(0, q)
         chosen, logprob = self.prefill_select(ids, prompt_mask, slot, length, seen, prompt, sample, target)
@@ -446,43 +489,47 @@ class RowStep(Step):
             s.seen.index_copy_(0, slot, seen)
         if target is not None:
             s.targets.index_copy_(0, slot, target)
-        writing = (self.slot_ids == slot).long()
+        writing = torch.zeros_like(s.unfinished).index_fill_(0, slot, 1)
         self.update(s.tokens[:, 0].index_copy(0, slot, chosen),
                     None if logprob is None else torch.zeros(self.slots, dtype=torch.float32,
                                                              device=ids.device).index_copy(0, slot, logprob),
                     writing)
-        s.ran.index_add_(0, slot, self.one)
-        s.next.add_(1)
+        s.ran.index_add_(0, slot, ones)
+        s.next.add_(rows)
         s.refills.add_(1)
+        s.refill_counts[self.sizes.index(rows)] += 1
         self.flags()
 
     def prefill_select(self, ids, prompt_mask, slot, length, seen, prompt, sample, target) -> tuple:
-        """One prompt's forward in its slot and its first token (and that token's log-probability or None): what
-        reads the prompt, its slot and the cache alone, never the queue or the per-sequence results."""
+        """g prompts' forward in their slots and their first tokens (and their log-probabilities or None): what
+        reads the prompts, their slots and the cache alone, never the queue or the per-sequence results."""
         logits = self._prefill_logits(ids, prompt_mask, slot, length)
         return self.select(logits, seen, prompt, sample, torch.zeros_like(length), target)
 
     def _prefill_logits(self, ids, prompt_mask, slot, length) -> torch.Tensor:
-        """The prompt's forward, alone in its row (keys and values written into the slot's columns), and the
-        float32 logits at its last position, [1, V].
+        """The g prompts' forward, one row each (keys and values written into their slots' columns), and the
+        float32 logits at each prompt's last position, [g, V].
 
-        The mask goes in built, 4-D ([1, 1, W, C]: causal over the prompt AND its columns [0, L)), which
+        The mask goes in built, 4-D ([g, 1, W, C]: causal over the prompt AND its columns [0, L)), which
         transformers takes as it is. From a 2-D mask it would, uncaptured, read the mask on the host and drop it
         for sdpa's is_causal where the prompt fills W (a prefill from an empty cache may), while a captured
         prefill always keeps it: two kernels, two roundings."""
-        allowed = (self.columns <= self.prompt_positions[0, :, None]) & prompt_mask.bool()   # [W, C]
-        mask = self._masks(allowed[None], self.prompt_positions)
+        rows = ids.shape[0]
+        causal = self.columns <= self.prompt_positions[0, :, None]                       # [W, C]
+        allowed = causal[None] & prompt_mask.bool()[:, None, :]                           # [g, W, C]
+        positions = self.prompt_positions.expand(rows, -1)
+        mask = self._masks(allowed, positions)
         inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": mask,
-                  "position_ids": self.prompt_positions, "use_cache": True}
+                  "position_ids": positions, "use_cache": True}
         last = (length - 1)
         if self.feed.logits_to_keep:
-            inputs["logits_to_keep"] = last       # a 1-D tensor: the positions to keep
+            # a 1-D tensor: the positions to keep, the same for every row ([g, g, V]); row j's is its own, last[j]
+            inputs["logits_to_keep"] = last
         self.phase["prefill"] = slot
         try:
             logits = self.model(**inputs).logits
         finally:
             self.phase["prefill"] = None
         self.feed.settle()
-        if not self.feed.logits_to_keep:
-            logits = logits.index_select(1, last)
-        return logits[:, -1].to(copy=True, dtype=torch.float32)
+        row = self.row_ids[:rows]
+        return logits[row, row if self.feed.logits_to_keep else last].to(copy=True, dtype=torch.float32)

@@ -16,6 +16,10 @@ the tokens someone keeps:
     hf-cb     transformers' continuous batching (`model.continuous_batching_context_manager`), one `add_request`
               per prompt with its drawn length as max_new_tokens, greedy
 
+`--refill-rows` and `--refill-after` (one config per value): the refill runners' `refill_rows` (the most prompts one
+refill prefills together) and `refill_after` (refill once this many slots are free); gdtool.rollout's defaults
+unless given.
+
 `--kernels` (one config per value): every gdtool runner runs those kernels. With "fast" the static runners run
 gdtool's own decode forward where it applies, and the refill runners the compiled step over the per-row cache write
 with gdtool's split-KV attention (`kernels/rows.py`): gdtool's own forward writes one cache column shared by
@@ -74,7 +78,7 @@ import torch
 from . import options
 from ..core.models import eos_ids, load_model, random_prompts
 from ..loops.decoder import Decoder
-from ..loops.rollout import rollout
+from ..loops.rollout import REFILL_ROWS, rollout
 from ..measure import record, rollouts, workloads
 
 RUNNERS = ("static", "host", "device", "eos-off", "hf-cb")
@@ -112,6 +116,8 @@ class RolloutConfig(record.Config):
     cb_cuda_graphs: str = "auto"
     runners: tuple = RUNNERS     # the runners measured, in RUNNERS' order
     kernels: str = "hf"          # every gdtool runner runs these
+    refill_rows: int = REFILL_ROWS   # the refill runners' refill_rows and refill_after (gdtool.rollout)
+    refill_after: int = 1
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
@@ -124,6 +130,10 @@ class RolloutConfig(record.Config):
             parts.append("-".join(self.runners))
         if self.kernels != "hf":
             parts.append(self.kernels)
+        if self.refill_rows != REFILL_ROWS:
+            parts.append(f"rows{self.refill_rows}")
+        if self.refill_after != 1:
+            parts.append(f"after{self.refill_after}")
         return parts
 
     @property
@@ -192,23 +202,26 @@ def label(runner: str, kernels: str) -> str:
     return f"{LABELS[runner][:-1]}, {kernels})"
 
 
-def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf"):
+def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf", refill_rows: int = REFILL_ROWS,
+                   refill_after: int = 1):
     """One gdtool.rollout call over the whole workload."""
     device = next(model.parameters()).device
+    shape = {} if refill == "off" else dict(refill_rows=refill_rows, refill_after=refill_after)
 
     def once(part: Workload | None = None) -> dict:
         w = part or work
         t0 = time.perf_counter()
         out = rollout(model, w.prompts, slots=work.slots, max_new_tokens=work.max_new_tokens, refill=refill,
                       mode=mode, kernels=kernels, target_lengths=w.targets, eos_token_id=work.eos, pad_token_id=work.pad,
-                      do_sample=False, return_logprobs=True)
+                      do_sample=False, return_logprobs=True, **shape)
         _sync(device)
         wall = time.perf_counter() - t0
         early = sum(seq.length < target for seq, target in zip(out.sequences, w.targets))
         return dict(wall_s=wall, useful_tokens=out.useful_tokens, early=early,
                     row_step_share=out.row_step_share, decode_steps=out.decode_steps, host_syncs=out.host_syncs,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, setup_s=out.setup_s,
-                    prefill_estimated=out.prefill_estimated, launches=out.launches)
+                    prefill_estimated=out.prefill_estimated, launches=out.launches, prefills=out.prefills,
+                    refill_sizes=json.dumps(out.refill_sizes) if out.refill_sizes else "")
 
     return once
 
@@ -375,7 +388,7 @@ def _error(error: Exception) -> str:
 def _make(model, runner: str, work: Workload, cfg: RolloutConfig):
     if runner in ROLLOUTS:
         refill, mode = ROLLOUTS[runner]
-        return rollout_runner(model, work, refill, mode, cfg.kernels)
+        return rollout_runner(model, work, refill, mode, cfg.kernels, cfg.refill_rows, cfg.refill_after)
     if runner == "eos-off":
         return EosOffRunner(model, work, cfg.kernels)
     return ContinuousBatchingRunner(model, work, cfg.cb_cuda_graphs)
@@ -449,9 +462,9 @@ def _median(values):
     return float("nan") if n == 0 else (values[n // 2] if n % 2 else (values[n // 2 - 1] + values[n // 2]) / 2)
 
 
-COUNTS = ("useful_tokens", "early", "decode_steps", "steps_predicted", "host_syncs", "launches")
+COUNTS = ("useful_tokens", "early", "decode_steps", "steps_predicted", "host_syncs", "launches", "prefills")
 FIGURES = ("wall_s", "useful_tokens", "early", "row_step_share", "share_predicted", "decode_steps", "steps_predicted",
-           "host_syncs", "prefill_s", "decode_s", "setup_s", "step_s", "launches")
+           "host_syncs", "prefill_s", "decode_s", "setup_s", "step_s", "launches", "prefills")
 
 
 def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], device_name: str):
@@ -466,9 +479,10 @@ def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], d
             row = {**base, "runner": r.runner, "label": r.label, "status": r.status, "note": r.note,
                    "warmup_s": r.warmup_s, "repeat": i if s else -1,
                    **{k: s.get(k, float("nan")) for k in FIGURES},
-                   "prefill_estimated": s.get("prefill_estimated", False)}
+                   "prefill_estimated": s.get("prefill_estimated", False), "refill_sizes": s.get("refill_sizes", "")}
             if r.runner in ROLLOUTS and s:   # what the lengths alone say the device counts (measure.rollouts)
-                plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0])
+                plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0], refill_rows=cfg.refill_rows,
+                                         refill_after=cfg.refill_after)
                 row["share_predicted"], row["steps_predicted"] = plan.share, plan.steps
             row["tok_s"] = row["useful_tokens"] / row["wall_s"] if s else float("nan")
             rows.append(row)
@@ -487,6 +501,7 @@ def summarize(df):
             row[column] = _median(g[column].tolist())
         row["tok_s"] = row["useful_tokens"] / row["wall_s"] if row["wall_s"] > 0 else float("nan")
         row["prefill_estimated"] = bool(g.prefill_estimated.any())
+        row["refill_sizes"] = g.refill_sizes.iloc[-1] if "refill_sizes" in g else ""   # the last call's {rows: refills}
         rows.append(row)
     summary = pd.DataFrame(rows)
     for column in COUNTS:   # whole numbers stay whole (NaN where a runner has none)
@@ -547,10 +562,11 @@ def header(cfg: RolloutConfig, work: Workload, env: dict, summary) -> str:
     step = summary.loc[summary.runner == "eos-off", "step_s"]
     step_ms = f"{float(step.iloc[0]) * 1e3:.3f} ms" if len(step) and step.iloc[0] == step.iloc[0] else "-"
     estimated = summary.loc[summary.prefill_estimated, "runner"].tolist()
-    note = (f"; prefill_s of {', '.join(estimated)} estimated (refills inside the captured loop timed by the "
-            "first fill's mean)") if estimated else ""
+    note = (f"; prefill_s of {', '.join(estimated)} estimated (each size's refills inside the captured loop priced "
+            "by one replay of that size's graph)") if estimated else ""
     return (f"\n{cfg.name}: {env['device_name']}, torch {env['torch']}, transformers {env['transformers']}; "
-            f"{cfg.prompts} prompts x {cfg.prompt_len} tokens, {cfg.slots} slots, lengths {cfg.lengths} "
+            f"{cfg.prompts} prompts x {cfg.prompt_len} tokens, {cfg.slots} slots, lengths {cfg.lengths}, refill_rows "
+            f"{cfg.refill_rows}, refill_after {cfg.refill_after} "
             f"(max_new_tokens {work.max_new_tokens}, {work.drawn_tokens} tokens drawn); greedy, median of "
             f"{cfg.repeats}; eos-off step {step_ms}; ideal = prefill_s + steps x eos-off step{note}")
 
@@ -609,6 +625,11 @@ def parser() -> options.Parser:
                   help=f"the runners to measure ({', '.join(RUNNERS)}; default all): the ideal needs eos-off, "
                        "a ratio needs both of its runners")
     p.add_kernels()
+    p.list_option("--refill-rows", item=options.int_item("refill-rows", 1), default=[REFILL_ROWS],
+                  help="the refill runners' refill_rows (the most prompts one refill prefills together), one config "
+                       "per value")
+    p.list_option("--refill-after", item=options.int_item("refill-after", 1), default=[1],
+                  help="the refill runners' refill_after (refill once this many slots are free), one config per value")
     p.add_argument("--cb-cuda-graphs", choices=CB_CUDA_GRAPHS, default="auto",
                    help="hf-cb's CUDA graphs (use_cuda_graph): auto leaves HF's choice (on for flash attention, "
                         "off where an attention mask is needed), on or off forces it")
@@ -651,8 +672,10 @@ def _configs(model_name: str, args) -> list[RolloutConfig]:
     return [RolloutConfig(model=model_name, slots=slots, prompts=args.prompts, prompt_len=args.prompt_len,
                           lengths=workloads.parse(spec).spec, repeats=args.repeats, seed=args.seed,
                           cb_cuda_graphs=args.cb_cuda_graphs,
-                          runners=tuple(r for r in RUNNERS if r in args.runners), kernels=kernels)
+                          runners=tuple(r for r in RUNNERS if r in args.runners), kernels=kernels,
+                          refill_rows=rows, refill_after=after)
             for kernels in dict.fromkeys(args.kernels)
+            for rows in dict.fromkeys(args.refill_rows) for after in dict.fromkeys(args.refill_after)
             for spec in dict.fromkeys(args.lengths) for slots in dict.fromkeys(args.slots)]
 
 

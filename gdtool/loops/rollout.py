@@ -13,10 +13,12 @@ the slots) and keeps `slots` rows decoding:
 refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded, through a
                `Decoder` (any mode and kernels). Each sequence is bit for bit generate() on its batch.
 refill="host"  each slot holds one sequence at its own positions (`core/rollout_step.py`). After each
-               decode step the host reads the flags and, while a slot is free and the queue is not
-               empty, runs a refill: the next sequence (input order) starts in the first free slot,
-               its prompt prefilled alone in one row, its keys and values written into the slot's
-               cache row. Greedy, each sequence is generate() on its prompt alone, up to rounding
+               decode step the host reads the flags and, while slots are free and the queue is not
+               empty, runs a refill: the next sequences (input order) start in the first free slots,
+               their prompts prefilled together (up to `refill_rows`, default 8, in one forward: a
+               size of R, R/2, .., 1 graphs), each one's keys and values written into its slot's
+               cache row. `refill_after=A` waits until A slots are free (or all the queue has left),
+               so that one forward fills several. Greedy, each sequence is generate() on its prompt alone, up to rounding
                (tokens equal in float64 on a CPU). Sampling draws keyed noise (`core/noise.py`),
                not generate()'s generator stream, so a sequence does not depend on its slot, the
                slot count or its neighbours; `seed` is required to sample.
@@ -34,6 +36,7 @@ whole call).
 """
 from __future__ import annotations
 
+import functools
 import operator
 import time
 from dataclasses import dataclass
@@ -42,7 +45,7 @@ import torch
 
 from ..core import graphs, ranges, sampling
 from ..core.modes import check_mode
-from ..core.rollout_step import RowStep, check_rows, new_row_state, row_cache
+from ..core.rollout_step import REFILL_ROWS, RowStep, check_rows, new_row_state, refill_sizes, row_cache
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from ..kernels.rows import CompiledRowStep
@@ -50,7 +53,7 @@ from ..kernels.step import watched
 from .decode import check_run, check_samples
 from .decoder import Decoder
 
-__all__ = ["REFILLS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
+__all__ = ["REFILLS", "REFILL_ROWS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
 REFILLS = ("off", "host", "device")
 
 
@@ -81,15 +84,16 @@ class RolloutOutput:
     useful_tokens: int                # sum of the sequences' lengths
     row_steps: int                    # rows x token steps the device ran (a prefilled row counts one)
     decode_steps: int                 # decode forwards (refill="off": summed over the batches)
-    prefills: int                     # prefill forwards (off: one per batch; refill: one per sequence)
+    prefills: int                     # prefill forwards (off: one per batch; refill: one per refill)
     prefilled_rows: int               # rows those prefills ran (one per sequence)
     host_syncs: int                   # blocking reads of device values, hidden ones included
     prefill_s: float                  # prompt forwards and first tokens, refills included
     decode_s: float                   # decode steps, EOS checks and read-backs (graph warm-up and capture too)
     total_s: float
     setup_s: float = 0.0              # refill="host"/"device": warm-up and capture before the first prefill
-    prefill_estimated: bool = False   # refill="device" captured: refills inside the loop timed by the fill's mean
+    prefill_estimated: bool = False   # refill="device" captured: refills inside the loop priced by each size's replay
     launches: int | None = None       # refill="device" captured: graph launches of the decode loop
+    refill_sizes: dict | None = None  # refill: {rows: refills of that many rows}
 
     @property
     def row_step_share(self) -> float:
@@ -117,13 +121,14 @@ class RolloutOutput:
         return dict(refill=self.refill, slots=self.slots, mode=self.mode, sequences=len(self.sequences),
                     useful_tokens=self.useful_tokens, row_steps=self.row_steps, row_step_share=self.row_step_share,
                     decode_steps=self.decode_steps, prefills=self.prefills, prefilled_rows=self.prefilled_rows,
+                    refill_sizes=self.refill_sizes,
                     host_syncs=self.host_syncs,
                     prefill_s=self.prefill_s, decode_s=self.decode_s, total_s=self.total_s,
                     tokens_per_s=self.tokens_per_s)
 
 
 def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, num_samples: int = 1, refill: str = "off",
-            seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
+            refill_rows: int | None = None, refill_after: int | None = None, seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
             steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
@@ -137,7 +142,9 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     generators once, before the first batch, and the batches draw from them in turn (generate()'s stream, bit
     for bit). refill="host": sampling needs `seed` (an int, taken mod 2**64): the noise of token t of sample k
     of prompt p is keyed by (seed, p, k, t) (`core.noise`), so a sequence is the same whatever slot it ran in
-    and however many slots ran; the global generators are not touched. `on_finished(sequence)` is
+    and however many slots ran; the global generators are not touched. `refill_rows` (default REFILL_ROWS) and
+    `refill_after` (default 1) shape the refills (module doc); they change which sequences share a prefill, so
+    the bits of a run in low precision, never the sequences each policy gives in every mode. `on_finished(sequence)` is
     called with each `Sequence` as soon as the host has it (refill="host": at the step it finished; "off": after
     its batch). `return_logprobs`: True gives each token's log-probability under the processed scores (what
     generate() samples from), "temperature" under softmax(logits / temperature) alone (what PPO/GRPO ratios
@@ -146,7 +153,8 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     """
     if isinstance(model, Decoder):
         return rollout(**_from_decoder(model, prompts, slots=slots, max_new_tokens=max_new_tokens,
-                                       num_samples=num_samples, refill=refill, seed=seed,
+                                       num_samples=num_samples, refill=refill, refill_rows=refill_rows,
+                                       refill_after=refill_after, seed=seed,
                                        return_logprobs=return_logprobs, mode=mode, kernels=kernels, capture=capture,
                                        on_finished=on_finished, on_group=on_group,
                                        eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
@@ -175,6 +183,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     kernels = check_run(model, mode, kernels, capture)
     if refill != "off":
         seed = _check_rows_policy(refill, mode, kernels, settings, seed, eos_poll_interval, steps_per_launch)
+        refill_rows, refill_after = _check_refill_shape(refill_rows, refill_after)
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
     targets = _check_targets(target_lengths, len(sequences), settings, refill)
@@ -183,11 +192,12 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
         # rows that would never hold a sequence are not allocated (nor counted as row-steps)
         run = _RowRollout(model, settings, sequences, min(slots, len(sequences)), return_logprobs, on_finished,
                           on_group, seed, refill, mode, capture, eos_poll_interval, steps_per_launch, num_samples,
-                          targets, kernels)
+                          targets, kernels, refill_rows, refill_after)
     else:
-        if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None:
-            raise ValueError("on_group, eos_poll_interval and steps_per_launch are refill='host'/'device' options; "
-                             "refill='off' decodes through a Decoder: leave them unset")
+        if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None \
+                or refill_rows is not None or refill_after is not None:
+            raise ValueError("on_group, eos_poll_interval, steps_per_launch, refill_rows and refill_after are "
+                             "refill='host'/'device' options; refill='off' decodes through a Decoder: leave them unset")
         run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished, targets,
                              Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
@@ -254,6 +264,17 @@ def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, st
         raise ValueError(f"refill={refill!r} samples with noise keyed by (seed, prompt, sample, token), not the "
                          f"global generator, so it needs a seed: pass seed=<int> (got seed={seed!r}), or "
                          "refill='off' to draw from the global generator as generate() does") from None
+
+
+def _check_refill_shape(rows, after) -> tuple[int, int]:
+    """refill_rows and refill_after as ints >= 1 (their defaults where None)."""
+    rows = REFILL_ROWS if rows is None else rows
+    after = 1 if after is None else after
+    for name, value, what in (("refill_rows", rows, "the most prompts one refill prefills together"),
+                              ("refill_after", after, "refill once this many slots are free")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1 ({what})")
+    return rows, after
 
 
 def _check_targets(target_lengths, count: int, settings, refill: str):
@@ -379,15 +400,16 @@ _FAR = 1 << 62  # a device loop's step limit where only `done` stops it
 class _RowRollout:
     """refill="host" or "device": `slots` rows, each its own sequence (`core/rollout_step.py`).
 
-    Both policies run `RowStep.__call__` (one decode step) and `RowStep.refill` (one sequence into the first
-    free slot) in one order: after each step, refill while `settled` is 0. "host" reads `settled` and `done`
-    after each step and each refill. "device" in step-graph launches one graph per step whose refills run in a
-    WHILE node on the device, and reads `done` every `poll` steps; in device-loop one launch runs the rollout
-    (`steps_per_launch` chunks it). Uncaptured (eager, or no CUDA) the device's conditions are read on the host:
-    the same calls, so the twin of every captured run."""
+    Both policies run `RowStep.__call__` (one decode step) and `RowStep.refill(g)` (g sequences into the first
+    free slots) in one order: after each step, refill `group` rows while `settled` is 0. "host" reads `settled`,
+    `group` and `done` after each step and each refill. "device" in step-graph launches one graph per step, its
+    refills first, in one WHILE node per size on the device, and reads `done` every `poll` steps; in device-loop
+    one launch runs the rollout (`steps_per_launch` chunks it). Uncaptured (eager, or no CUDA) the device's
+    conditions are read on the host: the same calls, so the twin of every captured run."""
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
-                 mode, capture, poll, steps_per_launch, num_samples, targets=None, kernels="hf"):
+                 mode, capture, poll, steps_per_launch, num_samples, targets=None, kernels="hf",
+                 refill_rows=REFILL_ROWS, refill_after=1):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
@@ -396,10 +418,12 @@ class _RowRollout:
         width = max(len(ids) for _, _, ids in sequences)
         cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
-        self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets)
+        sizes = refill_sizes(refill_rows, slots, len(sequences))
+        self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets, sizes)
         cache = row_cache(model, cache_len)
-        self.step = RowStep(model, cache, self.state, settings, seed) if kernels == "hf" else \
-            CompiledRowStep(model, cache, self.state, settings, seed, kernels=kernels)
+        shape = dict(sizes=sizes, after=refill_after)
+        self.step = RowStep(model, cache, self.state, settings, seed, **shape) if kernels == "hf" else \
+            CompiledRowStep(model, cache, self.state, settings, seed, kernels=kernels, **shape)
         self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
         self.capture = self.spec.captures and capture is not False and graphs.can_capture(self.device)
         self.graphs: list = []
@@ -409,8 +433,7 @@ class _RowRollout:
         self.results: list = [None] * len(sequences)
         self.delivered = 0
         self.groups_left: dict = {}
-        self.fill_s = 0.0
-        self.fill_refills = 0
+        self.refill_s: dict = {}   # refill="device" captured: seconds of one replay of each size's refill
         self.estimated = False
 
     # -- host reads --
@@ -419,22 +442,28 @@ class _RowRollout:
         ranges.count_syncs()
         return tensor.tolist()
 
-    def _flags(self) -> tuple[bool, bool]:
-        done, settled = self._read(torch.cat([self.state.done, self.state.settled]))
-        return bool(done), bool(settled)
+    def _flags(self) -> tuple[bool, bool, int]:
+        """(done, settled, the rows of the next refill) in one read."""
+        done, settled, group = self._read(torch.cat([self.state.done, self.state.settled, self.state.group]))
+        return bool(done), bool(settled), group
 
     # -- building: warm-up and capture --
     def _build(self) -> None:
         step, state = self.step, self.state
-        self.do_step, self.do_refill = step, step.refill
+        step.flags()   # the first refill's size: every slot is free
+        self.do_step = step
+        self.do_refill = {g: functools.partial(step.refill, g) for g in step.sizes}
         if not self.capture:
             return
         snap = state.snapshot()
         # HF's kernels: the first warm-up step watched for what a graph cannot hold. Never a compiled step: under
         # the watching dispatch mode dynamo skips its function, and marks it to run uncompiled from then on
         watch = watched(self.model, self.kernels)
+        constants = {}
         with ranges.span(ranges.WARMUP):
-            constants = graphs.warm_up(step.refill, 2, model=watch)
+            for g in step.sizes:
+                constants[g] = graphs.warm_up(self.do_refill[g], 2, model=watch)
+                state.restore(snap)
             if self.spec.graph == "forward":
                 step.phase["prefill"] = None
                 forward = graphs.warm_up(step.forward, 2, model=watch)
@@ -444,9 +473,6 @@ class _RowRollout:
         pool = torch.cuda.graph_pool_handle()
         keep = self.refill == "device"
         with ranges.span(ranges.CAPTURE):
-            refill = graphs.capture(step.refill, self.device, pool, keep_graph=keep, model=self.model,
-                                    constants=constants)
-            self.graphs.append(refill)
             if self.spec.graph == "forward":
                 fwd = graphs.capture(step.forward, self.device, pool, model=self.model, constants=forward)
                 self.graphs.append(fwd)
@@ -454,21 +480,39 @@ class _RowRollout:
                 def replayed():
                     fwd.replay()
                     return fwd.output
-                step.forward_fn = replayed
-                self.do_refill = step.refill           # forward-graph: the refill's prefill stays eager
+                step.forward_fn = replayed              # forward-graph: the refills' prefills stay eager
             else:
+                refills = {g: graphs.capture(self.do_refill[g], self.device, pool, keep_graph=keep, model=self.model,
+                                             constants=constants[g]) for g in step.sizes}
+                self.graphs += list(refills.values())
                 whole = graphs.capture(step, self.device, pool, keep_graph=keep, model=self.model,
                                        constants=forward)
                 self.graphs.append(whole)
-                self.do_step, self.do_refill = whole.replay, refill.replay
+                self.do_step = whole.replay
+                self.do_refill = {g: graph.replay for g, graph in refills.items()}
         if keep:
+            self.refill_s = self._time_refills(refills, snap)
             from .devloop import DeviceLoop
             far = torch.tensor(_FAR, dtype=torch.long, device=self.device)
-            self.fill_loop = DeviceLoop(refill.graph, state.settled, torch.zeros((), dtype=torch.long,
-                                                                                 device=self.device), far)
-            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far,
-                                        inner=(refill.graph, state.settled))
-            self.loops += [self.fill_loop, self.step_loop]
+            chain = [(refills[g].graph, state.pick[i:i + 1]) for i, g in enumerate(step.sizes)]
+            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=chain)
+            self.loops.append(self.step_loop)
+
+    def _time_refills(self, refills: dict, snap: dict) -> dict:
+        """Seconds of one replay of each size's refill graph, from the rollout's first state (the best of two):
+        what prices the refills a device loop runs unseen. The state is restored after each."""
+        times = {}
+        for g, graph in refills.items():
+            best = float("inf")
+            for _ in range(2):
+                self._synchronize()
+                t0 = time.perf_counter()
+                graph.replay()
+                self._synchronize()
+                best = min(best, time.perf_counter() - t0)
+                self.state.restore(snap)
+            times[g] = best
+        return times
 
     # -- the run --
     def run(self) -> RolloutOutput:
@@ -503,12 +547,12 @@ class _RowRollout:
             torch.cuda.synchronize(self.device)
 
     def _settle(self) -> bool:
-        """Refill while a slot is free and the queue is not empty (host reads); returns done."""
-        done, settled = self._flags()
+        """Refill while `settled` is 0, `group` rows at a time (host reads); returns done."""
+        done, settled, group = self._flags()
         while not settled:
-            with ranges.span(ranges.PREFILL), hidden_waits(self.device, self.waits):
-                self.do_refill()
-            done, settled = self._flags()
+            with ranges.span(ranges.PREFILL, group), hidden_waits(self.device, self.waits):
+                self.do_refill[group]()
+            done, settled, group = self._flags()
         return done
 
     def _host(self) -> float:
@@ -523,24 +567,20 @@ class _RowRollout:
             with ranges.span(ranges.STEP, steps), hidden_waits(self.device, self.waits):
                 self.do_step()
             with ranges.span(ranges.EOS_CHECK):
-                done, settled = self._flags()
+                done, settled, group = self._flags()
             if self.on_finished is not None or self.on_group is not None:
                 self._harvest()
             if not settled:
                 t0 = time.perf_counter()
-                with ranges.span(ranges.PREFILL), hidden_waits(self.device, self.waits):
-                    self.do_refill()
+                with ranges.span(ranges.PREFILL, group), hidden_waits(self.device, self.waits):
+                    self.do_refill[group]()
                 done = self._settle()
                 prefill_s += time.perf_counter() - t0
         return prefill_s
 
     def _device(self) -> float:
-        """refill="device", captured: refills in a WHILE node after each step, on the device."""
-        t0 = time.perf_counter()
-        with ranges.span(ranges.PREFILL):
-            self.fill_loop.launch()
-            self.fill_refills = self._read(self.state.refills)   # waits for the fill: its time is measured
-        self.fill_s = time.perf_counter() - t0
+        """refill="device", captured: the refills in WHILE nodes before each step, on the device (the first
+        launch's fill the slots). Returns the refills' seconds, priced by each size's replay (`_time_refills`)."""
         launches = 0
         if self.spec.device_loop:
             while True:
@@ -564,10 +604,9 @@ class _RowRollout:
                 if done:
                     break
         self.launches = launches
-        refills = int(self._read(self.state.refills))
-        self.estimated = refills > self.fill_refills
-        each = self.fill_s / self.fill_refills if self.fill_refills else 0.0
-        return self.fill_s + each * (refills - self.fill_refills)
+        counts = self._read(self.state.refill_counts)
+        self.estimated = True
+        return sum(n * self.refill_s[g] for g, n in zip(self.step.sizes, counts))
 
     # -- results --
     def _harvest(self) -> None:
@@ -603,11 +642,13 @@ class _RowRollout:
 
     def _output(self, prefill_s: float, loop_s: float) -> RolloutOutput:
         s = self.state
-        row_steps, steps, refills = (int(v) for v in self._read(torch.stack([s.ran.sum(), s.steps, s.refills])))
+        row_steps, steps, refills, started, *counts = (int(v) for v in self._read(
+            torch.cat([torch.stack([s.ran.sum(), s.steps, s.refills, s.next]), s.refill_counts])))
         done = [seq for seq in self.results if seq is not None]
         out = RolloutOutput(done, self.refill, self.slots, self.settings.max_new_tokens, "",
-                            sum(seq.length for seq in done), row_steps, steps, refills, refills,
+                            sum(seq.length for seq in done), row_steps, steps, refills, started,
                             self.syncs + self.waits.count, prefill_s, max(loop_s - prefill_s, 0.0), 0.0)
         out.prefill_estimated = self.estimated
         out.launches = getattr(self, "launches", None)
+        out.refill_sizes = {g: n for g, n in zip(self.step.sizes, counts) if n}
         return out

@@ -8,10 +8,12 @@ the admission rule, and this module computes them without a model:
     off     batches of `slots` consecutive sequences; a batch's prefill makes each row's first token, then
             it runs max(L) - 1 steps (the device loop stops right after its last row ends). Row-steps:
             rows x (steps + 1) per batch.
-    host,   after each step, while a slot is free and the queue is not empty, the next sequence takes the
-    device  first free slot (its refill makes its first token; a sequence of length 1 ends there and frees
-            the slot again). The rollout ends when no slot is decoding and the queue is empty. Row-steps:
-            slots x steps + one per refill (the device counts every slot at every step, finished or not).
+    host,   after each step, while the queue is not empty and at least min(refill_after, queue left, slots)
+    device  slots are free, the next g sequences take the first g free slots, g the largest refill size
+            (`refill_rows` and the powers of two below it) no larger than the free slots and the queue left; one
+            prefill makes their first tokens (a sequence of length 1 ends there and frees its slot again). The
+            rollout ends when no slot is decoding and the queue is empty. Row-steps: slots x steps + one per
+            sequence (the device counts every slot at every step, finished or not).
 
 Fewer sequences than `slots` run in as many rows as there are sequences, as gdtool.rollout runs them.
 
@@ -30,6 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..core.rollout_step import REFILL_ROWS, refill_sizes
+
 __all__ = ["REFILLS", "Schedule", "schedule", "predict_s"]
 
 REFILLS = ("off", "host", "device")
@@ -43,8 +47,9 @@ class Schedule:
     useful: int          # tokens kept: the sum of the lengths
     steps: int           # decode steps (all batches, for "off")
     row_steps: int       # what the device counts: see the module doc
-    prefills: int        # "off": batch prefills; refill: one per sequence
+    prefills: int        # "off": batch prefills; refill: prefill forwards (one per refill of g sequences)
     occupancy: np.ndarray | None = None   # [steps, slots]: the sequence each slot decoded at each step, or IDLE
+    refill_sizes: tuple = ()   # refill: (g, refills of g sequences) per size that ran, largest first
 
     @property
     def share(self) -> float:
@@ -58,17 +63,20 @@ def _lengths(lengths) -> np.ndarray:
     return values
 
 
-def schedule(lengths, slots: int, refill: str = "device", occupancy: bool = False) -> Schedule:
-    """The schedule of sequences of `lengths` (in queue order) through `slots` rows under `refill`."""
+def schedule(lengths, slots: int, refill: str = "device", occupancy: bool = False, refill_rows: int = REFILL_ROWS,
+             refill_after: int = 1) -> Schedule:
+    """The schedule of sequences of `lengths` (in queue order) through `slots` rows under `refill` (with
+    gdtool.rollout's `refill_rows` and `refill_after`)."""
     if refill not in REFILLS:
         raise ValueError(f"refill={refill!r}: use one of {', '.join(REFILLS)}")
-    if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots < 1:
-        raise ValueError(f"slots={slots!r}: use an int >= 1")
+    for name, value in (("slots", slots), ("refill_rows", refill_rows), ("refill_after", refill_after)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+            raise ValueError(f"{name}={value!r}: use an int >= 1")
     values = _lengths(lengths)
     rows = min(int(slots), values.size)   # gdtool.rollout allocates no row that would never hold a sequence
     if refill == "off":
         return _static(values, rows, occupancy)
-    return _refilled(values, rows, refill, occupancy)
+    return _refilled(values, rows, refill, occupancy, int(refill_rows), int(refill_after))
 
 
 def _static(lengths: np.ndarray, slots: int, occupancy: bool) -> Schedule:
@@ -89,23 +97,28 @@ def _static(lengths: np.ndarray, slots: int, occupancy: bool) -> Schedule:
     return Schedule("off", slots, int(lengths.sum()), steps, row_steps, -(-lengths.size // slots), grid)
 
 
-def _refilled(lengths: np.ndarray, slots: int, refill: str, occupancy: bool) -> Schedule:
+def _refilled(lengths: np.ndarray, slots: int, refill: str, occupancy: bool, refill_rows: int,
+              refill_after: int) -> Schedule:
     remaining = np.zeros(slots, dtype=np.int64)     # tokens a slot still has to make (0: free)
     sequence = np.full(slots, IDLE, dtype=np.int64)
-    queue, refills, steps = 0, 0, 0
+    sizes = refill_sizes(refill_rows, slots, lengths.size)
+    counts = dict.fromkeys(sizes, 0)
+    queue, steps = 0, 0
     rows = []
 
     def settle():
-        nonlocal queue, refills
+        nonlocal queue
         while queue < lengths.size:
+            left = lengths.size - queue
             free = np.flatnonzero(remaining == 0)
-            if free.size == 0:
+            if free.size < min(refill_after, left, slots):
                 return
-            slot = free[0]
-            sequence[slot] = queue
-            remaining[slot] = lengths[queue] - 1     # the refill makes the first token
-            queue += 1
-            refills += 1
+            g = next(size for size in sizes if size <= min(free.size, left))
+            for slot in free[:g]:
+                sequence[slot] = queue
+                remaining[slot] = lengths[queue] - 1     # the refill makes the first token
+                queue += 1
+            counts[g] += 1
 
     settle()
     while (remaining > 0).any():
@@ -116,10 +129,18 @@ def _refilled(lengths: np.ndarray, slots: int, refill: str, occupancy: bool) -> 
         steps += 1
         settle()
     grid = (np.stack(rows) if rows else np.zeros((0, slots), np.int64)) if occupancy else None
-    return Schedule(refill, slots, int(lengths.sum()), steps, slots * steps + refills, refills, grid)
+    return Schedule(refill, slots, int(lengths.sum()), steps, slots * steps + int(lengths.size),
+                    sum(counts.values()), grid, tuple((g, n) for g, n in counts.items() if n))
 
 
-def predict_s(plan: Schedule, step_s: float, prefill_s: float) -> float:
-    """Seconds of a rollout by its schedule: steps x `step_s` + prefills x `prefill_s` (a batch's prefill for
-    "off", one sequence's refill otherwise). Setup, capture and read-back are left out."""
+def predict_s(plan: Schedule, step_s: float, prefill_s) -> float:
+    """Seconds of a rollout by its schedule: steps x `step_s` + its prefills, each `prefill_s` (a batch's prefill
+    for "off", one refill otherwise), or `prefill_s[g]` for a refill of g sequences where it is a mapping.
+    Setup, capture and read-back are left out."""
+    if isinstance(prefill_s, dict):
+        missing = [g for g, _ in plan.refill_sizes if g not in prefill_s]
+        if missing:
+            raise ValueError(f"prefill_s has no time for refills of {missing[0]} sequences (the schedule ran "
+                             f"{dict(plan.refill_sizes)})")
+        return plan.steps * step_s + sum(n * prefill_s[g] for g, n in plan.refill_sizes)
     return plan.steps * step_s + plan.prefills * prefill_s

@@ -93,16 +93,17 @@ class DeviceLoop:
         needs `rng_increment`, the offset one eager step advances `generator` by (a multiple of 4).
     generator: the CUDA generator the step samples from (default: the device's default generator).
 
-    inner: (graph, settled): after each body run, run `graph` (a `CUDAGraph(keep_graph=True)`) while the
-        one-element int64 tensor `settled` is 0: a WHILE node nested in the loop's body (a rollout's refills).
-        Uncaptured, the body callable runs its own inner loop: pass inner=None.
+    inner: [(graph, settled), ...]: before each body run, for each pair in order, run `graph` (a
+        `CUDAGraph(keep_graph=True)`) while the one-element int64 tensor `settled` is 0: WHILE nodes nested in
+        the loop's body, one after the other (a rollout's refills, one graph per group size). Uncaptured, the body
+        callable runs its own inner loops: pass inner=None.
 
     `launch(max_steps=N)` runs at most N steps (streaming); `launches` counts graph launches.
     """
 
     def __init__(self, body, done: torch.Tensor, step: torch.Tensor, limit, *, count_steps: bool = False,
                  advance_rng: bool = False, rng_increment: int | None = None,
-                 generator: torch.Generator | None = None, inner: tuple | None = None):
+                 generator: torch.Generator | None = None, inner: list | None = None):
         if not isinstance(limit, torch.Tensor):
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise ValueError(f"limit must be an int or a one-element int64 tensor; got {type(limit).__name__}")
@@ -114,6 +115,10 @@ class DeviceLoop:
         self.last_calls = None           # uncaptured: steps run by the last launch
         self.captured = isinstance(body, torch.cuda.CUDAGraph)
         self._exec = self._graph = self._rng = None
+        if inner is not None and (not isinstance(inner, (list, tuple)) or not inner
+                                  or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in inner)):
+            raise ValueError("inner must be a non-empty list of (graph, settled) pairs, run in order before each body "
+                             "run, or None")
         self.inner = inner
         self._rollout_open = False
         self._closed = False
@@ -196,9 +201,15 @@ class DeviceLoop:
         self._entry = entry
 
         _, loop_body = self._add_while(parent, entry, handle, ctx, "WHILE")
-        child = _check(cu.cuGraphAddChildGraphNode(loop_body, None, 0, body_graph), "cuGraphAddChildGraphNode")
+        last = None
         if self.inner is not None:
-            child = self._add_inner(loop_body, child, ctx)
+            self._inner_scratch = torch.tensor([0, 1, 0], dtype=torch.int64, device=self.device)  # step, limit, stop_at
+            self._inner_handles = []
+            for graph, settled in self.inner:
+                last = self._add_inner(loop_body, last, ctx, graph, settled)
+        deps = None if last is None else [last]
+        child = _check(cu.cuGraphAddChildGraphNode(loop_body, deps, 0 if last is None else 1, body_graph),
+                       "cuGraphAddChildGraphNode")
         self._body_params = self._condition_params(entering=False, max_steps=None)
         _check(cu.cuGraphAddKernelNode(loop_body, [child], 1, self._body_params), "cuGraphAddKernelNode (condition)")
         try:
@@ -225,31 +236,32 @@ class DeviceLoop:
             node = _check(cu.cuGraphAddNode(graph, [after], 1, params), f"cuGraphAddNode ({what})")
         return node, params.conditional.phGraph_out[0]
 
-    def _add_inner(self, graph, after, ctx):
-        """In `graph`, after node `after`: an entry kernel, then a WHILE node running the inner graph while its
-        `settled` flag is 0 (the same condition kernel: no step count, a limit of 1 never reached). Returns the
-        WHILE node."""
+    def _add_inner(self, graph, after, ctx, inner_graph, settled):
+        """In `graph`, after node `after` (None: first): an entry kernel, then a WHILE node running `inner_graph`
+        while its `settled` flag is 0 (the same condition kernel: no step count, a limit of 1 never reached).
+        Returns the WHILE node."""
         cu = self._cu
-        inner_graph, settled = self.inner
         if not isinstance(settled, torch.Tensor) or settled.dtype != torch.int64 or settled.numel() != 1 \
                 or settled.device != self.device:
-            raise ValueError("inner=(graph, settled): settled must be a one-element int64 tensor on the loop's device")
+            raise ValueError("inner=[(graph, settled), ...]: each settled must be a one-element int64 tensor on the "
+                             "loop's device")
         try:
             raw = inner_graph.raw_cuda_graph()
         except RuntimeError as error:
             raise ValueError("capture the inner graph with torch.cuda.CUDAGraph(keep_graph=True)") from error
         inner_body = cu.CUgraph(int(raw))
         self.body_nodes += _check_body_nodes(cu, inner_body)
-        self._inner_scratch = torch.tensor([0, 1, 0], dtype=torch.int64, device=self.device)  # step, limit, stop_at
         handle = _check(cu.cuGraphConditionalHandleCreate(graph, ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
                         "cuGraphConditionalHandleCreate (inner)")
-        entry = _check(cu.cuGraphAddKernelNode(graph, [after], 1, self._inner_params(handle, settled, True)),
+        deps = None if after is None else [after]
+        entry = _check(cu.cuGraphAddKernelNode(graph, deps, 0 if after is None else 1,
+                                               self._inner_params(handle, settled, True)),
                        "cuGraphAddKernelNode (inner entry)")
         node, body = self._add_while(graph, entry, handle, ctx, "inner WHILE")
         child = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
         _check(cu.cuGraphAddKernelNode(body, [child], 1, self._inner_params(handle, settled, False)),
                "cuGraphAddKernelNode (inner condition)")
-        self._inner_handle = handle
+        self._inner_handles.append(handle)
         return node
 
     def _inner_params(self, handle, settled: torch.Tensor, entering: bool):
