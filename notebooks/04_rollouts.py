@@ -23,8 +23,8 @@
 #
 # - `refill="off"`: static batches through the device loop;
 # - `refill="host"`: the host reads the flags after each captured step and replays the refill;
-# - `refill="device"`: the refills run inside the device loop, in a WHILE node after each step: one launch
-#   for the whole rollout, a handful of host reads.
+# - `refill="device"`: the refills run inside the device loop, in WHILE nodes (one per refill size) between
+#   the steps: one launch for the whole rollout, a handful of host reads.
 #
 # Everything measured below is read from `profiles/h100/rollout-bench/`: `python -m gdtool bench --workload
 # rollout` on one H100 (random weights with real shapes, bf16, HF's kernels, greedy, each prompt's response
@@ -42,6 +42,7 @@ picture_prompts = 256
 other_lengths = ["geom:32:512", "uniform:1:256", "fixed:128"]   # predicted only
 slot_counts = [8, 16, 32, 64, 128, 256]
 prompts = 1024                   # prompts per predicted rollout
+refill_rows, refill_after = 1, 1  # the runs' gdtool.rollout refill_rows and refill_after
 cpu = {}                         # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -62,7 +63,17 @@ p = notebook.setup(dict(results=results, model=model, lengths=lengths), cpu=cpu,
 root = Path(gdtool.__file__).resolve().parent.parent
 folder = root / "profiles" / results
 runs = [json.loads(f.read_text()) for f in sorted(folder.glob(f"{model}_rollout_*.json"))]
-runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get("kernels", "hf") == kernels]
+runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get("kernels", "hf") == kernels
+        and (r["config"].get("refill_rows", 1), r["config"].get("refill_after", 1)) == (refill_rows, refill_after)]
+
+
+def shape(cfg, refill):
+    """A run's refill_rows and refill_after, as gdtool.rollout and rollouts.schedule take them (runs from before
+    refill_rows refilled one prompt at a time)."""
+    return {} if refill == "off" else dict(refill_rows=cfg.get("refill_rows", 1),
+                                           refill_after=cfg.get("refill_after", 1))
+
+
 rows = [{**s, "prompts": r["config"]["prompts"], "seed": r["config"]["seed"]} for r in runs for s in r["summary"]]
 summary = pd.DataFrame(rows).sort_values(["slots", "runner"], kind="stable")
 env = runs[0]["environment"]
@@ -105,14 +116,15 @@ plt.show()
 # Each cell is one slot at one decode step: coloured where the slot made a token someone keeps (one colour per
 # sequence), white where it decoded for a sequence that had already ended, or for none. The schedules are
 # computed from the run's drawn lengths by `gdtool.measure.rollouts.schedule`, the same admission rule the
-# device runs: after each step, while a slot is free and the queue is not empty, the next sequence takes the
-# first free slot.
+# device runs: after each step, while a slot is free and the queue is not empty, the next sequences take the
+# first free slots (several in one prefill where several are free; docs/rollout.md).
 
 # %%
 picture = next(r for r in runs if r["config"]["slots"] == picture_slots)
 drawn = workloads.parse(lengths).draw(batch=picture["config"]["prompts"], seed=picture["config"]["seed"])
 first = drawn[:picture_prompts]
-plans = {refill: rollouts.schedule(first, picture_slots, refill, occupancy=True) for refill in ("off", "device")}
+plans = {refill: rollouts.schedule(first, picture_slots, refill, occupancy=True, **shape(picture["config"], refill))
+         for refill in ("off", "device")}
 fig, axes = plt.subplots(2, 1, figsize=(9, 5.2), layout="constrained", sharex=True)
 longest = max(p.steps for p in plans.values())
 for ax, (refill, plan) in zip(axes, plans.items()):
@@ -143,7 +155,7 @@ for r in runs:
     for s in r["summary"]:
         refill = {"static": "off", "host": "host", "device": "device"}.get(s["runner"])
         if refill and s["status"] == "ok":
-            plan = rollouts.schedule(draw, cfg["slots"], refill)
+            plan = rollouts.schedule(draw, cfg["slots"], refill, **shape(cfg, refill))
             counted.append(dict(slots=cfg["slots"], prompts=cfg["prompts"], runner=s["runner"],
                                 share=s["row_step_share"], pred=plan.share, steps=s["decode_steps"],
                                 steps_pred=plan.steps, early=s["early"]))
@@ -197,7 +209,7 @@ for r in runs:
         s = by.get(runner)
         if not s or s["status"] != "ok":
             continue
-        plan = rollouts.schedule(draw, cfg["slots"], refill)
+        plan = rollouts.schedule(draw, cfg["slots"], refill, **shape(cfg, refill))
         seconds = rollouts.predict_s(plan, by["eos-off"]["step_s"], s["prefill_s"] / plan.prefills)
         priced.append(dict(slots=cfg["slots"], runner=runner, predicted_tok_s=plan.useful / seconds,
                            measured_tok_s=s["tok_s"], measured_over_predicted=s["tok_s"] * seconds / plan.useful))

@@ -328,8 +328,9 @@ def fast_tiles() -> str:
 def rollout_bench() -> str:
     """`bench --workload rollout` per model, kernels and slot count: useful tokens/s of static batches, host and device
     refill, HF's continuous batching where it ran, and the device runner's ratios, share and fraction of its ideal;
-    the refill runners' decode step (host: its decode time over its steps) beside the EOS-off step, and one refill
-    (host: its prefill time over the prompts)."""
+    the refill runners' decode step (host: its decode time over its steps) beside the EOS-off step, and the prefill
+    time per prompt (host: its prefill time over the prompts). Runs from before refill_rows (no such config field)
+    refilled one prompt at a time: 1 / 1."""
     rows = []
     for path in sorted((PROFILES / "h100" / "rollout-bench").glob("*.json")):
         doc = json.loads(path.read_text())
@@ -339,8 +340,10 @@ def rollout_bench() -> str:
             return f"{by[runner]['tok_s']:,.0f}" if runner in by else "-"
 
         static, host, dev = (by.get(r) for r in ("static", "host", "device"))
-        rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], [
-            cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", tok("static"), tok("host"),
+        shape = (cfg.get("refill_rows", 1), cfg.get("refill_after", 1))
+        rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], shape, [
+            cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", f"{shape[0]} / {shape[1]}",
+            tok("static"), tok("host"),
             tok("device"), tok("hf-cb"), tok("eos-off"),
             fmt(dev["tok_s"] / static["tok_s"], ".2f") if dev and static else "-",
             fmt(dev["tok_s"] / host["tok_s"], ".2f") if dev and host else "-",
@@ -352,11 +355,11 @@ def rollout_bench() -> str:
             fmt(1e3 * host["prefill_s"] / cfg["prompts"], ".1f") if host else "-",
             device(path), commit(path)]))
     kernels = {"hf": 0, "compiled": 1, "fast": 2}
-    rows.sort(key=lambda r: (r[0], kernels.get(r[1], 9), r[2], r[3]))
-    return table(["model", "kernels", "slots", "prompts", "static", "host", "device", "HF CB", "EOS off",
-                  "device / static", "device / host", "share static / device", "device of ideal",
-                  "host syncs host / device", "ms a step: refill (host) / EOS off", "ms a refill (host)", "device",
-                  "commit"], [r[4] for r in rows], right=set(range(2, 16)))
+    rows.sort(key=lambda r: (r[0], kernels.get(r[1], 9), r[2], r[3], r[4]))
+    return table(["model", "kernels", "slots", "prompts", "refill rows / after", "static", "host", "device", "HF CB",
+                  "EOS off", "device / static", "device / host", "share static / device", "device of ideal",
+                  "host syncs host / device", "ms a step: refill (host) / EOS off", "ms of prefill a prompt (host)",
+                  "device", "commit"], [r[5] for r in rows], right=set(range(2, 17)))
 
 
 TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
