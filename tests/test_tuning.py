@@ -238,3 +238,58 @@ def test_tested_kernel_paths_are_keyed_by_capability_and_triton(monkeypatch):
     monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((8, 0), "3.6"))
     assert "on sm_80 with Triton 3.6" in fast_triton.untested_on_cuda(path, cuda)
     assert fast_triton.untested_on_cuda(path, torch.device("cpu")) == ""
+
+
+def _profiles():
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles"))
+    import tuning_files
+    return tuning_files
+
+
+def test_the_check_says_per_entry_whether_the_shipped_choice_is_within_3_percent_of_the_sweep(tmp_path):
+    """A synthetic gemv sweep: the H200 file's pick at 2% over the fastest passes, at 5% fails, untimed fails; and the
+    sweep's picks written as exact-shape rows make the file choose the fastest."""
+    tf = _profiles()
+    h200 = tuning.read(H200)
+    path = tmp_path / "gemv.csv"
+    rows = ["model,proj,rows,n,k,kernel,pdl,us"]
+    picked = gemv.gemv_config(1, 2048, 2048, 1, h200)            # (4, 8, 4)
+    for config, us in ((picked, 10.2), ((8, 8, 4), 10.0), ((2, 4, 4), 12.0)):
+        rows.append(f'llama-1b,o,1,2048,2048,"triton rms_gemv {config}",False,{us}')
+    rows.append('llama-1b,o,1,2048,2048,"triton rms_gemv (1, 4, 4)",True,1.0')     # PDL on: not the sweep's
+    picked = gemv.gemv_config(1, 8192, 2048, 2, h200)
+    rows += [f'llama-1b,gate_up,1,8192,2048,"triton rms_gemv {picked}",False,21.0',
+             'llama-1b,gate_up,1,8192,2048,"triton rms_gemv (1, 4, 2)",False,20.0',
+             'llama-1b,qkv,1,3072,2048,"triton qkv_rope (1, 4, 4)",False,6.0']
+    path.write_text("\n".join(rows) + "\n")
+    timed = tf.gemv_timings(path)
+    report = {r["entry"].split(")")[0]: r for r in tf.agreement(tf.gemv_entries(timed, h200))}
+    assert report["gemv (2048, 2048, 1"]["ok"] and abs(report["gemv (2048, 2048, 1"]["ratio"] - 1.02) < 1e-9
+    assert not report["gemv (8192, 2048, 2"]["ok"]                       # 21 against 20: 5% over
+    assert not report["qkv_rope (2048, 64"]["ok"] and report["qkv_rope (2048, 64"]["shipped_us"] is None
+    swept = h200
+    for section, values in tf.gemv_sections(timed).items():
+        swept = swept.with_values(section, **values)
+    assert all(r["ok"] and r["ratio"] == 1 for r in tf.agreement(tf.gemv_entries(timed, swept)))
+    assert gemv.gemv_config(1, 4096, 2048, 1, swept) == gemv.gemv_config(1, 4096, 2048, 1, h200)   # unswept: rule
+
+
+def test_the_moe_sweep_writes_the_grouped_table_it_was_read_from(tmp_path, monkeypatch):
+    """The H200 grouped sweeps, written through moe_sections into a copy of the H100 file, give the H200 file's table
+    and grouped_from, with the new provenance; the other sections stay."""
+    tf = _profiles()
+    import moe_sweep
+    h200 = tuning.read(H200)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    rows = [r for p in h200.provenance("experts_grouped")["files"] for r in moe_sweep.load(os.path.join(root, p))]
+    path = str(tmp_path / "h100.json")
+    shutil.copy(H100, path)
+    monkeypatch.setenv("GDTOOL_COMMIT", "abc1234")
+    sections = tf.moe_sections([r for r in rows if r["variant"] in ("grouped", "oss")])
+    tf.update(path, sections, "moe_sweep.py --model gpt-oss-20b", ["OUT/gpt-oss-20b.csv"])
+    written = tuning.read(path)
+    assert written["experts_grouped"]["tiles"] == h200["experts_grouped"]["tiles"]
+    assert written["experts_grouped"]["from_tokens"] == 2 and written["experts_oss"]["block_k"] == 128
+    assert written.provenance("experts_grouped")["commit"] == "abc1234"
+    assert "no H100 sweep yet" in written.provenance("gemv")["sweep"]
