@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import gdtool
 from gdtool.frontends import bench
 from gdtool.kernels import attention as fast_attention, gemv as fast_gemv, testing
-from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fast_triton
+from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fast_triton, tuning
 from gdtool.measure import accuracy, roofline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -231,7 +231,7 @@ def part_gemv(args, rows):
 
 def _attention_plans(args, rows, gen):
     """--attention-targets: llama-1b's attention at one row (32/8 x 64 over 384 slots, the live lengths of a decode)
-    with split_plan's TARGET_PROGRAMS set to each target (fewer, longer chunks: fewer programs and a shorter
+    with split_plan's target programs set to each target (passed as a tuning, `tuning.use`) (fewer, longer chunks: fewer programs and a shorter
     combine), the combine in its own kernel and in the split kernel's last program (GDTOOL_FUSED_COMBINE), PDL on.
     At 175 live slots the default plan (264) cuts 11 chunks of 16 and the step spends ~8 us a layer on attention
     (nsys, a7748ba) for ~0.36 MB of cache: the question is which plan the latency favours."""
@@ -243,7 +243,8 @@ def _attention_plans(args, rows, gen):
     q = torch.randn(m, hq, d, device=DEVICE, generator=gen).to(DTYPE)
     caches = [(torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE),
                torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE)) for _ in range(copies)]
-    default_target, default_fused = fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE
+    default_fused = fast_attention._FUSED_COMBINE
+    tune = tuning.current(torch.device(DEVICE))
     try:
         for live in lives:
             mask = torch.zeros(m, cache, dtype=torch.long, device=DEVICE)
@@ -253,20 +254,21 @@ def _attention_plans(args, rows, gen):
                 for fused in (False, True):
                     if time.perf_counter() - START > args.budget_s:
                         return
-                    fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE = target, fused
+                    fast_attention._FUSED_COMBINE = fused
+                    plan = tune.with_values("attention", programs_per_sm=target / tune.multiprocessors)
                     try:
-                        with fast_triton.pdl(True):
+                        with fast_triton.pdl(True), tuning.use(plan):
                             us = time_calls([lambda kc=kc, vc=vc: fast_attention.split_kv(
                                 q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches], args.reps)
                         rows.append(dict(rows=m, heads=f"{hq}/{hkv}x{d}", cache=cache, live=live,
                                          kernel="split-kv, combine fused" if fused else "split-kv", pdl=True, us=us,
-                                         target=target, chunks=str(fast_attention.split_plan(m, hkv, cache))))
+                                         target=target, chunks=str(fast_attention.split_plan(m, hkv, cache, plan))))
                     except Exception as error:
                         rows.append(dict(rows=m, cache=cache, live=live, target=target, fused=fused,
                                          error=repr(error)[:300]))
                     log(rows[-1])
     finally:
-        fast_attention.TARGET_PROGRAMS, fast_attention._FUSED_COMBINE = default_target, default_fused
+        fast_attention._FUSED_COMBINE = default_fused
 
 
 def part_attention(args, rows):
@@ -436,6 +438,24 @@ def _write(out: Path, name: str, rows):
     return df
 
 
+def _write_config(args, out: Path, parts: dict) -> None:
+    """--write-config: the gemv sweep's fastest tiles per shape and the attention part's fastest target, with
+    their provenance (profiles/tuning_files.py)."""
+    import tuning_files
+    sections, files = {}, []
+    if "gemv" in parts:
+        sections.update(tuning_files.gemv_sections(tuning_files.gemv_timings(
+            out / "gemv.csv", {model: shape[4] for model, shape in SHAPES.items()})))
+        files.append(str(out / "gemv.csv"))
+    if "attention" in parts and args.attention_targets:
+        sections.update(tuning_files.attention_section(parts["attention"].to_dict("records"),
+                                                       tuning.current(torch.device(DEVICE)).multiprocessors))
+        files.append(str(out / "attention.csv"))
+    if sections:
+        tuning_files.update(args.write_config, sections, "decode_kernels_probe.py " + " ".join(sys.argv[1:]), files)
+        log(f"wrote {', '.join(sections)} into {args.write_config}")
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="profiles/kernels")
@@ -455,6 +475,10 @@ def parse_args(argv):
     p.add_argument("--sweep-models", default="llama-1b", help="the models whose projections --sweep sweeps")
     p.add_argument("--attention-targets", default="", help="attention part: llama-1b's attention at one row also with "
                    "split_plan's TARGET_PROGRAMS at each of these (e.g. 8,16,33,66,132,264), combine fused and not")
+    p.add_argument("--write-config", default=None, metavar="PATH",
+                   help="write the sweep's picks into this tuning file (gdtool/kernels/configs/; created from the "
+                        "device's current one): the gemv part's fastest tiles per shape (--sweep full), the attention "
+                        "part's fastest target (--attention-targets); profiles/tuning_files.py")
     p.add_argument("--stack-every", type=float, default=0, help="dump every thread's stack every N s (hangs)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=256)
@@ -517,6 +541,8 @@ def main(argv=None) -> int:
         if rows:
             df = _write(out, part, rows)
             summaries.append((part, df))
+    if args.write_config:
+        _write_config(args, out, dict(summaries))
     print(f"copy bandwidth {env['copy_gb_s']:.0f} GB/s; torch {env['torch']}, triton {env['triton']}")
     for part, df in summaries:
         print(f"== {part}")

@@ -246,7 +246,7 @@ def fast_pdl() -> str:
     return table(["model", "batch", "PDL off ms/step", "on", "auto", "device", "commit"], rows, right={1, 2, 3, 4})
 
 
-# The experts sweeps the tiles of gdtool/kernels/experts/tiles.py were read from (its TUNED_FROM): one MoE block
+# The experts sweeps the H200 tuning file's experts tiles were read from (its experts_grouped provenance): one MoE block
 # captured, µs a block per tokens a step, the best config of each path beside HF's two implementations.
 EXPERTS_SWEEPS = [(H200 / "moe-sweep-c6bba88" / "qwen3-30b-a3b.csv", "qwen3_moe", "small"),
                   (H200 / "moe-sweep-0f91d78" / "gpt-oss-20b.csv", "gpt_oss", "oss")]

@@ -1,5 +1,5 @@
-"""Tile configs of gdtool's experts kernels, swept on the GPU: what `experts.GROUPED_CONFIGS` and
-`experts.OssConfig` should hold.
+"""Tile configs of gdtool's experts kernels, swept on the GPU: what the device's tuning file (sections experts_grouped,
+experts_oss, experts_small; `--write-config` writes them) should hold.
 
 One block at real shapes, random bf16 weights, each variant captured in a CUDA graph and timed over 200
 replays (`moe_block.time_graph`), per batch:
@@ -265,6 +265,10 @@ def main(argv=None):
     p.add_argument("--batch", default=None, help="comma-separated tokens per step (default: the model's list)")
     p.add_argument("--out", required=True, help="folder for sweep.csv")
     p.add_argument("--grids", default=",".join(GRIDS), help=f"comma-separated grids to sweep, of {', '.join(GRIDS)}")
+    p.add_argument("--write-config", default=None, metavar="PATH",
+                   help="then write the picks of every model's CSV in --out (this run's and the others') into this "
+                        "tuning file (gdtool/kernels/configs/; created from the device's current one): the grouped "
+                        "table, grouped_from, gpt-oss's tiles, the small kernels' rows per swept shape")
     args = p.parse_args(argv)
     grids = tuple(g for g in args.grids.split(",") if g)
     unknown = set(grids) - set(GRIDS)
@@ -284,6 +288,13 @@ def main(argv=None):
             f.flush()
         sweep(args.model, batches, done, grids)
     print(f"wrote {path}")
+    if args.write_config:
+        import tuning_files
+        paths = sorted(out / f"{model}.csv" for model in MODELS if (out / f"{model}.csv").exists())
+        rows = [row for csv_path in paths for row in load(csv_path)]
+        tuning_files.update(args.write_config, tuning_files.moe_sections(rows), "moe_sweep.py " + " ".join(
+            sys.argv[1:] if argv is None else argv), [str(p) for p in paths])
+        print(f"wrote the experts' picks of {', '.join(p.name for p in paths)} into {args.write_config}")
 
 
 if __name__ == "__main__":

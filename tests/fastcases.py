@@ -110,7 +110,7 @@ def path(case: Case, device: str = "cpu", dtype=None) -> str:
     """The path `forward.plan` picks for the case: one pass or several of the matrix-vector kernels, the matmuls
     past the line, or refused (Mistral's window narrower than the cache)."""
     from gdtool.kernels import forward, gemv
-    with line(case.line):   # the cache holds the prompt and every new token but the last
+    with line(case.line, device):   # the cache holds the prompt and every new token but the last
         plan = forward.plan(build(case.model, device, dtype), case.batch, case.width + case.new_tokens - 1)
     if plan.applies:
         return "one pass" if case.batch <= gemv.ROWS_PER_PASS else "passes"
@@ -118,16 +118,15 @@ def path(case: Case, device: str = "cpu", dtype=None) -> str:
 
 
 @contextlib.contextmanager
-def line(rows):
-    """Within it, the matrix-vector rows are `rows` (None: the default line)."""
-    from gdtool.kernels import forward
-    saved = forward.BATCH_PATHS
-    if rows is not None:
-        forward.BATCH_PATHS = forward.gemv_line(rows)
-    try:
+def line(rows, device: str = "cpu"):
+    """Within it, the matrix-vector rows are `rows` at every hidden size (None: the device's own batch lines)."""
+    import torch
+    from gdtool.kernels import forward, tuning
+    if rows is None:
         yield
-    finally:
-        forward.BATCH_PATHS = saved
+        return
+    with tuning.use(forward.batch_line(rows, tuning.current(torch.device(device)))):
+        yield
 
 
 def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
@@ -141,7 +140,7 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
     settings.update(eos_token_id=None, pad_token_id=0)
     if case.eos is not None:   # the reference's token there: generate()'s (float32), else eager's with these kernels
-        with line(case.line):
+        with line(case.line, device):
             tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] if device == "cpu" \
                 else decode(model, ids, mask, case.new_tokens, seed=case.seed, kernels="fast", **settings).tokens
         settings["eos_token_id"] = int(tokens[case.eos])
@@ -150,7 +149,7 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     expect = "HF forward compiled" if path(case, device, dtype) in ("matmuls", "refused") else "fast decode forward"
     failures, outs = [], {}
     forget(model)   # a step compiled under another line would run its path again
-    with line(case.line):
+    with line(case.line, device):
         for mode in MODES:
             poll = case.poll if mode == "step-graph" else None
             out = outs[mode, None] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode,

@@ -232,29 +232,34 @@ def test_grouped_align_kernel_over_a_seeded_sweep():
 
 
 def test_experts_tiles_are_those_of_the_h200_sweeps():
-    """GROUPED_CONFIGS, the small kernels' experts_config, OssConfig and GROUPED_FROM are what
-    profiles/moe_sweep.py's rules read off the committed sweeps (experts.TUNED_FROM): a re-sweep that moves a
-    pick fails here until the table follows it."""
+    """The H200 file's grouped tiles, small kernels' experts_config, gpt-oss's tiles and grouped_from are what
+    profiles/moe_sweep.py's rules read off the committed sweeps its provenance names: a re-sweep that moves a pick
+    fails here until the file follows it (`moe_sweep.py --write-config` writes it)."""
+    from gdtool.kernels import tuning
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles"))
     import moe_sweep
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    paths = [os.path.join(root, path) for path in experts.TUNED_FROM]
+    h200 = tuning.read(os.path.join(tuning.CONFIG_DIR, "nvidia-h200_sm90_triton-3.6.0.json"))
+    tuned_from = h200.provenance("experts_grouped")["files"]
+    paths = [os.path.join(root, path) for path in tuned_from]
     assert sorted(os.path.basename(p) for p in paths) == ["gpt-oss-20b.csv", "qwen3-30b-a3b.csv"]
     rows = [row for path in paths for row in moe_sweep.load(path)]
     picks = moe_sweep.grouped_picks(rows)
     assert set(picks) == {1, 2, 4, 8, 16, 32, 64}
     for batch, pick in picks.items():
-        assert experts.grouped_config(batch) == experts.GroupedConfig(**pick), batch
-    newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, experts.SMALL_TUNED_FROM)))
+        assert experts.grouped_config(batch, h200) == experts.GroupedConfig(**pick), batch
+    small_from = [p for p in h200.provenance("experts_small")["files"] if p not in tuned_from]
+    assert small_from == ["profiles/h200/moe-sweep-79cb9d0/qwen3-30b-a3b.csv"]
+    newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, small_from[0])))
     assert newer[1] == dict(router_rows=1, gate_up_rows=8, down_rows=2, warps=8, chunk=256, routed=True, stacked=True,
                             packed=True, router_warps=1, down_warps=4)
     for batch, pick in moe_sweep.small_picks([r for r in rows if r["model"] == "qwen3-30b-a3b"]).items():
         pick = newer[1] if batch == 1 else pick   # one token: the newer sweep, with the routed candidates
-        config = vars(experts.experts_config(2048, 768, batch))
+        config = vars(experts.experts_config(2048, 768, batch, h200))
         config["chunk"] = config["chunk"] or experts.MAX_CHUNK   # None: MAX_CHUNK
         assert {key: config[key] for key in pick} == pick, batch
-    assert experts.OssConfig() == experts.OssConfig(**moe_sweep.small_picks(rows, "oss")[1])
-    assert experts.GROUPED_FROM == moe_sweep.grouped_from(rows) == 2
+    assert experts.oss_config(h200) == experts.OssConfig(**moe_sweep.small_picks(rows, "oss")[1])
+    assert experts.grouped_from(h200) == moe_sweep.grouped_from(rows) == 2
 
 
 def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():
@@ -286,7 +291,7 @@ def test_plan_names_the_blocks_and_why_not():
     plan = experts.plan(model, 3)
     assert plan.applies and plan.key() == (0, 1)
     assert plan.note().startswith("MoE blocks 2/2: layers 0-1 in gdtool's kernels (qwen3_moe, top-2 of 8, grouped")
-    assert "grouped" not in experts.plan(model, 1).note()   # one token: the small kernels (GROUPED_FROM)
+    assert "grouped" not in experts.plan(model, 1).note()   # one token: the small kernels (grouped_from)
     table = plan.table()
     assert list(table.layer) == [0, 1] and set(table.path) == {"gdtool experts kernels"}
     for tokens in (32, experts.MAX_GROUPED_TOKENS):

@@ -21,7 +21,7 @@ import torch
 import gdtool
 import gdtool.loops.devloop
 import fastcases
-from gdtool.kernels import step as fast, testing, forward as fast_decoder, gemv, triton as fast_triton
+from gdtool.kernels import step as fast, testing, forward as fast_decoder, gemv, triton as fast_triton, tuning
 from gdtool.measure import accuracy
 from interpreter import run_interpreted
 
@@ -121,14 +121,14 @@ def test_matrix_vector_line_moved_to_16_rows_decodes_hf_tokens_at_12(monkeypatch
         with pytest.raises(ValueError, match=f"--gemv-rows {rows}: .* 0 to 16 rows"):
             fast_decoder.gemv_line(rows)
     for hidden in (64, 4096):   # a sweep's line holds for every shape
-        monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(0))
+        monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(0)])
         paths = fast_decoder.line_paths(hidden)
         assert fast_decoder.gemv_rows(paths) == 0 and fast_decoder.batch_path(1, paths)[0] == "compiled"
-        monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(3))
+        monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(3)])
         paths = fast_decoder.line_paths(hidden)
         assert fast_decoder.gemv_rows(paths) == 3 and [fast_decoder.batch_path(b, paths)[0] for b in (1, 3, 4)] == \
             ["gemv", "gemv", "compiled"]
-    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(16))
+    monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(16)])
     assert fast_decoder.gemv_rows(fast_decoder.line_paths(2048)) == 16
     model = gdtool.load_model("tiny-llama", seed=0)
     assert fast_decoder.plan(model, 16, 40).applies and not fast_decoder.plan(model, 17, 40).applies
@@ -165,7 +165,7 @@ def test_fast_forward_plan_reads_the_family_and_the_batch():
     assert fast_decoder.plan(mistral, 2, 64).applies and "window 64 >= cache" in fast_decoder.plan(mistral, 2, 64).reason
     refused = fast_decoder.plan(mistral, 2, 65)
     assert not refused.applies and "sliding window 64 shorter than the cache (65 slots)" in refused.reason
-    assert fast_decoder.BATCH_PATHS is None   # no sweep's line: MEASURED_LINES per shape
+    assert not tuning._override   # no sweep's line: the defaults' batch lines per shape
     for hidden, line in ((64, 2), (2048, 2), (2049, 1), (4096, 1), (8192, 1)):
         paths = fast_decoder.line_paths(hidden)
         assert paths[-1][1] == "compiled" and fast_decoder.gemv_rows(paths) == line, (hidden, paths)
@@ -207,7 +207,7 @@ def test_fast_step_on_cpu_llama_family_decodes_hf_tokens(name, monkeypatch):
     """float32 on a CPU (torch references inside the compiled step): Qwen2's biases, Qwen3's q/k norm and
     Mistral's window (wider than the cache) give HF's tokens, at a batch of one pass and of two (the line moved
     to 8 rows: the passes that Gemma 3 and the MoE models take by default)."""
-    monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(8))
+    monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(8)])
     model = fastcases.tiny_mistral(4096) if name == "tiny-mistral" else gdtool.load_model(name, seed=0)
     for batch in (3, 6):
         prompt = gdtool.random_prompts(model, batch=batch, lengths=(4, 9), seed=batch)
@@ -280,7 +280,7 @@ def test_fast_forward_triton_kernels_under_the_interpreter_match_the_references(
         "whole = gemv.qkv_rope_config\n"
         "# tiny-qwen3 again with tiles of 2 dims per head half, as at real sizes: the q/k norm's second kernel\n"
         "for name in ('tiny-llama', 'tiny-qwen2', 'tiny-qwen3', 'tiny-qwen3 split', 'qwen3_moe', 'mixtral', 'qwen2_moe'):\n"
-        "    gemv.qkv_rope_config = whole if 'split' not in name else (lambda k, d, m=1, qk_norm=False: (2, 4, 2, ft.next_pow2(k)))\n"
+        "    gemv.qkv_rope_config = whole if 'split' not in name else (lambda k, d, m=1, qk_norm=False, tune=None: (2, 4, 2, ft.next_pow2(k)))\n"
         "    model = gdtool.load_model(name.split()[0], seed=0) if name.startswith('tiny') else moe.build(name)\n"
         "    with torch.no_grad():  # norm weights other than HF's ones: the MoE kernels fold the norm in\n"
         "        for n, p in model.named_parameters():\n"
@@ -299,7 +299,8 @@ def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
     """The kernels at 12 and 16 rows (three and four passes of 4: the line moved to 16, as the curve at 5a2de9b ran
     it) under Triton's interpreter against the torch references, float32: same top-1 per row, logits close."""
     code = _KERNELS_AGAINST_REFERENCES + (
-        "forward.BATCH_PATHS = forward.gemv_line(16)\n"
+        "from gdtool.kernels import tuning\n"
+        "tuning._override.append(forward.batch_line(16))\n"
         "for name, batch in (('tiny-llama', 12), ('tiny-qwen3', 16)):\n"
         "    model = gdtool.load_model(name, seed=0)\n"
         "    assert forward.plan(model, batch, 12).applies\n"
@@ -311,7 +312,7 @@ def test_fast_forward_triton_kernels_past_the_line_under_the_interpreter():
 @pytest.mark.parametrize("model, sweep", [("gemma-3-1b", "sweep-6e765ba"), ("llama-1b", "sweep-14cc799"),
                                           ("llama-8b", "sweep-fa2489e")])
 def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
-    """gemv_config picks, for each projection of Gemma-3-1B, Llama-1B and Llama-8B at one row, a tile config within 3% of
+    """gemv_config picks with the H200 file, for each projection of Gemma-3-1B, Llama-1B and Llama-8B at one row, a tile config within 3% of
     the fastest of the H200 sweep (profiles/h200/decode-kernels/<sweep>/gemv.csv: every config, PDL off), and
     qkv_rope_config one within 5% (its head-block rule is the two models': HB 1 is 4% faster on Llama-1B's
     q/k/v and 12% slower on Gemma-3-1B's)."""
@@ -330,11 +331,13 @@ def test_gemv_default_tiles_are_the_fastest_measured(model, sweep):
             ast.literal_eval("(" + label) if label else "default"] = float(row["us"])
     assert len(timed) == 5, timed
     heads = {"gemma-3-1b": 256, "llama-1b": 64, "llama-8b": 128}[model]
+    h200 = tuning.read(os.path.join(os.path.dirname(tuning.__file__), "configs", "nvidia-h200_sm90_triton-3.6.0.json"))
+    assert path.removeprefix(ROOT + os.sep) in h200.provenance("gemv")["files"]
     for (proj, n, k), times in timed.items():
         if proj == "qkv":
-            config, bound = gemv.qkv_rope_config(k, heads)[:3], 1.05
+            config, bound = gemv.qkv_rope_config(k, heads, tune=h200)[:3], 1.05
         else:
-            config, bound = gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1), 1.03
+            config, bound = gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1, h200), 1.03
         assert config in times and times[config] <= bound * min(times.values()), (proj, config, times)
 
 
@@ -374,7 +377,8 @@ def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
     assert not gemv.late_trigger(cuda) and not gemv.late_trigger(torch.device("cpu"))
     monkeypatch.setattr(gemv, "_LATE_TRIGGER", True)
     assert gemv.late_trigger(torch.device("cpu"))
-    if gemv.LATE_TRIGGER_PATH in fast_triton.CUDA_TESTED:
+    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))   # an H100's or an H200's
+    if gemv.LATE_TRIGGER_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"]:
         assert gemv.late_trigger(cuda)
     else:
         with pytest.raises(RuntimeError, match="GDTOOL_LATE_TRIGGER=1: gdtool's kernels for PDL trigger in the last "
@@ -432,7 +436,7 @@ def test_triton_kernels_on_cuda(dtype, pdl):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
 def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
     if batch > 4:  # past the default line: the passes (Gemma 3's and MoE's to 8; the line at 16 as the curve ran it)
-        monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(max(8, batch)))
+        monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(max(8, batch), _cuda_tuning())])
     model = (fastcases.tiny_mistral(4096).to("cuda", torch.bfloat16) if name == "tiny-mistral"
              else gdtool.load_model(name, seed=0, device="cuda"))  # bf16
     prompt = gdtool.random_prompts(model, batch=batch, lengths=(5, 12), seed=0)
@@ -468,7 +472,7 @@ def test_fast_step_on_cuda_qwen3_8b_rounds_no_more_than_hf(batch, monkeypatch):
     weights give logits so flat that any two bf16 forwards flip a few ties (0.8 at batch 1 at cb883e2). At 4 rows
     the line moved to 4 (Qwen3-8B's own is 1 row; one pass of 4 is what Gemma 3's and the MoE models' lines take)."""
     if batch > 1:
-        monkeypatch.setattr(fast_decoder, "BATCH_PATHS", fast_decoder.gemv_line(batch))
+        monkeypatch.setattr(tuning, "_override", [fast_decoder.batch_line(batch, _cuda_tuning())])
     model = gdtool.load_model("qwen3-8b", seed=0, device="cuda")
     assert fast_decoder.plan(model, batch, 64).applies
     df = accuracy.accuracy(model, batch=batch, prompt_len=32, steps=16, kernels="fast")
@@ -506,13 +510,19 @@ def test_untested_kernel_paths_are_refused_on_cuda(monkeypatch):
     from gdtool.kernels import triton as fast_triton
     monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))   # an H100's or an H200's
     why = fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cuda)
     assert "have not passed their cuda tests" in why and "GDTOOL_UNTESTED_KERNELS=1" in why
     assert fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cpu) == ""
-    for path in fast_triton.CUDA_TESTED:
+    for path in fast_triton.CUDA_TESTED[(9, 0), "3.6"]:
         assert fast_triton.untested_on_cuda(path, cuda) == ""
     monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
     assert fast_triton.untested_on_cuda("NoSuchFamily, <= 4 rows", cuda) == ""
+
+
+def _cuda_tuning():
+    """The GPU's own tuning (a sweep's batch line replaces only its lines)."""
+    return tuning.current(torch.device("cuda"))
 
 
 def test_fast_path_declined_at_first_use_runs_the_compiled_step(monkeypatch):

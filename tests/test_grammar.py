@@ -205,7 +205,7 @@ def test_kernels_help_names_every_option_family_and_batch_limit(table):
     missing = [name for name in whole + blocks if not re.search(rf"(?<![\w]){re.escape(name)}(?![\w])", fast)]
     assert not missing, f"--kernels' help leaves out families the fast step runs: {missing}"
     # the batch limits, as the deciding function gives them
-    for largest, _ in forward.MEASURED_LINES:
+    for largest, _ in forward.measured_lines():
         hidden = largest if largest is not None else 1 << 20
         rows = _largest_fast_batch(forward.line_paths(hidden))
         said = f"batch 1-{rows}" if rows > 1 else "batch 1"

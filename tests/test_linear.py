@@ -193,11 +193,11 @@ def test_fast_step_on_cuda_linear_layers_captured_equal_uncaptured():
 
 
 def test_batches_the_line_gives_to_the_matmuls_keep_hf_products(monkeypatch):
-    """A Llama-family model at a batch `forward.BATCH_PATHS` gives to the matmuls (the line moved to 2 rows, batch 3)
+    """A Llama-family model at a batch its batch line gives to the matmuls (the line moved to 2 rows, batch 3)
     runs the compiled HF forward with its own products: no matrix-vector swap there (cuBLAS measured faster past the
     line), HF's tokens; gpt-oss at the same batch, outside the fast forward's families, still takes the swap."""
-    from gdtool.kernels import forward
-    monkeypatch.setattr(forward, "BATCH_PATHS", forward.gemv_line(2))
+    from gdtool.kernels import forward, tuning
+    monkeypatch.setattr(tuning, "_override", [forward.batch_line(2)])   # as `tuning.use(...)` for the test
     model = gdtool.load_model("tiny-llama", seed=0)
     assert forward.plan(model, 3, 40).matmuls and not forward.plan(model, 2, 40).matmuls
     calls = []

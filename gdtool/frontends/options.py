@@ -262,7 +262,7 @@ def fast_scope() -> str:
     measured = [_family(c, "ForCausalLM") for c in forward.FAMILIES if c in forward.MEASURED_LINE]
     others = [_family(c, "ForCausalLM") for c in forward.FAMILIES if c not in forward.MEASURED_LINE]
     lines, wider_than = [], 0
-    for largest, _ in forward.MEASURED_LINES:
+    for largest, _ in forward.measured_lines():
         rows = forward.gemv_rows(forward.line_paths(largest if largest is not None else wider_than + 1))
         batch = f"batch 1-{rows}" if rows > 1 else "batch 1"
         lines.append(f"{batch} up to hidden size {largest}" if largest is not None else f"{batch} wider")

@@ -58,15 +58,17 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from . import tuning
 from .triton import (HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable,
                      zero_counts)
 
-BLOCK_S = 16          # keys per inner iteration of the split kernel
-TARGET_PROGRAMS = 264  # two per H200 multiprocessor: enough chunks to fill the GPU at batch 1
-COMBINE_D = 64          # a combine program's share of a head's outputs (`combine_plan`)
-COMBINE_ELEMENTS = 4096  # a combine program's tile of partials, float32 elements
-EARLY_ELEMENTS = 4096   # keys x head size a split program loads before its PDL wait (8 KB of bf16 keys, as many values)
-FUSED_ELEMENTS = 16384  # the fused combine's [G, chunks, D] float32 tile of partials (64 KB over 4 warps)
+# The split-KV plan's parameters are the device's tuning (`tuning.py`, section "attention"):
+#   programs_per_sm    split programs per multiprocessor at batch 1 (the device's count): enough chunks to fill the GPU
+#   block_s            keys per inner iteration of the split kernel
+#   combine_d          a combine program's share of a head's outputs (`combine_plan`)
+#   combine_elements   a combine program's tile of partials, float32 elements
+#   early_elements     keys x head size a split program loads before its PDL wait (4096: 8 KB of bf16 keys, as many values)
+#   fused_elements     the fused combine's [G, chunks, D] float32 tile of partials (16384: 64 KB over 4 warps)
 
 _active = False
 _sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
@@ -322,36 +324,49 @@ def split_kv_reference(q, k_cache, v_cache, mask, slot, scale, sinks=None):
     return torch.matmul(probs, v_cache).reshape(b, hq * d)
 
 
-def split_plan(batch: int, hkv: int, cache_len: int) -> tuple[int, int]:
-    """(chunk, splits): chunks a multiple of BLOCK_S, enough of them for TARGET_PROGRAMS programs."""
-    want = max(1, TARGET_PROGRAMS // max(1, batch * hkv))
-    chunk = max(BLOCK_S, cdiv(cdiv(cache_len, want), BLOCK_S) * BLOCK_S)
+def target_programs(tune: tuning.Tuning | None = None) -> int:
+    """Split programs to aim for at batch 1: programs_per_sm times the device's multiprocessors (264 on the H200)."""
+    tune = tune or tuning.current()
+    return max(1, round(tune["attention"]["programs_per_sm"] * tune.multiprocessors))
+
+
+def split_plan(batch: int, hkv: int, cache_len: int, tune: tuning.Tuning | None = None) -> tuple[int, int]:
+    """(chunk, splits): chunks a multiple of block_s, enough of them for `target_programs` programs. tune: the
+    device's tuning (None: the defaults)."""
+    tune = tune or tuning.current()
+    block_s = tune["attention"]["block_s"]
+    want = max(1, target_programs(tune) // max(1, batch * hkv))
+    chunk = max(block_s, cdiv(cdiv(cache_len, want), block_s) * block_s)
     return chunk, cdiv(cache_len, chunk)
 
 
-def early_keys(chunk: int, d: int) -> int:
+def early_keys(chunk: int, d: int, tune: tuning.Tuning | None = None) -> int:
     """Keys of its chunk a split program loads in one block before its PDL wait: the whole chunk (its length
-    rounded up to a power of two, the block's lanes past it masked) where that block's keys fit EARLY_ELEMENTS,
-    else as many as fit, at least BLOCK_S; the rest of the chunk loads after the wait, a block at a time."""
-    fit = max(BLOCK_S, 1 << max(0, (EARLY_ELEMENTS // d).bit_length() - 1))
+    rounded up to a power of two, the block's lanes past it masked) where that block's keys fit early_elements,
+    else as many as fit, at least block_s; the rest of the chunk loads after the wait, a block at a time."""
+    plan = (tune or tuning.current())["attention"]
+    fit = max(plan["block_s"], 1 << max(0, (plan["early_elements"] // d).bit_length() - 1))
     return min(next_pow2(chunk), fit)
 
 
-def fused_plan(batch: int, hkv: int, g: int, cache_len: int, d: int) -> tuple[int, int] | None:
+def fused_plan(batch: int, hkv: int, g: int, cache_len: int, d: int,
+               tune: tuning.Tuning | None = None) -> tuple[int, int] | None:
     """(chunk, splits) for the combine in the split kernel's last program, or None where it does not apply:
     `split_plan`'s chunks, lengthened until a (row, key/value head)'s partials fit one [G, splits, D] float32 tile
-    of at most FUSED_ELEMENTS (one load), and only while each chunk still loads whole before the wait
+    of at most fused_elements (one load), and only while each chunk still loads whole before the wait
     (`early_keys`): short caches. Llama-1B at 384 slots keeps its 24 chunks of 16 (a [4, 32, 64] tile);
     Qwen3-30B-A3B's 8 query heads of 128 a group take 12 chunks of 32 ([8, 16, 128])."""
-    chunk, splits = split_plan(batch, hkv, cache_len)
-    most = FUSED_ELEMENTS // (next_pow2(g) * d)   # chunks the tile holds
+    tune = tune or tuning.current()
+    plan = tune["attention"]
+    chunk, splits = split_plan(batch, hkv, cache_len, tune)
+    most = plan["fused_elements"] // (next_pow2(g) * d)   # chunks the tile holds
     if most < 1:
         return None
     most = 1 << (most.bit_length() - 1)
     if splits > most:
-        chunk = cdiv(cdiv(cache_len, most), BLOCK_S) * BLOCK_S
+        chunk = cdiv(cdiv(cache_len, most), plan["block_s"]) * plan["block_s"]
         splits = cdiv(cache_len, chunk)
-    if early_keys(chunk, d) < chunk:
+    if early_keys(chunk, d, tune) < chunk:
         return None
     return chunk, splits
 
@@ -359,11 +374,12 @@ def fused_plan(batch: int, hkv: int, g: int, cache_len: int, d: int) -> tuple[in
 def attention_plan(batch: int, hkv: int, g: int, cache_len: int, d: int, device) -> tuple[int, int, bool]:
     """(chunk, splits, fused): `fused_plan` where it applies and the fused combine is on (`fused_combine`), else
     `split_plan` and the combine in its own kernel. One chunk a (row, key/value head) finishes in the split kernel
-    either way."""
-    plan = fused_plan(batch, hkv, g, cache_len, d) if fused_combine(device) else None
+    either way. The parameters: the device's tuning."""
+    tune = tuning.current(device)
+    plan = fused_plan(batch, hkv, g, cache_len, d, tune) if fused_combine(device) else None
     if plan is not None:
         return (*plan, True)
-    return (*split_plan(batch, hkv, cache_len), False)
+    return (*split_plan(batch, hkv, cache_len, tune), False)
 
 
 if HAVE_TRITON:
@@ -556,13 +572,14 @@ if HAVE_TRITON:
                  SINKS)
 
 
-def combine_plan(splits: int, d: int) -> tuple[int, int]:
+def combine_plan(splits: int, d: int, tune: tuning.Tuning | None = None) -> tuple[int, int]:
     """(BLOCK_D, BLOCK_SPLITS): the combine's programs each take BLOCK_D of a head's D outputs, and read its
-    partials BLOCK_SPLITS chunks at a time, a [BLOCK_SPLITS, BLOCK_D] float32 tile of at most COMBINE_ELEMENTS.
+    partials BLOCK_SPLITS chunks at a time, a [BLOCK_SPLITS, BLOCK_D] float32 tile of at most combine_elements.
     One [splits, D] tile spilled from registers at long caches: Gemma-3-1B's full layers at prompt 4096 (259
     chunks of 256-wide heads, 4 programs) took 18.1 us a combine (nsys, H200, 14cc799), 92 us a layer."""
-    block_d = min(d, COMBINE_D)
-    return block_d, max(2, min(next_pow2(splits), COMBINE_ELEMENTS // block_d))
+    plan = (tune or tuning.current())["attention"]
+    block_d = min(d, plan["combine_d"])
+    return block_d, max(2, min(next_pow2(splits), plan["combine_elements"] // block_d))
 
 
 def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False):
@@ -578,14 +595,15 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
     out = torch.empty(b, hq * d, device=q.device, dtype=q.dtype)
     opts = launch_options(q.device)
     sink = sinks if sinks is not None else m
-    block_d, block_splits = combine_plan(splits, d)
+    tune = tuning.current(q.device)
+    block_d, block_splits = combine_plan(splits, d, tune)
     if fused:
         block_splits = max(2, next_pow2(splits))   # every chunk in the one tile (`fused_plan`)
     _attention_split_kernel[(b * hkv, splits)](
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
-        HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits, BLOCK_S=BLOCK_S,
-        EARLY=early_keys(chunk, d), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
+        HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits,
+        BLOCK_S=tune["attention"]["block_s"], EARLY=early_keys(chunk, d, tune), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
         SINKS=sinks is not None, MASK_ONLY=mask_only, num_warps=4, **opts)
     if not fused and splits > 1:
         _attention_combine_kernel[(b * hq, d // block_d)](

@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core import compat
-from . import experts, gemv, ops
+from . import experts, gemv, ops, tuning
 from . import triton as fast_triton  # not the triton package itself
 
 # Causal-LM classes whose decoder layer runs Llama's sequence; the module classes checked are the
@@ -86,16 +86,13 @@ EMBEDDINGS = ("Embedding", "Gemma3TextScaledWordEmbedding")
 #   1.421-1.433, Llama 8B 4.853-4.902 against 6.030-6.116, Qwen3 8B 5.098-5.142 against 6.137-6.195);
 # - at 2 rows the kernels still win at hidden size 2048 (Llama 1B: 0.968 ms against 1.192) and lose at 4096
 #   (Llama 8B 5.035 against 4.788, Qwen3 8B 5.222 against 5.080).
-# So MEASURED_LINES: the kernels take 1-2 rows up to hidden size 2048 and one row wider; Mistral and Qwen2 go by
-# their hidden size, unmeasured themselves. Gemma 3 and models with experts keep one pass of 4 and passes to 8 rows
+# So the H200 file's batch lines (the device's tuning, `tuning.py`, section "batch_lines"): the kernels take 1-2 rows
+# up to hidden size 2048 and one row wider; Mistral and Qwen2 go by their hidden size, unmeasured themselves. Gemma 3 and models with experts keep one pass of 4 and passes to 8 rows
 # (UNMEASURED_PATHS): their steps past one row have not been measured against the matmuls.
 _PASSES = (8, "gemv", f"matrix-vector kernels, passes of {gemv.ROWS_PER_PASS} rows over each weight tile")
-_MATMULS = (None, "compiled", "matrix products: past the matrix-vector kernels' line (forward.MEASURED_LINES; 8 rows "
-                              "for Gemma 3 and experts) cuBLAS's / inductor's tensor-core matmuls win")
+_MATMULS = (None, "compiled", "matrix products: past the matrix-vector kernels' line (the tuning's batch_lines; 8 "
+                              "rows for Gemma 3 and experts) cuBLAS's / inductor's tensor-core matmuls win")
 MEASURED_LINE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-MEASURED_LINES = ((2048, 2), (None, 1))   # (largest hidden size, largest batch of the matrix-vector kernels)
-BATCH_PATHS = None   # None: MEASURED_LINES per shape; gemv_line(N) (plan_bench --gemv-rows N): one line for every
-#                      shape of MEASURED_LINE's families (Gemma 3 and experts keep UNMEASURED_PATHS)
 
 
 def _one_pass(rows: int) -> tuple:
@@ -105,34 +102,56 @@ def _one_pass(rows: int) -> tuple:
 UNMEASURED_PATHS = (_one_pass(gemv.ROWS_PER_PASS), _PASSES, _MATMULS)   # the others of FAMILIES: Gemma 3, MoE
 
 
-def gemv_line(rows: int) -> tuple:
-    """Batch paths with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
-    one pass, past it passes of rows), the compiled HF forward past it: MEASURED_LINES' rows, or the setting a GPU
-    sweep tries for every shape of MEASURED_LINE's families (`BATCH_PATHS`, `profiles/plan_bench.py --gemv-rows`;
-    Gemma 3 and experts keep UNMEASURED_PATHS). 0: the compiled forward at
-    every batch. Where the line gives a batch to the compiled forward, its linear layers stay cuBLAS's / inductor's
-    (no `linear.py` swap: `Plan.matmuls`)."""
+def _check_line(rows: int) -> None:
     if not 0 <= rows <= gemv.MAX_ROWS:
         raise ValueError(f"--gemv-rows {rows}: the matrix-vector kernels take 0 to {gemv.MAX_ROWS} rows "
                          f"(gemv.MAX_ROWS; 0: the compiled forward at every batch); give a number in that range")
+
+
+def gemv_line(rows: int, why: str | None = None) -> tuple:
+    """Batch paths with the fast forward taking every batch up to `rows` (0 to gemv.MAX_ROWS: up to ROWS_PER_PASS
+    one pass, past it passes of rows), the compiled HF forward past it (`why`: the reason it gives there): the rows
+    of the tuning's batch line at a hidden size (`line_paths`). 0: the compiled forward at every batch. Where the line
+    gives a batch to the compiled forward, its linear layers stay cuBLAS's / inductor's (no `linear.py` swap:
+    `Plan.matmuls`)."""
+    _check_line(rows)
+    matmuls = _MATMULS if why is None else (None, "compiled", why)
     if rows == 0:
-        return (_MATMULS,)
+        return (matmuls,)
     if rows <= gemv.ROWS_PER_PASS:
-        return _one_pass(rows), _MATMULS
-    return _one_pass(gemv.ROWS_PER_PASS), (rows, *_PASSES[1:]), _MATMULS
+        return _one_pass(rows), matmuls
+    return _one_pass(gemv.ROWS_PER_PASS), (rows, *_PASSES[1:]), matmuls
 
 
-def line_paths(hidden: int | None) -> tuple:
-    """The batch paths of a family in MEASURED_LINE at this hidden size (BATCH_PATHS where a sweep set one), or
-    UNMEASURED_PATHS for the others (hidden None)."""
+def line_rows(hidden: int, tune: tuning.Tuning | None = None) -> int:
+    """The largest batch the matrix-vector kernels take at this hidden size: the first row of the tuning's
+    batch_lines that holds there (`tune`; None: the defaults)."""
+    return (tune or tuning.current()).pick("batch_lines", "lines", hidden=hidden)["rows"]
+
+
+def measured_lines(tune: tuning.Tuning | None = None) -> tuple:
+    """((largest hidden size or None, rows), ...): the tuning's batch lines (`tune`; None: the defaults) as the help
+    and the docs state them, each row bounded by its hidden_max."""
+    lines = (tune or tuning.current())["batch_lines"]["lines"]
+    return tuple((row.get("when", {}).get("hidden_max"), row["rows"]) for row in lines)
+
+
+def line_paths(hidden: int | None, tune: tuning.Tuning | None = None) -> tuple:
+    """The batch paths of a family in MEASURED_LINE at this hidden size (`line_rows`), or UNMEASURED_PATHS for the
+    others (hidden None)."""
     if hidden is None:
         return UNMEASURED_PATHS
-    if BATCH_PATHS is not None:
-        return BATCH_PATHS
-    rows = next(rows for largest, rows in MEASURED_LINES if largest is None or hidden <= largest)
-    why = f"matrix products: past {rows} row{'s' if rows > 1 else ''} at hidden size {hidden} (forward.MEASURED_LINES) " \
-          "cuBLAS's tensor-core matmuls beat the matrix-vector kernels"
-    return _one_pass(rows), (None, "compiled", why)
+    rows = line_rows(hidden, tune)
+    why = f"matrix products: past {rows} row{'s' if rows > 1 else ''} at hidden size {hidden} (the tuning's " \
+          "batch_lines) cuBLAS's tensor-core matmuls beat the matrix-vector kernels"
+    return gemv_line(rows, why)
+
+
+def batch_line(rows: int, tune: tuning.Tuning | None = None) -> tuning.Tuning:
+    """`tune` (None: the defaults) with one batch line for every hidden size: the matrix-vector kernels up to `rows`
+    (what a GPU sweep tries, `profiles/plan_bench.py --gemv-rows`; pass it to `tuning.use`)."""
+    _check_line(rows)
+    return (tune or tuning.current()).with_values("batch_lines", lines=[{"rows": rows}])
 
 
 def gemv_rows(paths: tuple) -> int:
@@ -218,7 +237,8 @@ def plan(model, batch: int, cache_len: int | None = None) -> Plan:
     config = model.config
     inner = model.model
     param = next(model.parameters())
-    path, why = batch_path(batch, line_paths(config.hidden_size if type(model).__name__ in MEASURED_LINE else None))
+    path, why = batch_path(batch, line_paths(config.hidden_size if type(model).__name__ in MEASURED_LINE else None,
+                                             tuning.current(param.device)))
     if path != "gemv":
         return Plan(False, f"batch {batch}: {why}", matmuls=True)
     if param.device.type == "cuda":

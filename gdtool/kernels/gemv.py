@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import tuning
 from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda
 
 MAX_ROWS = 16        # batch rows the kernels handle (forward.line_paths says which batches use them)
@@ -512,41 +513,47 @@ if HAVE_TRITON:
 
 
 # -- launch configurations ------------------------------------------------------------------------
-# (BLOCK_N rows per tile, num_warps, programs per multiprocessor). Each tile is ~16 KB of weights,
-# the x rows are read once per program, and the grid is a few programs per multiprocessor, each
-# streaming its tiles with one tile's loads always in flight.
+# (BLOCK_N rows per tile, num_warps, programs per multiprocessor), from the device's tuning file (`tuning.py`). Each
+# tile is ~16 KB of weights, the x rows are read once per program, and the grid is a few programs per
+# multiprocessor, each streaming its tiles with one tile's loads always in flight.
 
 def _programs(tiles: int, device, per_sm: int) -> int:
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        sms = tuning.current(device).multiprocessors
     else:
         sms = 2  # Triton's interpreter: a few programs, each looping over several tiles
     return max(1, min(tiles, sms * per_sm))
 
 
-def gemv_config(m: int, n: int, k: int, tiles: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, programs per SM) for an [m, k] x [k, n] product (`tiles` weights per call:
-    2 for gate/up): tiles of ~16 KB (both weights together, K padded to a power of two), 8 warps from
-    K = 2048, else 4; 4 programs per SM up to 2048-wide tiles, 2 past them; and at least two tiles per
-    multiprocessor.
+def gemv_config(m: int, n: int, k: int, tiles: int = 1, tune: tuning.Tuning | None = None) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, programs per SM) for an [m, k] x [k, n] product (`tiles` weights per call: 2 for gate/up),
+    from the device's tuning (`tune`; None: the defaults, `tuning.current`), its section "gemv": a sweep's row for
+    this exact shape where there is one ("shapes"), else the rule: tiles of `tile_elements` weights (both weights
+    together, K padded to a power of two), at most `max_block_n` rows, halved until there are `tiles_per_sm` tiles
+    per multiprocessor (the device's count); warps and programs per SM from the first "launch" row whose conditions
+    hold at K, its padding and the tile's rows.
 
-    Measured on the H200 (at one row, every config timed alone: profiles/h200/decode-kernels/
-    sweep-6e765ba/gemv.csv for Gemma-3-1B, sweep-14cc799/gemv.csv for Llama-1B). Gemma's K = 1152 pads to
-    a 2048-wide tile: with 8 warps, 2 per SM, gate/up took 15.3 us and the lm_head 182; with 4 warps, 4
-    per SM (the warps by K itself, not its padding) 12.2 and 154. Its o projection (n = 1152) in 8-row
-    tiles left 144 tiles for 132 multiprocessors: 3.7 us, against 3.0 in 4-row tiles. Llama-1B's K = 2048
-    with 8 warps, 4 per SM against 2: o 4.33 against 4.45 us, gate/up 19.75 against 20.42, the lm_head
-    123.2 against 127.8 (its earlier 8-row tiles at 2 per SM; 4-row tiles at 2 took 140). Llama-8B's K = 4096
-    (sweep-fa2489e) also runs 4 per SM, and one-row tiles there 4 warps: o 10.51 against 10.84 us, the lm_head
-    241.9 against 249.9, gate/up (one row each of gate and up) 59.11 against 59.86; its down (K = 14336) keeps 8
-    warps, 2 per SM (30.4 us; 31.9 at 4 warps, 4 per SM)."""
+    The H200 file's rule, measured there (at one row, every config timed alone: profiles/h200/decode-kernels/
+    sweep-6e765ba/gemv.csv for Gemma-3-1B, sweep-14cc799/gemv.csv for Llama-1B): 8 warps from K = 2048, else 4;
+    4 programs per SM up to 4096-wide tiles, 2 past them. Gemma's K = 1152 pads to a 2048-wide tile: with 8 warps, 2
+    per SM, gate/up took 15.3 us and the lm_head 182; with 4 warps, 4 per SM (the warps by K itself, not its padding)
+    12.2 and 154. Its o projection (n = 1152) in 8-row tiles left 144 tiles for 132 multiprocessors: 3.7 us, against
+    3.0 in 4-row tiles. Llama-1B's K = 2048 with 8 warps, 4 per SM against 2: o 4.33 against 4.45 us, gate/up 19.75
+    against 20.42, the lm_head 123.2 against 127.8 (its earlier 8-row tiles at 2 per SM; 4-row tiles at 2 took 140).
+    Llama-8B's K = 4096 (sweep-fa2489e) also runs 4 per SM, and one-row tiles there 4 warps: o 10.51 against 10.84
+    us, the lm_head 241.9 against 249.9, gate/up (one row each of gate and up) 59.11 against 59.86; its down (K =
+    14336) keeps 8 warps, 2 per SM (30.4 us; 31.9 at 4 warps, 4 per SM)."""
+    tune = tune or tuning.current()
+    exact = tune.pick("gemv", "shapes", n=n, k=k, tiles=tiles)
+    if exact:
+        return exact["block_n"], exact["warps"], exact["per_sm"]
+    rule = tune["gemv"]
     block_k = next_pow2(k)
-    block_n = max(1, min(16, (8192 // block_k) // tiles))
-    warps = 4 if k < 2048 or (block_k == 4096 and block_n == 1) else 8
-    per_sm = 2 if warps == 8 and block_k > 4096 else 4
-    while block_n > 1 and -(-n // block_n) < 2 * 132:
+    block_n = max(1, min(rule["max_block_n"], (rule["tile_elements"] // block_k) // tiles))
+    launch = tune.pick("gemv", "launch", k=k, block_k=block_k, block_n=block_n)
+    while block_n > 1 and -(-n // block_n) < rule["tiles_per_sm"] * tune.multiprocessors:
         block_n //= 2
-    return block_n, warps, per_sm
+    return block_n, launch["warps"], launch["per_sm"]
 
 
 # The norms' weights (and the q/k norm kernel's positions and inverse frequencies) loaded before the PDL wait, as the
@@ -623,7 +630,8 @@ def rms_gemv(x, norm_weight, eps, weight, weight2=None, residual=None, out_f32=F
         raise ValueError("gate/up is fused with the RMSNorm that precedes it; give norm_weight")
     if weight2 is not None and bias is not None:
         raise ValueError("gate/up takes no bias (no family this kernel serves has one there)")
-    block_n, warps, per_sm = config or gemv_config(m, n, k, 2 if weight2 is not None else 1)
+    block_n, warps, per_sm = config or gemv_config(m, n, k, 2 if weight2 is not None else 1,
+                                                   tuning.current(x.device))
     rows, passes = _row_passes(m)
     y = torch.empty(m, n, device=x.device, dtype=torch.float32 if out_f32 else x.dtype)
     res = residual if residual is not None else y
@@ -655,22 +663,29 @@ def rms_add(y, norm_weight, eps, residual, plus_one=False):
     return out
 
 
-def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False) -> tuple[int, int, int, int]:
-    """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, ~16 KB, K in one tile.
+def qkv_rope_config(k: int, d: int, m: int = 1, qk_norm: bool = False,
+                    tune: tuning.Tuning | None = None) -> tuple[int, int, int, int]:
+    """(HB, num_warps, programs per SM, BLOCK_K): 2 * HB weight rows per tile, K in one tile, from the device's
+    tuning (`tune`; None: the defaults), its section "qkv_rope": a sweep's row for this exact (K, D) where there is
+    one ("shapes"), else HB from `tile_elements` weights per tile row pair and the first "launch" row that holds at
+    K's padding.
 
     With a per-head norm (Qwen3, Gemma 3) the tiles are the same, and the norm and RoPE of q and k are a
     second kernel's (`qkv_rope`). One kernel can do it only with whole-head tiles (HB = D / 2, K read in
     chunks of BLOCK_K: `whole_head_config`), one tile per head: 6 programs for Gemma-3-1B's 4 + 1 + 1
     heads, 48 for Qwen3-8B's, each streaming 0.6-1 MB of weights alone on a GPU of 132 multiprocessors.
 
-    2048-wide tiles (K from 1025 to 2048) run 4 warps, 4 programs an SM, measured on the H200 alone at one
-    row: Llama-1B's q/k/v (HB 2) 6.53 us against 7.03 with 8 warps, 2 an SM (HB 1: 6.27, sweep-14cc799),
+    The H200 file's rule: 2048-wide tiles (K from 1025 to 2048) run 4 warps, 4 programs an SM, measured on the H200
+    alone at one row: Llama-1B's q/k/v (HB 2) 6.53 us against 7.03 with 8 warps, 2 an SM (HB 1: 6.27, sweep-14cc799),
     Gemma-3-1B's 5.51 against 5.99 (HB 1: 6.17, sweep-6e765ba); 4096-wide tiles too: Llama-8B's (HB 1) 15.98 us
     against 18.02 with 8 warps, 2 an SM (8 warps, 4 an SM: 15.84; sweep-fa2489e); wider K keeps 8 warps, 2 an SM."""
-    hb = max(1, min(d // 2, 4096 // next_pow2(k)))
-    if next_pow2(k) in (2048, 4096):  # 4 warps, 4 per SM (sweep-14cc799, sweep-6e765ba, sweep-fa2489e)
-        return hb, 4, 4, next_pow2(k)
-    return hb, 8 if next_pow2(k) > 2048 else 4, 2, next_pow2(k)
+    tune = tune or tuning.current()
+    block_k = next_pow2(k)
+    exact = tune.pick("qkv_rope", "shapes", k=k, d=d)
+    if exact:
+        return exact["hb"], exact["warps"], exact["per_sm"], block_k
+    launch = tune.pick("qkv_rope", "launch", block_k=block_k)
+    return max(1, min(d // 2, tune["qkv_rope"]["tile_elements"] // block_k)), launch["warps"], launch["per_sm"], block_k
 
 
 def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
@@ -690,7 +705,7 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     m, k = x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
-    config = config or qkv_rope_config(k, d, m, qk_norm is not None)
+    config = config or qkv_rope_config(k, d, m, qk_norm is not None, tuning.current(x.device))
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
     ksplit = triton.cdiv(k, block_k)
     if add is not None and ksplit > 1:  # K in chunks never holds a whole row: the add runs as its own kernel first

@@ -510,7 +510,7 @@ def _check_experts(name, m, e, h, i, top_k, norm_topk, weights_f32, shared, dtyp
     return results
 
 
-# the grouped kernels (from experts.GROUPED_FROM tokens; no shared expert)
+# the grouped kernels (from experts.grouped_from() tokens; no shared expert)
 EXPERTS_GROUPED_SMALL = [("qwen3-moe", 2, 8, 64, 32, 2, True, False, 0), ("mixtral", 5, 8, 64, 48, 2, True, True, 0),
                          ("qwen3-moe", 17, 8, 64, 32, 2, True, False, 0), ("olmoe", 24, 16, 64, 48, 4, False, False, 0),
                          ("mixtral", 40, 8, 64, 48, 2, True, True, 0), ("qwen3-moe", 64, 16, 96, 40, 4, True, False, 0)]

@@ -81,12 +81,13 @@ def usable(*tensors) -> bool:
     return all(t.is_cuda for t in tensors)
 
 
-# Kernel paths whose cuda tests (`pytest -m cuda`) have passed on a GPU. A path not listed runs on a CPU (Triton's
-# interpreter, the torch references) but is refused on CUDA with the reason `untested_on_cuda` gives;
-# GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it). A name goes in once every cuda test that ran
-# the path has passed (profiles/kernel_paths.py reads that from the test run's record; the records are kept under
-# profiles/h200/tests/).
-CUDA_TESTED = frozenset({
+# Kernel paths whose cuda tests (`pytest -m cuda`) have passed on a GPU, per (capability, Triton major.minor): what
+# passed on one sm_90 GPU (an H200) with Triton 3.6 runs on any sm_90 GPU (an H100) with Triton 3.6. A path not listed
+# for the device's key runs on a CPU (Triton's interpreter, the torch references) but is refused on CUDA with the
+# reason `untested_on_cuda` gives; GDTOOL_UNTESTED_KERNELS=1 runs it anyway (the cuda tests set it). A name goes in
+# once every cuda test that ran the path has passed (profiles/kernel_paths.py reads that from the test run's record;
+# the records are kept under profiles/h200/tests/ and profiles/h100/tests/).
+_SM90_TRITON_36 = frozenset({
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, <= 4 rows",
     "Gemma3, (1 + w) norms, gelu_tanh, post norms, q/k norm, sliding window, passes of 4 rows",
     "Llama, <= 4 rows",
@@ -118,20 +119,40 @@ CUDA_TESTED = frozenset({
     "split-KV attention, combine in the last program",
     "split-KV attention in the compiled HF forward",
 })
+CUDA_TESTED = {((9, 0), "3.6"): _SM90_TRITON_36}
 
 # The kernel paths this process has asked about on CUDA, tested or not (the cuda tests report, per test,
 # which paths it ran: tests/conftest.py, profiles/kernel_paths.py).
 asked_on_cuda: set[str] = set()
 
 
+def version() -> str | None:
+    """Triton's version ("3.6.0"), None without Triton."""
+    return getattr(triton, "__version__", None)
+
+
+def kernel_key(device) -> tuple:
+    """(capability, Triton major.minor) of a CUDA device: the key of CUDA_TESTED, ((9, 0), "3.6") for an H100 or H200
+    with Triton 3.6."""
+    import torch
+    minor = ".".join((version() or "none").split("+")[0].split(".")[:2])
+    return tuple(torch.cuda.get_device_capability(device)), minor
+
+
 def untested_on_cuda(path: str, device) -> str:
     """'' where kernel path `path` may run on `device`; else why it is refused there."""
     if device.type == "cuda":
         asked_on_cuda.add(path)
-    if device.type != "cuda" or path in CUDA_TESTED or env_flag("GDTOOL_UNTESTED_KERNELS"):
+    if device.type != "cuda" or env_flag("GDTOOL_UNTESTED_KERNELS"):
         return ""
-    return (f"gdtool's kernels for {path} have not passed their cuda tests on a GPU yet (tested: "
-            f"{', '.join(sorted(CUDA_TESTED))}); GDTOOL_UNTESTED_KERNELS=1 runs them anyway")
+    key = kernel_key(device)
+    tested = CUDA_TESTED.get(key, frozenset())
+    if path in tested:
+        return ""
+    (major, minor), triton_version = key
+    where = f"sm_{major}{minor} with Triton {triton_version}"
+    return (f"gdtool's kernels for {path} have not passed their cuda tests on {where} yet (tested there: "
+            f"{', '.join(sorted(tested)) or 'none'}); GDTOOL_UNTESTED_KERNELS=1 runs them anyway")
 
 
 def pdl_supported(device) -> bool:

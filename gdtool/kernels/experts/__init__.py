@@ -51,9 +51,9 @@ see the swap (a captured graph replays no Python, so the scope costs nothing aft
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
 
-From GROUPED_FROM (2) to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
+From `grouped_from` (2 on the H200) to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
 (`grouped.py`) run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine (faster
-than the small kernels from 2 tokens in the H200 sweeps: `GROUPED_FROM`). Qwen2-MoE, with its shared
+than the small kernels from 2 tokens in the H200 sweeps: the tuning's experts_grouped.from_tokens). Qwen2-MoE, with its shared
 expert, keeps the small kernels up to MAX_TOKENS.
 
 The fast decode forward (`forward.py`: Qwen3-MoE, Mixtral, Qwen2-MoE at 1-8 rows) calls `block_triton`
@@ -82,7 +82,7 @@ The modules, each importing only those listed before it:
     router.py     the router kernel and the top-k routing every path shares
     oss.py        gpt-oss's gate/up and down kernels, and the fixed-order combine
     small.py      the small-batch kernels up to MAX_TOKENS (`block_triton`; gpt-oss's through `block_oss`)
-    grouped.py    the grouped kernels from GROUPED_FROM to MAX_GROUPED_TOKENS (`block_grouped`)
+    grouped.py    the grouped kernels from `grouped_from` to MAX_GROUPED_TOKENS (`block_grouped`)
     blocks.py     HF's blocks: `plan`, `refusal`, the `gdtool::moe_block` operator, `scope`
 
 A setting a test or probe changes is changed where it is read: `tiles.MAX_CHUNK`, `router.early_norm`,
@@ -98,17 +98,16 @@ from .reference import (block_reference, experts_reference, experts_reference_os
                         route_reference_oss, shared_reference)
 from .router import Routing
 from .small import block_triton
-from .tiles import (ALIGN_ELEMENTS, ALIGN_TAIL, COMBINE_COLS, GROUPED_CONFIGS, GROUPED_FAMILIES, GROUPED_FROM,
-                    MAX_CHUNK, MAX_EXPERTS, MAX_GROUPED_TOKENS, MAX_TOKENS, SMALL_TUNED_FROM, TUNED_FROM, Config,
-                    GroupedConfig, OssConfig, experts_config, grouped_config, grouped_slots, runs_grouped)
+from .tiles import (ALIGN_ELEMENTS, ALIGN_TAIL, COMBINE_COLS, GROUPED_FAMILIES, MAX_CHUNK, MAX_EXPERTS,
+                    MAX_GROUPED_TOKENS, MAX_TOKENS, Config, GroupedConfig, OssConfig, experts_config, grouped_config,
+                    grouped_from, grouped_slots, oss_config, runs_grouped)
 
 __all__ = ["FAMILIES", "Layer", "Plan", "block_args", "is_moe_block", "make_forward", "moe_block", "plan",
            "refusal", "scope", "align", "block_grouped", "block_oss", "block_reference", "experts_reference",
            "experts_reference_oss", "route_reference", "route_reference_oss", "shared_reference", "Routing",
-           "block_triton", "ALIGN_ELEMENTS", "ALIGN_TAIL", "COMBINE_COLS", "GROUPED_CONFIGS", "GROUPED_FAMILIES",
-           "GROUPED_FROM", "MAX_CHUNK", "MAX_EXPERTS", "MAX_GROUPED_TOKENS", "MAX_TOKENS", "SMALL_TUNED_FROM",
-           "TUNED_FROM", "Config", "GroupedConfig", "OssConfig", "experts_config", "grouped_config",
-           "grouped_slots", "runs_grouped"]
+           "block_triton", "ALIGN_ELEMENTS", "ALIGN_TAIL", "COMBINE_COLS", "GROUPED_FAMILIES", "MAX_CHUNK",
+           "MAX_EXPERTS", "MAX_GROUPED_TOKENS", "MAX_TOKENS", "Config", "GroupedConfig", "OssConfig", "experts_config",
+           "grouped_config", "grouped_from", "grouped_slots", "oss_config", "runs_grouped"]
 
 from ...core.reexports import guard as _guard
 

@@ -13,7 +13,8 @@ from ..triton import HAVE_TRITON, untested_on_cuda, usable
 from . import reference
 from .grouped import block_grouped
 from .small import block_triton
-from .tiles import GROUPED_FAMILIES, GROUPED_FROM, MAX_EXPERTS, MAX_GROUPED_TOKENS, MAX_TOKENS, runs_grouped
+from .. import tuning
+from .tiles import GROUPED_FAMILIES, MAX_EXPERTS, MAX_GROUPED_TOKENS, MAX_TOKENS, grouped_from, runs_grouped
 
 # (block class, experts class, router class) per family, by module name in transformers.models
 FAMILIES = {
@@ -37,7 +38,7 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
               gate_up_bias: torch.Tensor | None = None, down_bias: torch.Tensor | None = None,
               alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
     """One MoE block, x [M, H] -> [M, H]: the Triton kernels where they run (CUDA, or Triton's interpreter;
-    the grouped ones from GROUPED_FROM to MAX_GROUPED_TOKENS rows where there is no shared expert, else the
+    the grouped ones from `grouped_from` (the device's tuning) to MAX_GROUPED_TOKENS rows where there is no shared expert, else the
     small-batch kernels up to MAX_TOKENS rows), HF's
     batched_mm arithmetic in torch elsewhere. The biases (all three) and alpha, limit are gpt-oss's:
     given, the weights are in its layout and routing."""
@@ -45,7 +46,7 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
-        if shared_gate is None and x.shape[0] >= GROUPED_FROM:   # GROUPED_FAMILIES: those without a shared expert
+        if shared_gate is None and x.shape[0] >= grouped_from(tuning.current(x.device)):   # no shared expert
             return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, oss=oss)
         return block_triton(*args)
     return reference.block_reference(*args)   # read here at each call: a test may count them
@@ -197,7 +198,7 @@ def _why_not(block, family: str, tokens: int, small: bool = False) -> str:
             return "no Triton"
         if gate_up.dtype not in (torch.bfloat16, torch.float16):
             return f"{gate_up.dtype} weights on CUDA (bf16 or fp16 only)"
-    grouped = runs_grouped(family, tokens) and not small
+    grouped = runs_grouped(family, tokens, tuning.current(gate_up.device)) and not small
     return untested_on_cuda(f"{family} experts" + (", grouped" if grouped else ""), gate_up.device)
 
 
@@ -274,7 +275,8 @@ def plan(model, batch: int) -> Plan:
         why = _why_not(block, family, batch)
         layer = Layer(_layer_index(name, index), name, block, family, not why,
                       why or f"{family}, top-{_router(block).top_k} of {block.experts.gate_up_proj.shape[0]}, "
-                             + ("grouped, " if runs_grouped(family, batch) else "") + result.backend)
+                             + ("grouped, " if runs_grouped(family, batch, tuning.current(param.device)) else "")
+                             + result.backend)
         if layer.applies:
             layer.forward = make_forward(block, family)
         result.layers.append(layer)

@@ -1,4 +1,4 @@
-"""The grouped path: GROUPED_FROM (2) to 64 tokens per step, families without a shared expert.
+"""The grouped path: `grouped_from` (2 on the H200) to 64 tokens per step, families without a shared expert.
 
 With several tokens the same expert serves several rows, and a matrix-vector product per (row, expert)
 would read it once per row. The grouped kernels read each routed expert once per tile of its rows:
@@ -16,13 +16,14 @@ would read it once per row. The grouped kernels read each routed expert once per
    combine  per (row, H tile): sum over its k pairs in routing order in float32, rounded once      (1)
 
 Same rounding points as the small path and HF's batched_mm / grouped_mm; no atomics, a fixed order
-of every sum: deterministic. Tile sizes: GROUPED_CONFIGS (tuned on the H200)."""
+of every sum: deterministic. Tile sizes: `grouped_config` (the device's tuning file)."""
 from __future__ import annotations
 
 import torch
 
 from ..triton import HAVE_TRITON, next_pow2, tl, triton
 from .router import _logits
+from .. import tuning
 from .tiles import ALIGN_ELEMENTS, ALIGN_TAIL, experts_config, grouped_config, grouped_slots
 
 if HAVE_TRITON:
@@ -179,13 +180,14 @@ def align(ids, order, tile_expert, experts: int, block_m: int) -> None:
 
 def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, config=None,
                   intermediates: dict | None = None, oss=None):
-    """The grouped kernels (GROUPED_FROM-64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
+    """The grouped kernels (`grouped_from` to 64 tokens; families without a shared expert): x [M, H] -> [M, H]. `oss`, for
     gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit), the weights in its layout."""
     m, h = x.shape
     e = gate_up.shape[0]
     i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
     router_bias, gate_up_bias, down_bias, alpha, limit = oss or (None, gate_up, down, 0.0, 0.0)
-    cfg = config or grouped_config(m)
+    tune = tuning.current(x.device)
+    cfg = config or grouped_config(m, tune)
     dev = x.device
     pairs = m * top_k
     slots = grouped_slots(pairs, e, cfg.block_m)
@@ -196,7 +198,7 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     act = torch.empty(pairs, i, device=dev, dtype=x.dtype)
     y = torch.empty(pairs, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i, tune=tune))
     _route_kernel[(m,)](logits, ids, weights, e, logits.stride(0), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k),
                         BLOCK_E=next_pow2(e), NORM=norm_topk, W_F32=weights_f32, OSS=oss is not None)
     align(ids, order, tile_expert, e, cfg.block_m)

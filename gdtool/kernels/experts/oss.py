@@ -7,7 +7,8 @@ import torch
 
 from ..triton import HAVE_TRITON, next_pow2, tl, triton
 from .router import _logits
-from .tiles import COMBINE_COLS, OssConfig, experts_config
+from .. import tuning
+from .tiles import COMBINE_COLS, OssConfig, experts_config, oss_config
 
 if HAVE_TRITON:
     from .router import _pair_route
@@ -108,14 +109,15 @@ def block_oss(x, router_weight, gate_up, down, top_k, router_bias, gate_up_bias,
     m, h = x.shape
     e, _, two_i = gate_up.shape
     i = two_i // 2
-    cfg = config or OssConfig()
+    tune = tuning.current(x.device)
+    cfg = config or oss_config(tune)
     dev = x.device
     ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
     weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)
     act = torch.empty(m * top_k, i, device=dev, dtype=x.dtype)
     y = torch.empty(m * top_k, h, device=dev, dtype=torch.float32)
     out = torch.empty(m, h, device=dev, dtype=x.dtype)
-    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i))
+    logits = _logits(x, router_weight, None, router_bias, e, experts_config(h, i, tune=tune))
     _oss_gate_up_kernel[(triton.cdiv(i, cfg.gate_up_cols), m * top_k)](
         x, logits, gate_up, gate_up_bias, act, ids, weights, h, e, i, x.stride(0), logits.stride(0), float(alpha),
         float(limit), TOPK=top_k, BLOCK_TOPK=next_pow2(top_k), BLOCK_E=next_pow2(e), BLOCK_N=cfg.gate_up_cols,

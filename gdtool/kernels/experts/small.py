@@ -9,6 +9,7 @@ import torch
 from ..triton import HAVE_TRITON, launch_options, next_pow2, tl, triton
 from .oss import block_oss
 from .router import Routing, _logits, _nbytes, _routed_bytes
+from .. import tuning
 from .tiles import _chunks, experts_config
 
 if HAVE_TRITON:
@@ -223,7 +224,7 @@ def block_triton(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
     i = gate_up.shape[1] // 2
     shared = shared_gate is not None
     i_shared = shared_gate.shape[0] if shared else 1
-    cfg = config or experts_config(h, i, m)
+    cfg = config or experts_config(h, i, m, tuning.current(x.device))
     dev = x.device
     ids = torch.empty(m, top_k, device=dev, dtype=torch.int32)
     weights = torch.empty(m, top_k, device=dev, dtype=torch.float32)

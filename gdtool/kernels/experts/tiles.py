@@ -1,13 +1,15 @@
 """What runs where, and with which tiles: the token limits of the small and grouped paths, and each
-kernel's tile config (rows per program, loads, warps), read from the H200 sweeps (profiles/moe_sweep.py).
+kernel's tile config (rows per program, loads, warps), from the device's tuning file (`kernels/tuning.py`, sections
+experts_small, experts_oss, experts_grouped; the H200's read from its sweeps, profiles/moe_sweep.py).
 Plain Python: no Triton needed to read a plan."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from .. import tuning
 from ..triton import next_pow2
 
-MAX_TOKENS = 16      # tokens per step the small-batch kernels take (the grouped ones run from GROUPED_FROM)
+MAX_TOKENS = 16      # tokens per step the small-batch kernels take (the grouped ones run from `grouped_from`)
 MAX_EXPERTS = 1024   # the router's logits of one row are held in registers for the top-k
 MAX_CHUNK = 4096   # elements of a weight row one load covers; longer rows are read in static chunks
 
@@ -51,8 +53,10 @@ class Config:
                              "set routed=True too")
 
 
-def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
-    """Gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
+def experts_config(hidden: int, intermediate: int, tokens: int = 1, tune: tuning.Tuning | None = None) -> Config:
+    """The small kernels' Config at this shape, from the device's tuning (`tune`; None: the defaults), section
+    experts_small: a sweep's row for this exact shape and token count where there is one ("shapes"), over the rule.
+    The H200 file's rule: gate/up: 16K weight elements per program at one token (8 rows of 2048, 8 warps), 8K above it (4 rows,
     4 warps); down: 4K (4 rows of 1024); the router's whole rows, 4K per program. Above one token both read
     their rows 1024 elements a load (34.7 us a block against 36.6 with whole 2048-element rows). At one token
     the rows are routed once in the router kernel (`routed`), down reads its k experts as one load
@@ -60,23 +64,31 @@ def experts_config(hidden: int, intermediate: int, tokens: int = 1) -> Config:
     a block against 35.0 for the same tiles unrouted at 1024 (profiles/h200/moe-sweep-39ace1a/); the top-k there
     one reduction a round over packed keys (`packed`): 30.42 us against 30.86 (moe-sweep-5260519/); and the router
     one row a program in one warp (its routing's reductions in shuffles), down half the rows in 4 warps (more
-    programs an SM): 28.68 us against 30.44 (moe-sweep-79cb9d0/, SMALL_TUNED_FROM; rows longer than 4096 elements keep
+    programs an SM): 28.68 us against 30.44 (moe-sweep-79cb9d0/; rows longer than 4096 elements keep
     1024-element loads, their static chunks few). The fastest small-kernel
     configs of the H200 sweeps at Qwen3-30B-A3B's shapes (profiles/moe_sweep.py; tests/test_experts.py holds
-    this to them); other shapes keep the elements per program of gate/up and down (the router's one row in one
+    the H200 file to them); other shapes keep the elements per program of gate/up and down (the router's one row in one
     warp, and down's 4 warps, at one token everywhere). At one token the router's weight rows, and down's routing
     and weight tiles, load before their PDL wait (`router_early`, `down_early`: moe_sweep.py's "early" grid, a
     chain of blocks, times them)."""
+    tune = tune or tuning.current()
+    rule, one_token = tune["experts_small"], tune["experts_small"]["one_token"]
     kh, ki = _chunks(hidden)[0], _chunks(intermediate)[0]
     one = tokens == 1
-    base = Config(router_rows=max(1, min(16, 4096 // kh)),
-                  gate_up_rows=max(1, min(16, (16384 if one else 8192) // kh)),
-                  down_rows=max(1, min(16, 4096 // ki)), warps=8 if one and kh >= 2048 else 4, chunk=1024)
+    most = rule["max_rows"]
+    base = Config(router_rows=max(1, min(most, rule["router_elements"] // kh)),
+                  gate_up_rows=max(1, min(most, (one_token if one else rule)["gate_up_elements"] // kh)),
+                  down_rows=max(1, min(most, rule["down_elements"] // ki)),
+                  warps=one_token["wide_warps"] if one and kh >= one_token["wide_from"] else rule["warps"],
+                  chunk=rule["chunk"])
     if one:
-        return replace(base, chunk=256 if max(kh, ki) <= 4096 else 1024, routed=True, stacked=True, packed=True,
-                       router_rows=1, router_warps=1, down_rows=max(1, base.down_rows // 2), down_warps=4,
-                       router_early=True, down_early=True)
-    return base
+        flags = {name: one_token[name] for name in ("routed", "stacked", "packed", "router_early", "down_early")}
+        base = replace(base, chunk=one_token["chunk" if max(kh, ki) <= one_token["short_max"] else "long_chunk"],
+                       router_rows=one_token["router_rows"], router_warps=one_token["router_warps"],
+                       down_rows=max(1, base.down_rows // one_token["down_rows_divisor"]),
+                       down_warps=one_token["down_warps"], **flags)
+    exact = tune.pick("experts_small", "shapes", hidden=hidden, intermediate=intermediate, tokens=tokens)
+    return replace(base, **exact) if exact else base
 
 
 @dataclass(frozen=True)
@@ -84,14 +96,21 @@ class OssConfig:
     """gpt-oss's gate/up and down kernels: output columns per program (gate/up: intermediate columns, each
     a gate and an up column), the reduction rows each step of the loop reads, warps. gpt-oss-20b at one token
     has ~360 programs of each (2.7 per H200 multiprocessor), each reading 64 or 128 contiguous bytes per
-    weight row and 8K-element tiles: the fastest of the H200 sweep at one token (TUNED_FROM; from
-    GROUPED_FROM tokens the grouped kernels run). Routing the rows in the router kernel (as `Config.routed`) was
+    weight row and 8K-element tiles: the fastest of the H200 sweep at one token (moe-sweep-0f91d78; from
+    `grouped_from` tokens the grouped kernels run). Routing the rows in the router kernel (as `Config.routed`) was
     no faster here: 64.50 against 62.96 us a block at these tiles, the fastest of 108 configs
-    (profiles/h200/moe-sweep-a7748ba/, one block captured at one token), and was removed."""
-    gate_up_cols: int = 32
-    down_cols: int = 32
-    block_k: int = 128
-    warps: int = 4
+    (profiles/h200/moe-sweep-a7748ba/, one block captured at one token), and was removed. The values: the device's
+    tuning (`oss_config`)."""
+    gate_up_cols: int
+    down_cols: int
+    block_k: int
+    warps: int
+
+
+def oss_config(tune: tuning.Tuning | None = None) -> OssConfig:
+    """gpt-oss's tiles from the device's tuning (`tune`; None: the defaults), section experts_oss."""
+    section = (tune or tuning.current())["experts_oss"]
+    return OssConfig(**{name: section[name] for name in ("gate_up_cols", "down_cols", "block_k", "warps")})
 
 
 COMBINE_COLS = 256   # output columns per program of gpt-oss's combine (its sums read 4 float32 rows)
@@ -111,40 +130,34 @@ class GroupedConfig:
     stages: int = 2
 
 
-# one table, by the largest token count each row covers: per batch of the H200 sweeps (qwen3-30b-a3b at 1, 2, 4,
-# ..., 64 tokens, gpt-oss-20b at 1, 4, 16, 32, 64), the config whose worst time over the models swept there is
-# nearest their fastest (profiles/moe_sweep.py `steadiest`; tests/test_experts.py holds the table to the sweeps
-# named in TUNED_FROM).
-_A = GroupedConfig(block_m=16, block_n=64, block_k=128, warps=4, stages=3)
-GROUPED_CONFIGS = ((2, _A), (4, GroupedConfig(block_m=16, block_n=64, block_k=64, warps=4, stages=3)), (32, _A),
-                   (MAX_GROUPED_TOKENS, GroupedConfig(block_m=16, block_n=128, block_k=128, warps=8, stages=3)))
-# the sweeps the tiles above and experts_config / OssConfig were read from (profiles/moe_sweep.py wrote them):
-# one CSV per preset; every config in them was checked against the torch reference on the H200 (column `ok`)
-TUNED_FROM = ("profiles/h200/moe-sweep-c6bba88/qwen3-30b-a3b.csv", "profiles/h200/moe-sweep-0f91d78/gpt-oss-20b.csv")
-# the sweep of the small kernels at one token, routed in the router kernel (`Config.routed`, `stacked`): its
-# batch-1 pick is experts_config's at one token (the batches above keep TUNED_FROM's picks)
-SMALL_TUNED_FROM = "profiles/h200/moe-sweep-79cb9d0/qwen3-30b-a3b.csv"
-# tokens per step from which the grouped kernels run (families without a shared expert; the others keep the
-# small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in either model
-# (`moe_sweep.grouped_from`). The grouped kernels won at every batch from 2 (qwen3-30b-a3b: 50 against 57 us a
-# block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1 gpt-oss-20b's small kernels
-# won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast forward's
-# MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
-GROUPED_FROM = 2
+# The grouped tiles: one table, by the largest token count each row covers (the device's tuning, experts_grouped.tiles):
+# in the H200 file, per batch of the H200 sweeps (qwen3-30b-a3b at 1, 2, 4, ..., 64 tokens, gpt-oss-20b at 1, 4, 16,
+# 32, 64), the config whose worst time over the models swept there is nearest their fastest (profiles/moe_sweep.py
+# `steadiest`; tests/test_experts.py holds the H200 file to the sweeps its provenance names). Every config in them
+# was checked against the torch reference on the H200 (column `ok`).
+# Tokens per step from which the grouped kernels run (experts_grouped.from_tokens; families without a shared expert;
+# the others keep the small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in
+# either model (`moe_sweep.grouped_from`). On the H200 the grouped kernels won at every batch from 2 (qwen3-30b-a3b:
+# 50 against 57 us a block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1 gpt-oss-20b's
+# small kernels won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast
+# forward's MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
 # (the grouped path's routing in the router kernel, no route kernel, was no faster: 36.6 against 35.9 us a block
 # at 1 token, 51.4 against 51.1 at 2, profiles/h200/moe-sweep-39ace1a/ variant "grouped-routed"; removed)
 
 
-def runs_grouped(family: str, tokens: int) -> bool:
+def grouped_from(tune: tuning.Tuning | None = None) -> int:
+    """Tokens per step from which the grouped kernels run (the device's tuning; None: the defaults)."""
+    return (tune or tuning.current())["experts_grouped"]["from_tokens"]
+
+
+def runs_grouped(family: str, tokens: int, tune: tuning.Tuning | None = None) -> bool:
     """Whether a block of `family` at `tokens` rows runs the grouped kernels (else the small ones)."""
-    return family in GROUPED_FAMILIES and tokens >= GROUPED_FROM
+    return family in GROUPED_FAMILIES and tokens >= grouped_from(tune)
 
 
-def grouped_config(tokens: int) -> GroupedConfig:
-    for limit, config in GROUPED_CONFIGS:
-        if tokens <= limit:
-            return config
-    return GROUPED_CONFIGS[-1][1]
+def grouped_config(tokens: int, tune: tuning.Tuning | None = None) -> GroupedConfig:
+    """The grouped kernels' tiles at `tokens` rows: the first row of the tuning's experts_grouped.tiles covering it."""
+    return GroupedConfig(**(tune or tuning.current()).pick("experts_grouped", "tiles", tokens=tokens))
 
 
 def grouped_slots(pairs: int, experts: int, block_m: int) -> int:

@@ -1,0 +1,231 @@
+"""The sweeps' side of the kernels' tuning files (gdtool/kernels/configs/, read by gdtool/kernels/tuning.py): write a
+sweep's picks into a device's file with their provenance, and check a sweep against a shipped file.
+
+Writing: `moe_sweep.py --write-config PATH` and `decode_kernels_probe.py --write-config PATH` call `update`. A
+section a sweep covered gets its picks (exact-shape rows, or the grouped table) and a new provenance (commit from
+GDTOOL_COMMIT or git, the sweep, its result files, the date); the others stay as they were. A file that does not exist
+yet starts from the one the device reads now (the nearest of its capability, or the defaults).
+
+Checking: per swept shape, whether the file's choice times within 3% of the sweep's fastest there:
+
+    python profiles/tuning_files.py --config gdtool/kernels/configs/FILE.json --gemv OUT/gemv.csv \
+        --moe OUT/qwen3-30b-a3b.csv OUT/gpt-oss-20b.csv
+
+prints one line an entry and exits 1 when any is out (or was not timed).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gdtool.kernels import experts, gemv, tuning  # noqa: E402
+
+TOLERANCE = 0.03
+MOE_SHAPES = {"qwen3-30b-a3b": (2048, 768), "gpt-oss-20b": (2880, 2880)}   # hidden, intermediate (moe_sweep's models)
+GEMV_HEAD_DIMS = {"llama-1b": 64, "llama-8b": 128, "qwen3-8b": 128, "gemma-3-1b": 256}   # decode_kernels_probe.SHAPES
+
+
+# -- writing --------------------------------------------------------------------------------------------------------
+
+def commit() -> str:
+    if os.environ.get("GDTOOL_COMMIT"):
+        return os.environ["GDTOOL_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown (no GDTOOL_COMMIT, no git)"
+
+
+def device_path(directory: str = tuning.CONFIG_DIR) -> str:
+    """The file name of this CUDA device's own tuning: name, capability, Triton version."""
+    import torch
+    from gdtool.kernels import triton as fast_triton
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    slug = "-".join(props.name.lower().replace("_", " ").split())
+    return os.path.join(directory, f"{slug}_sm{props.major}{props.minor}_triton-{fast_triton.version()}.json")
+
+
+def update(path: str, sections: dict, sweep: str, files: list[str]) -> dict:
+    """Write `sections` ({section: {field: value}}) into the tuning file at `path` with this sweep's provenance; a
+    new file starts from the device's current tuning, under the device's name, capability and Triton version."""
+    if os.path.exists(path):
+        data = tuning.read(path).data
+    else:
+        import torch
+        from gdtool.kernels import triton as fast_triton
+        device = torch.device("cuda", torch.cuda.current_device())
+        props = torch.cuda.get_device_properties(device)
+        data = json.loads(json.dumps(tuning.current(device).data))
+        data.update(device=props.name, capability=[props.major, props.minor], triton=fast_triton.version(),
+                    note=f"Started from {os.path.basename(tuning.current(device).source)}; each section's provenance "
+                         "says which sweep wrote it.")
+    stamp = {"commit": commit(), "sweep": sweep, "files": [str(f) for f in files],
+             "date": datetime.date.today().isoformat()}
+    for section, values in sections.items():
+        data[section].update(values, provenance=stamp)
+    tuning.validate(data, path)
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    return data
+
+
+def gemv_timings(path, head_dims: dict = GEMV_HEAD_DIMS) -> dict:
+    """{(section, shape): {config: us}} of a decode_kernels_probe gemv.csv at one row, PDL off, the Triton tiles:
+    section "gemv" with shape (n, k, tiles), "qkv_rope" with (k, head dim)."""
+    timed: dict = {}
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            kernel = row["kernel"]
+            if row["pdl"] != "False" or row.get("rows", "1") != "1" or not kernel.startswith("triton") \
+                    or "whole-head" in kernel or "(" not in kernel or not row.get("us"):
+                continue
+            config = ast.literal_eval("(" + kernel.split("(", 1)[1])
+            n, k = int(row["n"]), int(row["k"])
+            key = ("qkv_rope", (k, head_dims[row["model"]])) if row["proj"] == "qkv" else \
+                ("gemv", (n, k, 2 if row["proj"] == "gate_up" else 1))
+            timed.setdefault(key, {})[config] = float(row["us"])
+    return timed
+
+
+def gemv_sections(timed: dict) -> dict:
+    """The fastest tiles of each swept shape as exact-shape rows of sections gemv and qkv_rope."""
+    names = {"gemv": (("n", "k", "tiles"), ("block_n", "warps", "per_sm")),
+             "qkv_rope": (("k", "d"), ("hb", "warps", "per_sm"))}
+    out: dict = {}
+    for (section, shape), times in sorted(timed.items()):
+        over, values = names[section]
+        best = min(times, key=times.get)
+        out.setdefault(section, {"shapes": []})["shapes"].append(
+            {"when": dict(zip(over, shape)), **dict(zip(values, best[:3]))})
+    return out
+
+
+def moe_sections(rows: list[dict]) -> dict:
+    """The grouped table, grouped_from, gpt-oss's tiles and the small kernels' exact-shape rows that
+    profiles/moe_sweep.py's rules read off these sweep rows (the models' CSVs together)."""
+    import moe_sweep
+    out: dict = {}
+    picks = moe_sweep.grouped_picks(rows)
+    if picks:
+        table = []
+        for batch, pick in sorted(picks.items()):
+            if table and {k: v for k, v in table[-1].items() if k != "when"} == pick:
+                table[-1]["when"]["tokens_max"] = batch
+            else:
+                table.append({"when": {"tokens_max": batch}, **pick})
+        del table[-1]["when"]   # the last row covers every larger batch
+        out["experts_grouped"] = {"tiles": table}
+        if {r["variant"] for r in rows} & {"small", "oss"}:
+            out["experts_grouped"]["from_tokens"] = moe_sweep.grouped_from(rows)
+    oss = moe_sweep.small_picks(rows, "oss")
+    if 1 in oss:
+        out["experts_oss"] = oss[1]
+    shapes = []
+    for model, (hidden, intermediate) in MOE_SHAPES.items():
+        for batch, pick in sorted(moe_sweep.small_picks([r for r in rows if r["model"] == model]).items()):
+            shapes.append({"when": {"hidden": hidden, "intermediate": intermediate, "tokens": batch}, **pick})
+    if shapes:
+        out["experts_small"] = {"shapes": shapes}
+    return out
+
+
+def attention_section(rows: list[dict], multiprocessors: int) -> dict:
+    """programs_per_sm of the split target whose mean time over the live lengths timed (the faster of the combine's
+    two forms at each) is the least: decode_kernels_probe's --attention-targets rows."""
+    best: dict = {}
+    for row in rows:
+        target = row.get("target")
+        if target is None or target != target or row.get("us") is None:   # NaN: a row of the default plan
+            continue
+        key = (float(target), row["live"])
+        best[key] = min(best.get(key, float("inf")), float(row["us"]))
+    means: dict = {}
+    for (target, _), us in best.items():
+        means.setdefault(target, []).append(us)
+    target = min(means, key=lambda t: sum(means[t]) / len(means[t]))
+    return {"attention": {"programs_per_sm": target / multiprocessors}}
+
+
+# -- checking -------------------------------------------------------------------------------------------------------
+
+def agreement(entries, tolerance: float = TOLERANCE) -> list[dict]:
+    """Per (name, shipped µs or None, fastest µs): whether the shipped choice is within `tolerance` of the fastest
+    (None: the sweep did not time the shipped choice, which fails)."""
+    out = []
+    for name, shipped, best in entries:
+        ratio = None if shipped is None else shipped / best
+        out.append(dict(entry=name, shipped_us=shipped, best_us=best, ratio=ratio,
+                        ok=ratio is not None and ratio <= 1 + tolerance))
+    return out
+
+
+def gemv_entries(timed: dict, tune: tuning.Tuning) -> list[tuple]:
+    entries = []
+    for (section, shape), times in sorted(timed.items()):
+        if section == "gemv":
+            n, k, tiles = shape
+            choice = gemv.gemv_config(1, n, k, tiles, tune)
+        else:
+            k, d = shape
+            choice = gemv.qkv_rope_config(k, d, tune=tune)[:3]
+        entries.append((f"{section} {shape} {choice}", times.get(choice), min(times.values())))
+    return entries
+
+
+def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
+    """Per (model, batch, variant) swept: the shipped config's time (the fastest row it matches) and the fastest."""
+    groups: dict = {}
+    for row in rows:
+        oss_runs = row["variant"] != "oss" or row["batch"] < experts.grouped_from(tune)   # gpt-oss: grouped from there
+        if row["ok"] and row["config"] and row["variant"] in ("grouped", "small", "oss") and oss_runs:
+            groups.setdefault((row["model"], row["batch"], row["variant"]), []).append(row)
+    entries = []
+    for (model, batch, variant), group in sorted(groups.items()):
+        if variant == "grouped":
+            shipped = vars(experts.grouped_config(batch, tune))
+        elif variant == "oss":
+            shipped = vars(experts.oss_config(tune))
+        else:
+            shipped = vars(experts.experts_config(*MOE_SHAPES[model], batch, tune))
+            shipped["chunk"] = shipped["chunk"] or experts.MAX_CHUNK
+        matching = [r["us_per_block"] for r in group if all(shipped.get(k) == v for k, v in r["config"].items())]
+        entries.append((f"{model} batch {batch} {variant}", min(matching, default=None),
+                        min(r["us_per_block"] for r in group)))
+    return entries
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="the tuning file to check")
+    p.add_argument("--gemv", nargs="*", default=[], help="decode_kernels_probe gemv.csv files (one row, every tile)")
+    p.add_argument("--moe", nargs="*", default=[], help="moe_sweep CSVs")
+    p.add_argument("--tolerance", type=float, default=TOLERANCE)
+    args = p.parse_args(argv)
+    import moe_sweep
+    tune = tuning.read(args.config)
+    entries = []
+    for path in args.gemv:
+        entries += gemv_entries(gemv_timings(path), tune)
+    entries += moe_entries([r for path in args.moe for r in moe_sweep.load(path)], tune)
+    report = agreement(entries, args.tolerance)
+    for r in report:
+        shipped = "not timed" if r["shipped_us"] is None else f"{r['shipped_us']:.2f} us ({r['ratio']:.3f}x)"
+        print(f"{'ok ' if r['ok'] else 'OUT'} {r['entry']}: shipped {shipped}, fastest {r['best_us']:.2f} us")
+    bad = sum(not r["ok"] for r in report)
+    print(f"{len(report) - bad} of {len(report)} within {args.tolerance:.0%} of the sweep's fastest")
+    return 1 if bad or not report else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
