@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(PROFILES))
 
 import bench_table  # noqa: E402  (profiles/bench_table.py: the bench's JSON files as rows)
+from gdtool.core.rollout_step import default_refill_after  # noqa: E402
 
 START = re.compile(r"<!-- rendered: ([\w-]+) -->")
 END = "<!-- end rendered -->"
@@ -340,7 +341,8 @@ def rollout_bench() -> str:
             return f"{by[runner]['tok_s']:,.0f}" if runner in by else "-"
 
         static, host, dev = (by.get(r) for r in ("static", "host", "device"))
-        shape = (cfg.get("refill_rows", 1), cfg.get("refill_after", 1))
+        after = cfg.get("refill_after", 1)   # None: the library's default for the slots
+        shape = (cfg.get("refill_rows", 1), default_refill_after(cfg["slots"]) if after is None else after)
         rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], shape, [
             cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", f"{shape[0]} / {shape[1]}",
             tok("static"), tok("host"),

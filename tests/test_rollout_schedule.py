@@ -98,11 +98,15 @@ def test_refill_never_worse_and_static_batches_wait():
     for _ in range(50):
         lengths = rng.geometric(1 / 16, size=int(rng.integers(1, 200))).clip(max=64)
         slots = int(rng.integers(1, 40))
-        off, dev = (rollouts.schedule(lengths, slots, r) for r in ("off", "device"))
+        off, dev = (rollouts.schedule(lengths, slots, r, refill_after=1) for r in ("off", "device"))
         assert dev.steps <= off.steps and dev.share >= off.share - 1e-12
         # refilling together starts the same sequences at the same steps as one at a time (only slots differ)
-        one = rollouts.schedule(lengths, slots, "device", refill_rows=1)
+        one = rollouts.schedule(lengths, slots, "device", refill_rows=1, refill_after=1)
         assert (one.steps, one.row_steps) == (dev.steps, dev.row_steps) and one.prefills >= dev.prefills
+        # the default waits for an eighth of the (used) slots
+        rows = min(slots, lengths.size)
+        assert rollouts.schedule(lengths, slots, "device") == \
+            rollouts.schedule(lengths, slots, "device", refill_after=max(1, rows // 8))
         assert off.steps == sum(int(lengths[i:i + slots].max()) - 1 for i in range(0, lengths.size, slots))
 
 

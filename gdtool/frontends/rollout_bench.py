@@ -78,6 +78,7 @@ import torch
 from . import options
 from ..core.models import eos_ids, load_model, random_prompts
 from ..loops.decoder import Decoder
+from ..core.rollout_step import default_refill_after
 from ..loops.rollout import REFILL_ROWS, rollout
 from ..measure import record, rollouts, workloads
 
@@ -117,7 +118,7 @@ class RolloutConfig(record.Config):
     runners: tuple = RUNNERS     # the runners measured, in RUNNERS' order
     kernels: str = "hf"          # every gdtool runner runs these
     refill_rows: int = REFILL_ROWS   # the refill runners' refill_rows and refill_after (gdtool.rollout)
-    refill_after: int = 1
+    refill_after: int | None = None   # None: gdtool.rollout's default for the slots (default_refill_after)
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
@@ -132,7 +133,7 @@ class RolloutConfig(record.Config):
             parts.append(self.kernels)
         if self.refill_rows != REFILL_ROWS:
             parts.append(f"rows{self.refill_rows}")
-        if self.refill_after != 1:
+        if self.refill_after is not None:
             parts.append(f"after{self.refill_after}")
         return parts
 
@@ -203,7 +204,7 @@ def label(runner: str, kernels: str) -> str:
 
 
 def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf", refill_rows: int = REFILL_ROWS,
-                   refill_after: int = 1):
+                   refill_after: int | None = None):
     """One gdtool.rollout call over the whole workload."""
     device = next(model.parameters()).device
     shape = {} if refill == "off" else dict(refill_rows=refill_rows, refill_after=refill_after)
@@ -566,9 +567,13 @@ def header(cfg: RolloutConfig, work: Workload, env: dict, summary) -> str:
             "by one replay of that size's graph)") if estimated else ""
     return (f"\n{cfg.name}: {env['device_name']}, torch {env['torch']}, transformers {env['transformers']}; "
             f"{cfg.prompts} prompts x {cfg.prompt_len} tokens, {cfg.slots} slots, lengths {cfg.lengths}, refill_rows "
-            f"{cfg.refill_rows}, refill_after {cfg.refill_after} "
+            f"{cfg.refill_rows}, refill_after {_after(cfg)} "
             f"(max_new_tokens {work.max_new_tokens}, {work.drawn_tokens} tokens drawn); greedy, median of "
             f"{cfg.repeats}; eos-off step {step_ms}; ideal = prefill_s + steps x eos-off step{note}")
+
+
+def _after(cfg: RolloutConfig) -> str:
+    return f"{default_refill_after(cfg.slots)} (default)" if cfg.refill_after is None else str(cfg.refill_after)
 
 
 def format_ratios(values: dict) -> str:
@@ -628,8 +633,9 @@ def parser() -> options.Parser:
     p.list_option("--refill-rows", item=options.int_item("refill-rows", 1), default=[REFILL_ROWS],
                   help="the refill runners' refill_rows (the most prompts one refill prefills together), one config "
                        "per value")
-    p.list_option("--refill-after", item=options.int_item("refill-after", 1), default=[1],
-                  help="the refill runners' refill_after (refill once this many slots are free), one config per value")
+    p.list_option("--refill-after", item=options.int_item("refill-after", 1), default=[None],
+                  help="the refill runners' refill_after (refill once this many slots are free; default: "
+                       "gdtool.rollout's, an eighth of the slots), one config per value")
     p.add_argument("--cb-cuda-graphs", choices=CB_CUDA_GRAPHS, default="auto",
                    help="hf-cb's CUDA graphs (use_cuda_graph): auto leaves HF's choice (on for flash attention, "
                         "off where an attention mask is needed), on or off forces it")

@@ -17,8 +17,8 @@ refill="host"  each slot holds one sequence at its own positions (`core/rollout_
                empty, runs a refill: the next sequences (input order) start in the first free slots,
                their prompts prefilled together (up to `refill_rows`, default 8, in one forward: a
                size of R, R/2, .., 1 graphs), each one's keys and values written into its slot's
-               cache row. `refill_after=A` waits until A slots are free (or all the queue has left),
-               so that one forward fills several. Greedy, each sequence is generate() on its prompt alone, up to rounding
+               cache row. `refill_after=A` (default: an eighth of the slots, at least 1) waits until
+               A slots are free (or all the queue has left), so that one forward fills several. Greedy, each sequence is generate() on its prompt alone, up to rounding
                (tokens equal in float64 on a CPU). Sampling draws keyed noise (`core/noise.py`),
                not generate()'s generator stream, so a sequence does not depend on its slot, the
                slot count or its neighbours; `seed` is required to sample.
@@ -45,7 +45,8 @@ import torch
 
 from ..core import graphs, ranges, sampling
 from ..core.modes import check_mode
-from ..core.rollout_step import REFILL_ROWS, RowStep, check_rows, new_row_state, refill_sizes, row_cache
+from ..core.rollout_step import (REFILL_ROWS, RowStep, check_rows, default_refill_after, new_row_state, refill_sizes,
+                                  row_cache)
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from ..kernels.rows import CompiledRowStep
@@ -94,6 +95,7 @@ class RolloutOutput:
     prefill_estimated: bool = False   # refill="device" captured: refills inside the loop priced by each size's replay
     launches: int | None = None       # refill="device" captured: graph launches of the decode loop
     refill_sizes: dict | None = None  # refill: {rows: refills of that many rows}
+    refill_after: int | None = None   # refill: the refill_after it ran with (given, or default_refill_after(slots))
 
     @property
     def row_step_share(self) -> float:
@@ -143,7 +145,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     for bit). refill="host": sampling needs `seed` (an int, taken mod 2**64): the noise of token t of sample k
     of prompt p is keyed by (seed, p, k, t) (`core.noise`), so a sequence is the same whatever slot it ran in
     and however many slots ran; the global generators are not touched. `refill_rows` (default REFILL_ROWS) and
-    `refill_after` (default 1) shape the refills (module doc); they change which sequences share a prefill, so
+    `refill_after` (default `default_refill_after(slots)`: an eighth of the slots) shape the refills (module doc); they change which sequences share a prefill, so
     the bits of a run in low precision, never the sequences each policy gives in every mode. `on_finished(sequence)` is
     called with each `Sequence` as soon as the host has it (refill="host": at the step it finished; "off": after
     its batch). `return_logprobs`: True gives each token's log-probability under the processed scores (what
@@ -266,12 +268,14 @@ def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, st
                          "refill='off' to draw from the global generator as generate() does") from None
 
 
-def _check_refill_shape(rows, after) -> tuple[int, int]:
-    """refill_rows and refill_after as ints >= 1 (their defaults where None)."""
+def _check_refill_shape(rows, after) -> tuple[int, int | None]:
+    """refill_rows and refill_after as ints >= 1 (refill_rows' default where None; refill_after's depends on the
+    slots: `default_refill_after`)."""
     rows = REFILL_ROWS if rows is None else rows
-    after = 1 if after is None else after
     for name, value, what in (("refill_rows", rows, "the most prompts one refill prefills together"),
                               ("refill_after", after, "refill once this many slots are free")):
+        if value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1 ({what})")
     return rows, after
@@ -409,7 +413,7 @@ class _RowRollout:
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
                  mode, capture, poll, steps_per_launch, num_samples, targets=None, kernels="hf",
-                 refill_rows=REFILL_ROWS, refill_after=1):
+                 refill_rows=REFILL_ROWS, refill_after=None):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
@@ -421,7 +425,8 @@ class _RowRollout:
         sizes = refill_sizes(refill_rows, slots, len(sequences))
         self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets, sizes)
         cache = row_cache(model, cache_len)
-        shape = dict(sizes=sizes, after=refill_after)
+        self.refill_after = default_refill_after(slots) if refill_after is None else refill_after
+        shape = dict(sizes=sizes, after=self.refill_after)
         self.step = RowStep(model, cache, self.state, settings, seed, **shape) if kernels == "hf" else \
             CompiledRowStep(model, cache, self.state, settings, seed, kernels=kernels, **shape)
         self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
@@ -579,8 +584,9 @@ class _RowRollout:
         return prefill_s
 
     def _device(self) -> float:
-        """refill="device", captured: the refills in WHILE nodes before each step, on the device (the first
-        launch's fill the slots). Returns the refills' seconds, priced by each size's replay (`_time_refills`)."""
+        """refill="device", captured: the refills in WHILE nodes after each step, on the device (and at the start
+        of each launch: the first one fills the slots). Returns the refills' seconds, priced by each size's replay
+        (`_time_refills`)."""
         launches = 0
         if self.spec.device_loop:
             while True:
@@ -651,4 +657,5 @@ class _RowRollout:
         out.prefill_estimated = self.estimated
         out.launches = getattr(self, "launches", None)
         out.refill_sizes = {g: n for g, n in zip(self.step.sizes, counts) if n}
+        out.refill_after = self.refill_after
         return out

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..core.rollout_step import REFILL_ROWS, refill_sizes
+from ..core.rollout_step import REFILL_ROWS, default_refill_after, refill_sizes
 
 __all__ = ["REFILLS", "Schedule", "schedule", "predict_s"]
 
@@ -64,19 +64,22 @@ def _lengths(lengths) -> np.ndarray:
 
 
 def schedule(lengths, slots: int, refill: str = "device", occupancy: bool = False, refill_rows: int = REFILL_ROWS,
-             refill_after: int = 1) -> Schedule:
+             refill_after: int | None = None) -> Schedule:
     """The schedule of sequences of `lengths` (in queue order) through `slots` rows under `refill` (with
-    gdtool.rollout's `refill_rows` and `refill_after`)."""
+    gdtool.rollout's `refill_rows` and `refill_after`, its defaults where not given)."""
     if refill not in REFILLS:
         raise ValueError(f"refill={refill!r}: use one of {', '.join(REFILLS)}")
     for name, value in (("slots", slots), ("refill_rows", refill_rows), ("refill_after", refill_after)):
+        if value is None and name == "refill_after":
+            continue
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}={value!r}: use an int >= 1")
     values = _lengths(lengths)
     rows = min(int(slots), values.size)   # gdtool.rollout allocates no row that would never hold a sequence
     if refill == "off":
         return _static(values, rows, occupancy)
-    return _refilled(values, rows, refill, occupancy, int(refill_rows), int(refill_after))
+    after = default_refill_after(rows) if refill_after is None else int(refill_after)
+    return _refilled(values, rows, refill, occupancy, int(refill_rows), after)
 
 
 def _static(lengths: np.ndarray, slots: int, occupancy: bool) -> Schedule:

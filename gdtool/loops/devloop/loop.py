@@ -93,10 +93,11 @@ class DeviceLoop:
         needs `rng_increment`, the offset one eager step advances `generator` by (a multiple of 4).
     generator: the CUDA generator the step samples from (default: the device's default generator).
 
-    inner: [(graph, settled), ...]: before each body run, for each pair in order, run `graph` (a
-        `CUDAGraph(keep_graph=True)`) while the one-element int64 tensor `settled` is 0: WHILE nodes nested in
-        the loop's body, one after the other (a rollout's refills, one graph per group size). Uncaptured, the body
-        callable runs its own inner loops: pass inner=None.
+    inner: [(graph, settled), ...]: for each pair in order, run `graph` (a `CUDAGraph(keep_graph=True)`) while the
+        one-element int64 tensor `settled` is 0: WHILE nodes one after the other, after each body run (nested in
+        the loop's body, before its condition) and once at the start of each launch, before the loop's entry (a
+        rollout's refills, one graph per group size: its first fill, then the refills after each step).
+        Uncaptured, the body callable runs its own inner loops: pass inner=None.
 
     `launch(max_steps=N)` runs at most N steps (streaming); `launches` counts graph launches.
     """
@@ -196,20 +197,24 @@ class DeviceLoop:
                         "cuGraphConditionalHandleCreate")
         self._handle = handle
         self._max_steps = None
-        self._entry_params = self._condition_params(entering=True, max_steps=None)
-        entry = _check(cu.cuGraphAddKernelNode(parent, None, 0, self._entry_params), "cuGraphAddKernelNode (entry)")
-        self._entry = entry
-
-        _, loop_body = self._add_while(parent, entry, handle, ctx, "WHILE")
+        # inner loops: once in the launch's prologue (a rollout's first fill; after a step they have nothing to do),
+        # and after the body inside the loop, so that the loop's condition sees what they did
         last = None
         if self.inner is not None:
             self._inner_scratch = torch.tensor([0, 1, 0], dtype=torch.int64, device=self.device)  # step, limit, stop_at
             self._inner_handles = []
             for graph, settled in self.inner:
-                last = self._add_inner(loop_body, last, ctx, graph, settled)
-        deps = None if last is None else [last]
-        child = _check(cu.cuGraphAddChildGraphNode(loop_body, deps, 0 if last is None else 1, body_graph),
-                       "cuGraphAddChildGraphNode")
+                last = self._add_inner(parent, last, ctx, graph, settled)
+        self._entry_params = self._condition_params(entering=True, max_steps=None)
+        entry = _check(cu.cuGraphAddKernelNode(parent, None if last is None else [last], 0 if last is None else 1,
+                                               self._entry_params), "cuGraphAddKernelNode (entry)")
+        self._entry = entry
+
+        _, loop_body = self._add_while(parent, entry, handle, ctx, "WHILE")
+        child = _check(cu.cuGraphAddChildGraphNode(loop_body, None, 0, body_graph), "cuGraphAddChildGraphNode")
+        if self.inner is not None:
+            for graph, settled in self.inner:
+                child = self._add_inner(loop_body, child, ctx, graph, settled)
         self._body_params = self._condition_params(entering=False, max_steps=None)
         _check(cu.cuGraphAddKernelNode(loop_body, [child], 1, self._body_params), "cuGraphAddKernelNode (condition)")
         try:
