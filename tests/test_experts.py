@@ -96,7 +96,7 @@ def test_experts_triton_kernels_under_the_interpreter():
             "    assert not bad, testing.table(bad)\n"
             "experts.tiles.MAX_CHUNK = 32  # weight rows read in several chunks; gpt-oss's in several steps and tiles\n"
             "assert experts.tiles._chunks(64) == (32, 2)\n"
-            "oss = experts.OssConfig(gate_up_cols=16, down_cols=16, block_k=32)\n"
+            "oss = experts.OssConfig(gate_up_cols=16, down_cols=16, block_k=32, warps=4)\n"
             "bad = [r for r in testing.check_experts_all('cpu', torch.float32, seed=1, oss_config=oss) if not r.ok]\n"
             "assert not bad, testing.table(bad)\n"
             "experts.tiles.MAX_CHUNK = 4096\n"
