@@ -50,7 +50,9 @@
 #   moe-sweep      profiles/moe_sweep.py for each of MOE_SWEEP_MODELS (qwen3-30b-a3b; one model a call) at
 #                  MOE_SWEEP_BATCHES (default: the model's list, 1-64): the grouped
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
-#                  captured, beside HF's batched_mm: what GROUPED_CONFIGS and OssConfig should hold
+#                  captured, beside HF's batched_mm: what the tuning file's experts sections should hold
+#                  (WRITE_CONFIG=FILE: the picks written into OUT/tuning/FILE's name, a copy of
+#                  gdtool/kernels/configs/FILE; kernels-sweep and attention-plan write theirs into the same copy)
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   attention-plan the same probe's attention part, llama-1b's attention at one row also at each split plan
 #                  (ATTENTION_TARGETS: split_plan's TARGET_PROGRAMS), the combine fused and not
@@ -120,6 +122,11 @@ shift
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)
+write_config=""
+if [ -n "${WRITE_CONFIG:-}" ]; then   # the sweeps write their picks into a copy of this tuning file (results: tuning/)
+  mkdir -p "$work/tuning" && cp "gdtool/kernels/configs/$WRITE_CONFIG" "$work/tuning/" || exit 2
+  write_config="$work/tuning/$WRITE_CONFIG"
+fi
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
 AGREE_BATCHES=${AGREE_BATCHES:-1,16,64}
@@ -303,10 +310,11 @@ for p in "$@"; do
            for r in \$d/*.ncu-rep; do \$ncu --import \$r --page details --csv > \${r%.ncu-rep}-details.csv; done" ;;
     moe-sweep) part moe-sweep ${MOE_SWEEP_SECONDS:-500} bash -c "for m in ${MOE_SWEEP_MODELS:-qwen3-30b-a3b}; do \
            $py profiles/moe_sweep.py --model \$m ${MOE_SWEEP_BATCHES:+--batch $MOE_SWEEP_BATCHES} \
-           ${MOE_SWEEP_GRIDS:+--grids $MOE_SWEEP_GRIDS} --out $work/moe-sweep \
+           ${MOE_SWEEP_GRIDS:+--grids $MOE_SWEEP_GRIDS} --out $work/moe-sweep ${write_config:+--write-config $write_config} \
            || exit 1; done" ;;
     attention-plan) part attention-plan ${ATTENTION_PLAN_SECONDS:-200} "$py" profiles/decode_kernels_probe.py \
-           --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" ;;
+           --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" \
+           ${write_config:+--write-config $write_config} ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \
@@ -324,11 +332,13 @@ for p in "$@"; do
            --budget-s $(( ${KERNELS_DOT_SECONDS:-300} - 30 )) --out "$work/kernels-dot" ;;
     kernels-sweep) part kernels-sweep ${KERNELS_SWEEP_SECONDS:-150} "$py" profiles/decode_kernels_probe.py --parts gemv \
            --models ${SWEEP_MODELS:-gemma-3-1b} --sweep-models ${SWEEP_MODELS:-gemma-3-1b} --gemv-rows ${SWEEP_ROWS:-1} --sweep full \
-           --budget-s $(( ${KERNELS_SWEEP_SECONDS:-150} - 30 )) --out "$work/kernels-sweep" ;;
+           --budget-s $(( ${KERNELS_SWEEP_SECONDS:-150} - 30 )) --out "$work/kernels-sweep" \
+           ${write_config:+--write-config $write_config} ;;
     *) echo "unknown part $p (the parts are listed at the top of profiles/gpu_run.sh)" | tee -a "$log"
        failed+=("$p") ;;
   esac
 done
+keep tuning
 rm -rf "$work"
 # what comes back from a GPU machine is capped at 16 MiB a file: a larger tar travels gzipped, in 15 MiB pieces
 # (cat results.tar.gz.* | tar -xz)
