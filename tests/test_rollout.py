@@ -8,6 +8,7 @@ The presets' random weights tie the head to the embedding, so greedy decoding re
 whatever the attention sees. The models here get a random untied head (`_lively`): each token then depends on
 the whole context, so a row that attended to a wrong column would show in its tokens.
 """
+import collections
 import math
 import random
 
@@ -224,6 +225,50 @@ def test_windows_per_row_seeded_sweep(seed):
     _assert_alone(model, prompts, out, tolerance=1e-5 if family == "gpt_oss" else 1e-9, **settings)
 
 
+def test_width_buckets_and_the_shapes_the_queue_asks_for():
+    assert rollout_step.width_buckets([128] * 5) == (128,)
+    assert rollout_step.width_buckets([20, 512, 300]) == (128, 256, 512)
+    assert rollout_step.width_buckets([20, 512, 300], most=1) == (512,)
+    assert rollout_step.width_buckets([20, 512, 300], most=9) == (32, 64, 128, 256, 512)
+    assert rollout_step.width_buckets([100, 120]) == (120,)            # no prompt fits 64
+    assert rollout_step.width_buckets([3, 40]) == (16, 32, 40)         # halvings rounded up to 16
+    assert rollout_step.width_buckets([3, 9]) == (9,)                  # nothing narrower than 16 below 9
+    widths = (16, 32, 40)
+    assert rollout_step.refill_shapes((2, 1), widths, [5, 40, 3, 20]) == {2: (32, 40), 1: (16, 32, 40)}
+    assert rollout_step.refill_shapes((4,), widths, [5, 6, 3, 20]) == {4: (32,)}
+    ladder = torch.tensor(widths)
+    assert [rollout_step.width_of(torch.tensor(n), ladder).item() for n in (1, 16, 17, 32, 33, 40)] == \
+        [16, 16, 32, 32, 40, 40]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_width_buckets_seeded_sweep(seed):
+    """Ragged prompts of 1-40 tokens: each refill prefills the narrowest width bucket that holds its prompts
+    (16, 32 or 40 columns with three buckets). Seeded draws of the family (Gemma 3 with a window of 4-12 among
+    them), slots, refill rows, refill_after, the number of buckets and the EOS case: each sequence is generate()
+    on its prompt alone, the device policy's uncaptured twin gives the same bits and counts, and with one prompt
+    per refill each ran at its own prompt's bucket."""
+    rng = random.Random(2000 + seed)
+    name = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "gemma3"][seed % 4]
+    model = _lively("zoo:gemma3_text", sliding_window=rng.randint(4, 12)) if name == "gemma3" else _lively(name)
+    prompts = _prompts(model, rng.randint(4, 9), seed=seed, lengths=(1, 40))
+    settings = _eos_cases(model, prompts, seed=seed)[rng.choice(["none", "tail", "mixed", "first"])]
+    shape = dict(refill_rows=rng.choice([1, 2, 3, 8]), refill_after=rng.choice([1, 2]),
+                 refill_widths=rng.choice([1, 2, 3, 4]))
+    slots = rng.choice([1, 2, 3, 5])
+    out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="host", **shape, **settings)
+    _assert_alone(model, prompts, out, **settings)
+    widths = rollout_step.width_buckets([len(p) for p in prompts], shape["refill_widths"])
+    assert set(out.refill_widths) <= set(widths) and sum(out.refill_widths.values()) == out.prefills
+    if shape["refill_rows"] == 1:
+        ladder = torch.tensor(widths)
+        own = collections.Counter(rollout_step.width_of(torch.tensor(len(p)), ladder).item() for p in prompts)
+        assert out.refill_widths == dict(own)
+    twin = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="device", **shape, **settings)
+    _assert_same_sequences(out, twin)
+    assert (twin.refill_sizes, twin.refill_widths) == (out.refill_sizes, out.refill_widths)
+
+
 @pytest.mark.parametrize("window", [None, 4096], ids=["no-window", "window-longer-than-cache"])
 def test_host_mistral(window):
     model = _lively("zoo:mistral", sliding_window=window)
@@ -432,8 +477,10 @@ BAD_INPUT = [
     (dict(refill="device", mode="device-loop", eos_poll_interval=4), "a rollout polls only with refill='device' in"),
     (dict(refill="device", mode="step-graph", eos_poll_interval=0), "eos_poll_interval=0"),
     (dict(refill="device", mode="step-graph", steps_per_launch=4), "steps_per_launch=4: an int >= 1 with mode="),
-    (dict(refill="off", on_group=print), "on_group, eos_poll_interval, steps_per_launch, refill_rows and"),
-    (dict(refill="off", refill_rows=4), "refill_rows and refill_after are refill='host'/'device' options"),
+    (dict(refill="off", on_group=print), "on_group, eos_poll_interval, steps_per_launch, refill_rows,"),
+    (dict(refill="off", refill_rows=4), "refill_after and refill_widths are refill='host'/'device' options"),
+    (dict(refill="off", refill_widths=2), "refill_widths are refill='host'/'device' options"),
+    (dict(refill="host", refill_widths=0), r"refill_widths=0 must be an int >= 1 \(the most widths a refill"),
     (dict(refill="host", refill_rows=0), r"refill_rows=0 must be an int >= 1 \(the most prompts one refill"),
     (dict(refill="device", refill_after="2"), r"refill_after='2' must be an int >= 1 \(refill once"),
     (dict(on_group=3), "on_group=3 must be callable"),

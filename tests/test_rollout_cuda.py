@@ -2,7 +2,8 @@
 uncaptured run, bit for bit (tokens, log-probabilities, slots, counts); host and device refill follow one
 admission rule, so all of them equal the eager host run. Seeded draws of prompts, slots, lengths (forced EOS at
 drawn targets, and free EOS), greedy and keyed sampling, refills of one prompt or several in one forward (one
-refill graph per size, their WHILE nodes in a row inside the device loop), at once or once some slots are free,
+refill graph per size and width bucket, their WHILE nodes in a row inside the device loop, a size's widths nested
+in its node), at once or once some slots are free, prompts of up to 9 or up to 40 tokens (one width or several),
 on five families: dense, a mixture of experts, and two with sliding windows shorter than the rollout (Gemma 3;
 gpt-oss, also MoE with sinks), decoded per row."""
 import random
@@ -31,13 +32,15 @@ def _model(name):
     return _models[name]
 
 
-SHAPES = [dict(), dict(refill_rows=1), dict(refill_rows=3, refill_after=2), dict(refill_rows=4, refill_after=4)]
+SHAPES = [dict(), dict(refill_rows=1), dict(refill_rows=3, refill_after=2, refill_widths=2),
+          dict(refill_rows=4, refill_after=4), dict(refill_widths=1)]
 
 
 def _case(seed: int):
     rng = random.Random(seed)
     count = rng.randint(5, 14)
-    prompts = [[rng.randrange(3, 4000) for _ in range(rng.randint(1, 9))] for _ in range(count)]
+    longest = rng.choice([9, 40])   # 40: width buckets 16, 32 and 40 (refill_widths permitting)
+    prompts = [[rng.randrange(3, 4000) for _ in range(rng.randint(1, longest))] for _ in range(count)]
     slots = rng.choice([1, 2, 3, 5, 8, 16])
     return rng, prompts, slots
 
@@ -49,8 +52,8 @@ def _same(a, b, label):
         assert torch.equal(x.tokens, y.tokens), (label, x.prompt_index, x.tokens.tolist(), y.tokens.tolist())
         assert torch.equal(x.logprobs, y.logprobs), (label, x.prompt_index)
         assert (x.slot, x.finish_reason) == (y.slot, y.finish_reason), label
-    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills, a.refill_sizes) == \
-        (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills, b.refill_sizes), label
+    assert (a.useful_tokens, a.row_steps, a.decode_steps, a.prefills, a.refill_sizes, a.refill_widths) == \
+        (b.useful_tokens, b.row_steps, b.decode_steps, b.prefills, b.refill_sizes, b.refill_widths), label
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-qwen3-moe", "tiny-gemma3", "tiny-gpt-oss"])

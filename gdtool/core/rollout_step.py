@@ -15,34 +15,40 @@ row (slot) is its own sequence, and everything a refill needs is on the device:
     mask     [slots, C]: row b attends to its columns [0, position]. transformers builds the 4-D mask as
              causal(q_offset + q >= kv) AND the 2-D mask, with q_offset the cache's shared counter; here
              the cache answers q_offset = C - 1 while decoding (the causal part allows every column, the 2-D
-             mask alone decides) and 0 while prefilling a prompt (columns [0, W) causal, as a prompt alone).
+             mask alone decides) and 0 while prefilling a prompt (columns [0, w) causal, as a prompt alone).
     results  per sequence, not per slot: `out` [Q + 1, N + 1] tokens, `out_lengths`, `finished` and the
              log-probabilities. A step writes each live row's token straight into its sequence's row (row Q
              and column N take the writes of empty and finished slots), so nothing is copied when a slot
              is refilled, and the host reads finished sequences whenever it likes.
     flags    `settled` (no refill now: too few slots free, or the queue is empty), `group` (the rows the next
-             refill takes, 0 when settled), `pick` (per size: 0 where it is `group`) and `done` (every slot is
-             free and the queue is empty), set by the step and by each refill.
+             refill takes, 0 when settled), `width` (the columns it prefills, 0 when settled), `pick` (per size:
+             0 where it is `group`), `pick_width` (per size and width: 0 where they are `group` and `width`) and
+             `done` (every slot is free and the queue is empty), set by the step and by each refill.
 
-`RowStep.__call__` is one decode step over every slot; `RowStep.refill(g)` starts g sequences together: the
+`RowStep.__call__` is one decode step over every slot; `RowStep.refill(g, w)` starts g sequences together: the
 next g of the queue, in the g first free slots (the lowest indices whose `unfinished` is 0), in order. It
-prefills their prompts in one forward (g rows, W columns, right-padded, positions 0..W-1), writing each row's
-keys and values straight into its slot's columns [0, W) of the rollout's cache, picks each first token at its
-prompt's last position, and updates the slots. Neither reads a tensor on the host (slots and sequences are
-picked on the device), so both can be captured, one refill graph per group size g, and a captured refill can
-run inside a conditional node. Every refill policy runs these functions in one order, which is the admission
+prefills their prompts in one forward (g rows, w columns, right-padded, positions 0..w-1), writing each row's
+keys and values straight into its slot's columns [0, w) of the rollout's cache, picks each first token at its
+prompt's last position, and updates the slots. w is a width bucket (`width_buckets`: the longest prompt W and
+up to `refill_widths - 1` halvings of it, rounded up to a multiple of 16): the smallest that holds the g
+prompts, so short prompts do not pay for the longest one's columns. Neither reads a tensor on the host (slots,
+sequences and width are picked on the device), so both can be captured, one refill graph per (g, w) that the
+queue can ask for (`refill_shapes`), and a captured refill can run inside a conditional node. Every refill policy runs these functions in one order, which is the admission
 rule (`refill_rows` R, `refill_after` A; `sizes`: R and the powers of two below it, largest first):
 
     after each decode step, while the queue is not empty and at least min(A, queue left, slots) slots are free:
-    refill g = the largest size <= min(free slots, queue left)
+    refill g = the largest size <= min(free slots, queue left), at w = the smallest width bucket that holds
+    the next g prompts
     (with A = 1 the slots that finish at step t take the next sequences, in slot order, before step t + 1;
     a sequence that ends at its first token frees its slot again at once; A > 1 lets free slots gather
     so that one forward prefills several prompts)
 
 g never grows between two decode steps (a refill takes g free slots and frees at most g), so the sizes run in
-descending order. `host` reads `settled` and `group` after each step and each refill and replays the refill of
-that size; `device` leaves the decision to the device (`gdtool.loops.devloop`: one WHILE node per size, in
-descending order, each running its refill while `group` is its size). The tokens are the same bits either way.
+descending order; the width may go up or down from one refill to the next. `host` reads `settled`, `group` and
+`width` after each step and each refill and replays the refill of that shape; `device` leaves the decision to
+the device (`gdtool.loops.devloop`: one WHILE node per size, in descending order, each running while `group` is
+its size; where a size has several widths, its body is one WHILE node per width, each running its refill while
+`width` is its width). The tokens are the same bits either way.
 
 Noise. With sampling, a row's token t (t = its `lengths` before the token: 0 for the first one) is drawn by
 `sampling.choose_keyed` from noise keyed by (seed, prompt index, sample index, t), never from a generator
@@ -101,10 +107,12 @@ class RowState:
     logprobs: torch.Tensor | None  # [Q + 1, N + 1] float32 log-probability of each token, when asked for
     settled: torch.Tensor         # [1] 1 when no refill runs now (too few slots free, or the queue is empty)
     group: torch.Tensor           # [1] the rows the next refill takes (one of the sizes), 0 when settled
+    width: torch.Tensor           # [1] the columns it prefills (one of the width buckets), 0 when settled
     pick: torch.Tensor            # [K] per refill size, largest first: 0 where that size is `group`, else 1
+    pick_width: torch.Tensor      # [K, J] per size and width bucket (ascending): 0 where they are `group`, `width`
     done: torch.Tensor            # [1] 1 when every slot is free and the queue is empty
     refills: torch.Tensor         # [] refills run (prefill forwards)
-    refill_counts: torch.Tensor   # [K] refills run per size
+    refill_counts: torch.Tensor   # [K, J] refills run per size and width
     steps: torch.Tensor           # [] decode steps run (a device loop counts them)
     slot_of: torch.Tensor         # [Q + 1] the slot each sequence ran in
     queue_targets: torch.Tensor | None = None  # [Q] forced lengths (a harness: EOS as token number t), else None
@@ -119,6 +127,8 @@ class RowState:
 
 
 REFILL_ROWS = 8   # the most prompts one refill prefills together, unless refill_rows says otherwise
+REFILL_WIDTHS = 3  # the most widths a refill prefills at (width buckets), unless refill_widths says otherwise
+WIDTH_STEP = 16    # width buckets below the longest prompt are multiples of this
 
 
 def default_refill_after(slots: int) -> int:
@@ -135,15 +145,47 @@ def refill_sizes(rows: int, slots: int, queue: int) -> tuple[int, ...]:
     return tuple(sorted({top} | {1 << i for i in range(top.bit_length()) if 1 << i <= top}, reverse=True))
 
 
+def width_buckets(lengths, most: int = REFILL_WIDTHS) -> tuple[int, ...]:
+    """The widths refills prefill at, ascending: the longest prompt W, and below it up to `most - 1` halvings
+    (each rounded up to a multiple of WIDTH_STEP), as long as some prompt fits the smaller width."""
+    lengths = [int(n) for n in lengths]
+    widths = [max(lengths)]
+    while len(widths) < most:
+        half = -(-widths[-1] // 2 // WIDTH_STEP) * WIDTH_STEP
+        if half >= widths[-1] or half < min(lengths):
+            break
+        widths.append(half)
+    return tuple(sorted(widths))
+
+
+def width_of(longest: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
+    """The smallest of `widths` (ascending, on longest's device) that is at least `longest` (one rule for the
+    device's flags and the host's plan: `refill_shapes`)."""
+    return widths[(widths < longest[..., None]).sum(-1).clamp(max=widths.numel() - 1)]
+
+
+def refill_shapes(sizes: tuple, widths: tuple, lengths) -> dict:
+    """{g: the widths a refill of g can ask for, ascending}: for every run of g consecutive sequences of the
+    queue (a refill of g takes the next g, all of them in the queue), the width bucket of the longest. Only
+    these (g, w) get a refill graph; the flags never pick another."""
+    lengths = torch.as_tensor([int(n) for n in lengths], dtype=torch.long)
+    ladder = torch.tensor(widths, dtype=torch.long)
+    return {g: tuple(sorted(set(width_of(lengths.unfold(0, g, 1).max(1).values, ladder).tolist())))
+            for g in sizes}
+
+
 def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, device,
-                  return_logprobs: bool, targets: list | None = None, sizes: tuple = (1,)) -> RowState:
+                  return_logprobs: bool, targets: list | None = None, sizes: tuple = (1,),
+                  widths: tuple | None = None) -> RowState:
     """`sequences`: (prompt index, sample index, token ids) per sequence, in queue order; `targets`: a forced
     length per sequence (its first EOS id is forced as that token), or None; `sizes`: the refill group sizes,
-    largest first (`refill_sizes`)."""
+    largest first (`refill_sizes`); `widths`: the width buckets, ascending (`width_buckets`; default: the
+    longest prompt alone)."""
     long = dict(dtype=torch.long, device=device)
     n = settings.max_new_tokens
     q = len(sequences)
     width = max(len(ids) for _, _, ids in sequences)
+    widths = (width,) if widths is None else tuple(widths)
     cache_len = width + n
     pad = settings.pad_token_id if settings.pad_token_id is not None else 0
     ids = torch.zeros(q, width, dtype=torch.long)
@@ -167,8 +209,10 @@ def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, d
         out=torch.full((q + 1, n + 1), pad, **long), out_lengths=torch.zeros(q + 1, **long),
         finished=torch.zeros(q + 1, **long),
         logprobs=torch.zeros(q + 1, n + 1, dtype=torch.float32, device=device) if return_logprobs else None,
-        settled=torch.zeros(1, **long), group=torch.zeros(1, **long), pick=torch.ones(len(sizes), **long),
-        done=torch.zeros(1, **long), refills=torch.zeros((), **long), refill_counts=torch.zeros(len(sizes), **long),
+        settled=torch.zeros(1, **long), group=torch.zeros(1, **long), width=torch.zeros(1, **long),
+        pick=torch.ones(len(sizes), **long), pick_width=torch.ones(len(sizes), len(widths), **long),
+        done=torch.zeros(1, **long), refills=torch.zeros((), **long),
+        refill_counts=torch.zeros(len(sizes), len(widths), **long),
         steps=torch.zeros((), **long), slot_of=torch.zeros(q + 1, **long),
         queue_targets=None if targets is None else torch.tensor(list(targets), **long),
         targets=None if targets is None else torch.zeros(slots, **long),
@@ -266,7 +310,7 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
 
     decode (None)   one token per row: row b's key/value at column `columns[b]` ([S, 1], read at every
                     forward); the layer returns the whole cache, and the mask code gets a query offset of C - 1
-    prefill (rows)  g prompts of W tokens: prompt j's keys/values at columns [0, W) of row `rows[j]` ([g] device
+    prefill (rows)  g prompts of w tokens: prompt j's keys/values at columns [0, w) of row `rows[j]` ([g] device
                     tensor); the layer returns those rows of the cache ([g, heads, C, dim]), and the query offset
                     is 0
 
@@ -322,12 +366,13 @@ def row_writes(cache, slots: int, columns: torch.Tensor, phase: dict):
 # -- the step and the refill ------------------------------------------------------------------------
 
 class RowStep(Step):
-    """A decode step over every slot (`__call__`) and the refill of g slots (`refill(g)`), over a `RowState`.
-    `sizes`: the refill group sizes, largest first (`refill_sizes`); `after`: refill once this many slots are free
-    (or all the queue has left)."""
+    """A decode step over every slot (`__call__`) and the refill of g slots at width w (`refill(g, w)`), over a
+    `RowState`. `sizes`: the refill group sizes, largest first (`refill_sizes`); `widths`: the width buckets,
+    ascending, the last the queue's width (`width_buckets`; default: that width alone); `after`: refill once this
+    many slots are free (or all the queue has left)."""
 
     def __init__(self, model, cache, state: RowState, settings: Settings, seed: int | None = None,
-                 sizes: tuple = (1,), after: int = 1):
+                 sizes: tuple = (1,), after: int = 1, widths: tuple | None = None):
         if settings.do_sample and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise ValueError(f"seed={seed!r}: a rollout's sampling draws noise keyed by (seed, prompt, sample, "
                              "token); pass seed=<int>")
@@ -348,6 +393,14 @@ class RowStep(Step):
                              "the queue (refill_sizes), one `pick` flag each")
         self.sizes = tuple(int(g) for g in sizes)
         self.size_tensor = torch.tensor(self.sizes, dtype=torch.long, device=device)
+        full = state.queue_ids.shape[1]
+        widths = (full,) if widths is None else tuple(int(w) for w in widths)
+        if widths != tuple(sorted(set(widths))) or widths[-1] != full or widths[0] < 1 \
+                or tuple(state.pick_width.shape) != (len(self.sizes), len(widths)):
+            raise ValueError(f"widths={widths!r}: refill widths, ascending, the last the queue's width {full} "
+                             "(width_buckets), one `pick_width` flag per size and width")
+        self.widths = widths
+        self.width_tensor = torch.tensor(widths, dtype=torch.long, device=device)
         self.after = int(after)
         self.ones = torch.ones(self.sizes[0], dtype=torch.long, device=device)
         self.row_ids = torch.arange(self.sizes[0], device=device)
@@ -433,20 +486,26 @@ class RowStep(Step):
         s.mask.scatter_(1, s.positions, 1)
 
     def flags(self) -> None:
-        """`settled`, `group`, `pick` and `done` from the slots and the queue (the admission rule, module doc)."""
+        """`settled`, `group`, `width`, the picks and `done` from the slots and the queue (the admission rule,
+        module doc)."""
         s = self.state
         left = self.queue_size - s.next                       # sequences not started
         free = (s.unfinished == 0).sum()
         ready = (left > 0) & (free >= left.clamp(max=min(self.after, self.slots)))
         room = torch.minimum(free, left)
         group = torch.where(self.size_tensor <= room, self.size_tensor, 0).max() * ready
+        q = (s.next + self.row_ids).clamp(max=self.queue_size - 1)      # the next sequences, as refill(g) takes them
+        longest = torch.where(self.row_ids < group, s.queue_lengths.index_select(0, q), 0).max()
+        width = width_of(longest, self.width_tensor) * ready
         s.settled.copy_((~ready).long().view(1))
         s.group.copy_(group.view(1))
+        s.width.copy_(width.view(1))
         s.pick.copy_((self.size_tensor != group).long())
+        s.pick_width.copy_(((self.size_tensor[:, None] != group) | (self.width_tensor[None, :] != width)).long())
         s.done.copy_(((s.unfinished.max() == 0) & (left <= 0)).long().view(1))
 
     def prefill(self, *args, **kwargs):
-        raise TypeError("a RowStep starts sequences with refill(g), g prompts of its queue at a time")
+        raise TypeError("a RowStep starts sequences with refill(g, w), g prompts of its queue at a time")
 
     def __call__(self) -> None:
         """One decode step over every slot, then the flags."""
@@ -462,25 +521,28 @@ class RowStep(Step):
         with self.feed.decoding(), row_writes(self.cache, self.slots, self.state.positions, self.phase):
             yield
 
-    def refill(self, rows: int = 1) -> None:
+    def refill(self, rows: int = 1, width: int | None = None) -> None:
         """The next `rows` sequences of the queue start in the first `rows` free slots, in order, prefilled in one
-        forward (see the module doc); then the flags. Run it only with `group` == rows: with fewer slots free it
-        would overwrite running sequences, with fewer sequences left it would start the last one again."""
-        if rows not in self.sizes:
-            raise ValueError(f"refill({rows!r}): the refill sizes are {self.sizes}")
+        forward `width` columns wide (default: the queue's width; see the module doc); then the flags. Run it only
+        with `group` == rows and `width` == width: with fewer slots free it would overwrite running sequences, with
+        fewer sequences left it would start the last one again, and a narrower width would cut a prompt short."""
+        width = self.widths[-1] if width is None else width
+        if rows not in self.sizes or width not in self.widths:
+            raise ValueError(f"refill({rows!r}, {width!r}): the refill sizes are {self.sizes}, the widths "
+                             f"{self.widths}")
         s = self.state
         ones = self.ones[:rows]
         # the first `rows` free slots: free slots sort before busy ones, each group by index
         slot = torch.topk(s.unfinished * self.slots + self.slot_ids, rows, largest=False, sorted=True).indices
         q = (s.next + self.row_ids[:rows]).clamp(max=self.queue_size - 1)   # the next `rows` sequences
-        ids = s.queue_ids.index_select(0, q)                    # [g, W]
+        ids = s.queue_ids[:, :width].index_select(0, q)         # [g, w]
         length = s.queue_lengths.index_select(0, q)             # [g]
         prompt = s.queue_prompt.index_select(0, q)
         sample = s.queue_sample.index_select(0, q)
         prompt_mask = (self.columns < length[:, None]).long()   # [g, C]
         seen = target = None
         if s.seen is not None:
-            real = torch.where(self.prompt_positions < length[:, None], ids, ids[:, :1])  # the prompt, not its pads
+            real = torch.where(self.prompt_positions[:, :width] < length[:, None], ids, ids[:, :1])  # not its pads
             seen = torch.zeros(rows, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
         if s.targets is not None:
             target = s.queue_targets.index_select(0, q)
@@ -505,7 +567,7 @@ class RowStep(Step):
         s.ran.index_add_(0, slot, ones)
         s.next.add_(rows)
         s.refills.add_(1)
-        s.refill_counts[self.sizes.index(rows)] += 1
+        s.refill_counts[self.sizes.index(rows), self.widths.index(width)] += 1
         self.flags()
 
     def prefill_select(self, ids, prompt_mask, slot, length, seen, prompt, sample, target) -> tuple:
@@ -515,17 +577,18 @@ class RowStep(Step):
         return self.select(logits, seen, prompt, sample, torch.zeros_like(length), target)
 
     def _prefill_logits(self, ids, prompt_mask, slot, length) -> torch.Tensor:
-        """The g prompts' forward, one row each (keys and values written into their slots' columns), and the
-        float32 logits at each prompt's last position, [g, V].
+        """The g prompts' forward, w columns each (keys and values written into their slots' columns [0, w)), and
+        the float32 logits at each prompt's last position, [g, V].
 
-        The mask goes in built, 4-D ([g, 1, W, C]: causal over the prompt AND its columns [0, L)), which
+        The mask goes in built, 4-D ([g, 1, w, C]: causal over the prompt AND its columns [0, L)), which
         transformers takes as it is. From a 2-D mask it would, uncaptured, read the mask on the host and drop it
         for sdpa's is_causal where the prompt fills W (a prefill from an empty cache may), while a captured
         prefill always keeps it: two kernels, two roundings."""
-        rows = ids.shape[0]
-        causal = self.columns <= self.prompt_positions[0, :, None]                       # [W, C]
-        allowed = causal[None] & prompt_mask.bool()[:, None, :]                           # [g, W, C]
-        positions = self.prompt_positions.expand(rows, -1)
+        rows, width = ids.shape
+        prompt_positions = self.prompt_positions[:, :width]
+        causal = self.columns <= prompt_positions[0, :, None]                            # [w, C]
+        allowed = causal[None] & prompt_mask.bool()[:, None, :]                           # [g, w, C]
+        positions = prompt_positions.expand(rows, -1)
         mask = self._masks(allowed, positions)
         inputs = {self.feed.cache_kw: self.cache, "input_ids": ids, "attention_mask": mask,
                   "position_ids": positions, "use_cache": True}

@@ -1,11 +1,11 @@
 """kernels="compiled" and "fast" for a rollout whose rows are their own sequences (`core/rollout_step.py`).
 
 Inductor programs: the decode forward of `RowStep` (HF's forward over the per-row cache write) with the
-selection of each slot's token (`forward_select`), and per refill size g a refill's prefill of g prompts with
-their first tokens (`prefill_select`). The update of the per-sequence results, the flags and the choice of slot and sequence stay
+selection of each slot's token (`forward_select`), and per refill size g and width w a refill's prefill of g
+prompts w columns wide with their first tokens (`prefill_select`). The update of the per-sequence results, the flags and the choice of slot and sequence stay
 as they are, captured around them. Neither program reads the queue or the results, so they are the same for any
 number of prompts: each is kept in the model's table of compiled steps (`compiled.py`), one per shape key
-(slots, cache columns, prompt width, refill rows, what is recorded, the settings, the per-row window, what the
+(slots, cache columns, refill rows and width, what is recorded, the settings, the per-row window, what the
 log-probabilities are of). The seed is
 read from a buffer (`noise.seed_words`), so a new seed compiles nothing; neither does another rollout of the same
 slots and cache columns.
@@ -75,7 +75,7 @@ class CompiledRowStep(RowStep):
                                f"({type(_get_current_dispatch_mode()).__name__}); dynamo would leave it "
                                "uncompiled from then on. Call it outside the mode (a capture's warm-up watches HF's "
                                "kernels only: kernels.step.watched)")
-        entry = self._entry(body, args[0].shape[0] if args else 0)
+        entry = self._entry(body, *(tuple(args[0].shape) if args else (0, 0)))
         before = _graphs_compiled()
         t0 = time.perf_counter()
         with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel):
@@ -87,22 +87,22 @@ class CompiledRowStep(RowStep):
         entry.calls += 1
         return result
 
-    def _key(self, body, rows: int) -> tuple:
+    def _key(self, body, rows: int, width: int) -> tuple:
         s = self.state
-        read = (s.tokens, s.positions, s.mask, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets, s.eos,
-                s.queue_ids[:1])   # a prefill's width
+        read = (s.tokens, s.positions, s.mask, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets, s.eos)
         buffers = tuple(None if t is None else (tuple(t.shape), t.dtype, str(t.device)) for t in read)
         param = next(self.model.parameters())
-        return ("rows", body.__name__, rows, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
+        return ("rows", body.__name__, rows, width, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
                 self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel)
 
-    def _entry(self, body, rows: int) -> _Compiled:
-        """The compiled program of `body` for this step's shapes; `rows`: a prefill's prompts (0: decode)."""
+    def _entry(self, body, rows: int, width: int) -> _Compiled:
+        """The compiled program of `body` for this step's shapes; `rows` and `width`: a prefill's prompts and
+        columns (0, 0: decode)."""
         table = self.model.__dict__.setdefault(_ATTR, {})
-        key = self._key(body, rows)
+        key = self._key(body, rows, width)
         if key not in table:
             slots, columns = self.state.mask.shape
-            what = "decode" if body is _forward_select else f"prefill_g{rows}_w{self.state.queue_ids.shape[1]}"
+            what = "decode" if body is _forward_select else f"prefill_g{rows}_w{width}"
             name = f"rows_{what}_s{slots}_c{columns}_n{self.settings.max_new_tokens}_" + \
                 ("sample" if self.settings.do_sample else "greedy") + ("_split" if self.split_kernel else "") + \
                 ("_sinks" if self.sinks_kernel else "")

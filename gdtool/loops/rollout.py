@@ -18,7 +18,10 @@ refill="host"  each slot holds one sequence at its own positions (`core/rollout_
                their prompts prefilled together (up to `refill_rows`, default 8, in one forward: a
                size of R, R/2, .., 1 graphs), each one's keys and values written into its slot's
                cache row. `refill_after=A` (default: an eighth of the slots, at least 1) waits until
-               A slots are free (or all the queue has left), so that one forward fills several. Greedy, each sequence is generate() on its prompt alone, up to rounding
+               A slots are free (or all the queue has left), so that one forward fills several.
+               A refill prefills the smallest width bucket that holds its prompts: the longest
+               prompt and up to `refill_widths - 1` (default 2) halvings of it, so short prompts do
+               not pay for the longest one's pads. Greedy, each sequence is generate() on its prompt alone, up to rounding
                (tokens equal in float64 on a CPU). Sampling draws keyed noise (`core/noise.py`),
                not generate()'s generator stream, so a sequence does not depend on its slot, the
                slot count or its neighbours; `seed` is required to sample.
@@ -45,8 +48,8 @@ import torch
 
 from ..core import graphs, ranges, sampling
 from ..core.modes import check_mode
-from ..core.rollout_step import (REFILL_ROWS, RowStep, check_rows, default_refill_after, new_row_state, refill_sizes,
-                                  row_cache)
+from ..core.rollout_step import (REFILL_ROWS, REFILL_WIDTHS, RowStep, check_rows, default_refill_after,
+                                  new_row_state, refill_shapes, refill_sizes, row_cache, width_buckets)
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from ..kernels.rows import CompiledRowStep
@@ -54,7 +57,7 @@ from ..kernels.step import watched
 from .decode import check_run, check_samples
 from .decoder import Decoder
 
-__all__ = ["REFILLS", "REFILL_ROWS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
+__all__ = ["REFILLS", "REFILL_ROWS", "REFILL_WIDTHS", "RolloutInterrupted", "RolloutOutput", "Sequence", "rollout"]
 REFILLS = ("off", "host", "device")
 
 
@@ -95,6 +98,7 @@ class RolloutOutput:
     prefill_estimated: bool = False   # refill="device" captured: refills inside the loop priced by each size's replay
     launches: int | None = None       # refill="device" captured: graph launches of the decode loop
     refill_sizes: dict | None = None  # refill: {rows: refills of that many rows}
+    refill_widths: dict | None = None  # refill: {columns: refills prefilled that wide}
     refill_after: int | None = None   # refill: the refill_after it ran with (given, or default_refill_after(slots))
 
     @property
@@ -123,14 +127,15 @@ class RolloutOutput:
         return dict(refill=self.refill, slots=self.slots, mode=self.mode, sequences=len(self.sequences),
                     useful_tokens=self.useful_tokens, row_steps=self.row_steps, row_step_share=self.row_step_share,
                     decode_steps=self.decode_steps, prefills=self.prefills, prefilled_rows=self.prefilled_rows,
-                    refill_sizes=self.refill_sizes,
+                    refill_sizes=self.refill_sizes, refill_widths=self.refill_widths,
                     host_syncs=self.host_syncs,
                     prefill_s=self.prefill_s, decode_s=self.decode_s, total_s=self.total_s,
                     tokens_per_s=self.tokens_per_s)
 
 
 def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, num_samples: int = 1, refill: str = "off",
-            refill_rows: int | None = None, refill_after: int | None = None, seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
+            refill_rows: int | None = None, refill_after: int | None = None, refill_widths: int | None = None,
+            seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
             steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
@@ -144,9 +149,11 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     generators once, before the first batch, and the batches draw from them in turn (generate()'s stream, bit
     for bit). refill="host": sampling needs `seed` (an int, taken mod 2**64): the noise of token t of sample k
     of prompt p is keyed by (seed, p, k, t) (`core.noise`), so a sequence is the same whatever slot it ran in
-    and however many slots ran; the global generators are not touched. `refill_rows` (default REFILL_ROWS) and
-    `refill_after` (default `default_refill_after(slots)`: an eighth of the slots) shape the refills (module doc); they change which sequences share a prefill, so
-    the bits of a run in low precision, never the sequences each policy gives in every mode. `on_finished(sequence)` is
+    and however many slots ran; the global generators are not touched. `refill_rows` (default REFILL_ROWS),
+    `refill_after` (default `default_refill_after(slots)`: an eighth of the slots) and `refill_widths` (default
+    REFILL_WIDTHS: the most width buckets a refill prefills at) shape the refills (module doc); they change which
+    sequences share a prefill and how wide, so the bits of a run in low precision, never the sequences each policy
+    gives in every mode. `on_finished(sequence)` is
     called with each `Sequence` as soon as the host has it (refill="host": at the step it finished; "off": after
     its batch). `return_logprobs`: True gives each token's log-probability under the processed scores (what
     generate() samples from), "temperature" under softmax(logits / temperature) alone (what PPO/GRPO ratios
@@ -156,7 +163,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     if isinstance(model, Decoder):
         return rollout(**_from_decoder(model, prompts, slots=slots, max_new_tokens=max_new_tokens,
                                        num_samples=num_samples, refill=refill, refill_rows=refill_rows,
-                                       refill_after=refill_after, seed=seed,
+                                       refill_after=refill_after, refill_widths=refill_widths, seed=seed,
                                        return_logprobs=return_logprobs, mode=mode, kernels=kernels, capture=capture,
                                        on_finished=on_finished, on_group=on_group,
                                        eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
@@ -185,7 +192,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     kernels = check_run(model, mode, kernels, capture)
     if refill != "off":
         seed = _check_rows_policy(refill, mode, kernels, settings, seed, eos_poll_interval, steps_per_launch)
-        refill_rows, refill_after = _check_refill_shape(refill_rows, refill_after)
+        refill_rows, refill_after, refill_widths = _check_refill_shape(refill_rows, refill_after, refill_widths)
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
     targets = _check_targets(target_lengths, len(sequences), settings, refill)
@@ -194,12 +201,13 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
         # rows that would never hold a sequence are not allocated (nor counted as row-steps)
         run = _RowRollout(model, settings, sequences, min(slots, len(sequences)), return_logprobs, on_finished,
                           on_group, seed, refill, mode, capture, eos_poll_interval, steps_per_launch, num_samples,
-                          targets, kernels, refill_rows, refill_after)
+                          targets, kernels, refill_rows, refill_after, refill_widths)
     else:
         if on_group is not None or eos_poll_interval is not None or steps_per_launch is not None \
-                or refill_rows is not None or refill_after is not None:
-            raise ValueError("on_group, eos_poll_interval, steps_per_launch, refill_rows and refill_after are "
-                             "refill='host'/'device' options; refill='off' decodes through a Decoder: leave them unset")
+                or refill_rows is not None or refill_after is not None or refill_widths is not None:
+            raise ValueError("on_group, eos_poll_interval, steps_per_launch, refill_rows, refill_after and "
+                             "refill_widths are refill='host'/'device' options; refill='off' decodes through a "
+                             "Decoder: leave them unset")
         run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished, targets,
                              Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
@@ -268,17 +276,20 @@ def _check_rows_policy(refill, mode: str, kernels: str, settings, seed, poll, st
                          "refill='off' to draw from the global generator as generate() does") from None
 
 
-def _check_refill_shape(rows, after) -> tuple[int, int | None]:
-    """refill_rows and refill_after as ints >= 1 (refill_rows' default where None; refill_after's depends on the
-    slots: `default_refill_after`)."""
+def _check_refill_shape(rows, after, widths) -> tuple[int, int | None, int]:
+    """refill_rows, refill_after and refill_widths as ints >= 1 (the defaults where None; refill_after's depends
+    on the slots: `default_refill_after`)."""
     rows = REFILL_ROWS if rows is None else rows
+    widths = REFILL_WIDTHS if widths is None else widths
     for name, value, what in (("refill_rows", rows, "the most prompts one refill prefills together"),
-                              ("refill_after", after, "refill once this many slots are free")):
+                              ("refill_after", after, "refill once this many slots are free"),
+                              ("refill_widths", widths, "the most widths a refill prefills at; 1: every refill "
+                               "at the longest prompt's width")):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1 ({what})")
-    return rows, after
+    return rows, after, widths
 
 
 def _check_targets(target_lengths, count: int, settings, refill: str):
@@ -405,15 +416,15 @@ class _RowRollout:
     """refill="host" or "device": `slots` rows, each its own sequence (`core/rollout_step.py`).
 
     Both policies run `RowStep.__call__` (one decode step) and `RowStep.refill(g)` (g sequences into the first
-    free slots) in one order: after each step, refill `group` rows while `settled` is 0. "host" reads `settled`,
-    `group` and `done` after each step and each refill. "device" in step-graph launches one graph per step, its
+    free slots) in one order: after each step, refill `group` rows `width` columns wide while `settled` is 0.
+    "host" reads `settled`, `group`, `width` and `done` after each step and each refill. "device" in step-graph launches one graph per step, its
     refills first, in one WHILE node per size on the device, and reads `done` every `poll` steps; in device-loop
     one launch runs the rollout (`steps_per_launch` chunks it). Uncaptured (eager, or no CUDA) the device's
     conditions are read on the host: the same calls, so the twin of every captured run."""
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, on_group, seed, refill,
                  mode, capture, poll, steps_per_launch, num_samples, targets=None, kernels="hf",
-                 refill_rows=REFILL_ROWS, refill_after=None):
+                 refill_rows=REFILL_ROWS, refill_after=None, refill_widths=REFILL_WIDTHS):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
         self.on_finished, self.on_group, self.refill, self.mode = on_finished, on_group, refill, mode
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
@@ -423,10 +434,15 @@ class _RowRollout:
         cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
         sizes = refill_sizes(refill_rows, slots, len(sequences))
-        self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets, sizes)
+        lengths = [len(ids) for _, _, ids in sequences]
+        widths = width_buckets(lengths, refill_widths)
+        # the (size, width) pairs the queue can ask for: one refill graph (and compiled prefill) each
+        self.shapes = [(g, w) for g, ws in refill_shapes(sizes, widths, lengths).items() for w in ws]
+        self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets, sizes,
+                                   widths)
         cache = row_cache(model, cache_len)
         self.refill_after = default_refill_after(slots) if refill_after is None else refill_after
-        shape = dict(sizes=sizes, after=self.refill_after)
+        shape = dict(sizes=sizes, after=self.refill_after, widths=widths)
         self.step = RowStep(model, cache, self.state, settings, seed, **shape) if kernels == "hf" else \
             CompiledRowStep(model, cache, self.state, settings, seed, kernels=kernels, **shape)
         self.step.logprobs_of = sampling.logprobs_kind(return_logprobs) or "processed"
@@ -447,17 +463,18 @@ class _RowRollout:
         ranges.count_syncs()
         return tensor.tolist()
 
-    def _flags(self) -> tuple[bool, bool, int]:
-        """(done, settled, the rows of the next refill) in one read."""
-        done, settled, group = self._read(torch.cat([self.state.done, self.state.settled, self.state.group]))
-        return bool(done), bool(settled), group
+    def _flags(self) -> tuple[bool, bool, tuple]:
+        """(done, settled, the shape of the next refill: (rows, width)) in one read."""
+        s = self.state
+        done, settled, group, width = self._read(torch.cat([s.done, s.settled, s.group, s.width]))
+        return bool(done), bool(settled), (group, width)
 
     # -- building: warm-up and capture --
     def _build(self) -> None:
         step, state = self.step, self.state
         step.flags()   # the first refill's size: every slot is free
         self.do_step = step
-        self.do_refill = {g: functools.partial(step.refill, g) for g in step.sizes}
+        self.do_refill = {(g, w): functools.partial(step.refill, g, w) for g, w in self.shapes}
         if not self.capture:
             return
         snap = state.snapshot()
@@ -466,8 +483,8 @@ class _RowRollout:
         watch = watched(self.model, self.kernels)
         constants = {}
         with ranges.span(ranges.WARMUP):
-            for g in step.sizes:
-                constants[g] = graphs.warm_up(self.do_refill[g], 2, model=watch)
+            for shape in self.shapes:
+                constants[shape] = graphs.warm_up(self.do_refill[shape], 2, model=watch)
                 state.restore(snap)
             if self.spec.graph == "forward":
                 step.phase["prefill"] = None
@@ -487,27 +504,42 @@ class _RowRollout:
                     return fwd.output
                 step.forward_fn = replayed              # forward-graph: the refills' prefills stay eager
             else:
-                refills = {g: graphs.capture(self.do_refill[g], self.device, pool, keep_graph=keep, model=self.model,
-                                             constants=constants[g]) for g in step.sizes}
+                refills = {shape: graphs.capture(self.do_refill[shape], self.device, pool, keep_graph=keep,
+                                                 model=self.model, constants=constants[shape])
+                           for shape in self.shapes}
                 self.graphs += list(refills.values())
                 whole = graphs.capture(step, self.device, pool, keep_graph=keep, model=self.model,
                                        constants=forward)
                 self.graphs.append(whole)
                 self.do_step = whole.replay
-                self.do_refill = {g: graph.replay for g, graph in refills.items()}
+                self.do_refill = {shape: graph.replay for shape, graph in refills.items()}
         if keep:
             self.refill_s = self._time_refills(refills, snap)
             from .devloop import DeviceLoop
             far = torch.tensor(_FAR, dtype=torch.long, device=self.device)
-            chain = [(refills[g].graph, state.pick[i:i + 1]) for i, g in enumerate(step.sizes)]
-            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=chain)
+            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=self._chain(refills))
             self.loops.append(self.step_loop)
 
+    def _chain(self, refills: dict) -> list:
+        """The device loop's refills: per size, largest first, a WHILE node running while `group` is that size;
+        its body the size's one refill graph, or where it has several widths one WHILE node per width, each
+        running its graph while `width` is that width (the width may go up or down between two refills of one
+        size, so the size's node runs its widths again until `group` changes)."""
+        s, step = self.state, self.step
+        chain = []
+        for i, g in enumerate(step.sizes):
+            widths = [(j, w) for j, w in enumerate(step.widths) if (g, w) in refills]
+            if len(widths) == 1:
+                chain.append((refills[g, widths[0][1]].graph, s.pick[i:i + 1]))
+            else:
+                chain.append(([(refills[g, w].graph, s.pick_width[i, j:j + 1]) for j, w in widths], s.pick[i:i + 1]))
+        return chain
+
     def _time_refills(self, refills: dict, snap: dict) -> dict:
-        """Seconds of one replay of each size's refill graph, from the rollout's first state (the best of two):
+        """Seconds of one replay of each shape's refill graph, from the rollout's first state (the best of two):
         what prices the refills a device loop runs unseen. The state is restored after each."""
         times = {}
-        for g, graph in refills.items():
+        for shape, graph in refills.items():
             best = float("inf")
             for _ in range(2):
                 self._synchronize()
@@ -516,7 +548,7 @@ class _RowRollout:
                 self._synchronize()
                 best = min(best, time.perf_counter() - t0)
                 self.state.restore(snap)
-            times[g] = best
+            times[shape] = best
         return times
 
     # -- the run --
@@ -553,12 +585,15 @@ class _RowRollout:
 
     def _settle(self) -> bool:
         """Refill while `settled` is 0, `group` rows at a time (host reads); returns done."""
-        done, settled, group = self._flags()
+        done, settled, shape = self._flags()
         while not settled:
-            with ranges.span(ranges.PREFILL, group), hidden_waits(self.device, self.waits):
-                self.do_refill[group]()
-            done, settled, group = self._flags()
+            self._refill(shape)
+            done, settled, shape = self._flags()
         return done
+
+    def _refill(self, shape: tuple) -> None:
+        with ranges.span(ranges.PREFILL, shape[0]), hidden_waits(self.device, self.waits):
+            self.do_refill[shape]()
 
     def _host(self) -> float:
         """Both policies with the conditions read on the host (refill="host", and every uncaptured run)."""
@@ -572,13 +607,12 @@ class _RowRollout:
             with ranges.span(ranges.STEP, steps), hidden_waits(self.device, self.waits):
                 self.do_step()
             with ranges.span(ranges.EOS_CHECK):
-                done, settled, group = self._flags()
+                done, settled, shape = self._flags()
             if self.on_finished is not None or self.on_group is not None:
                 self._harvest()
             if not settled:
                 t0 = time.perf_counter()
-                with ranges.span(ranges.PREFILL, group), hidden_waits(self.device, self.waits):
-                    self.do_refill[group]()
+                self._refill(shape)
                 done = self._settle()
                 prefill_s += time.perf_counter() - t0
         return prefill_s
@@ -612,7 +646,8 @@ class _RowRollout:
         self.launches = launches
         counts = self._read(self.state.refill_counts)
         self.estimated = True
-        return sum(n * self.refill_s[g] for g, n in zip(self.step.sizes, counts))
+        return sum(counts[i][j] * self.refill_s[g, w] for i, g in enumerate(self.step.sizes)
+                   for j, w in enumerate(self.step.widths) if counts[i][j])
 
     # -- results --
     def _harvest(self) -> None:
@@ -649,13 +684,17 @@ class _RowRollout:
     def _output(self, prefill_s: float, loop_s: float) -> RolloutOutput:
         s = self.state
         row_steps, steps, refills, started, *counts = (int(v) for v in self._read(
-            torch.cat([torch.stack([s.ran.sum(), s.steps, s.refills, s.next]), s.refill_counts])))
+            torch.cat([torch.stack([s.ran.sum(), s.steps, s.refills, s.next]), s.refill_counts.flatten()])))
+        sizes, widths = self.step.sizes, self.step.widths
+        counts = [counts[i * len(widths):(i + 1) * len(widths)] for i in range(len(sizes))]   # [K][J]
         done = [seq for seq in self.results if seq is not None]
         out = RolloutOutput(done, self.refill, self.slots, self.settings.max_new_tokens, "",
                             sum(seq.length for seq in done), row_steps, steps, refills, started,
                             self.syncs + self.waits.count, prefill_s, max(loop_s - prefill_s, 0.0), 0.0)
         out.prefill_estimated = self.estimated
         out.launches = getattr(self, "launches", None)
-        out.refill_sizes = {g: n for g, n in zip(self.step.sizes, counts) if n}
+        out.refill_sizes = {g: sum(row) for g, row in zip(sizes, counts) if sum(row)}
+        out.refill_widths = {w: sum(row[j] for row in counts) for j, w in enumerate(widths)
+                             if any(row[j] for row in counts)}
         out.refill_after = self.refill_after
         return out

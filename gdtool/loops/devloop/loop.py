@@ -71,6 +71,14 @@ def _check_tensors(done: torch.Tensor, step: torch.Tensor, limit: torch.Tensor) 
         raise ValueError(f"done, step and limit must be on one device; got {sorted(map(str, devices))}")
 
 
+def _chain_shape(inner) -> bool:
+    """Whether `inner` is a non-empty list of (graph, settled) pairs, a graph possibly such a list again."""
+    if not isinstance(inner, (list, tuple)) or not inner:
+        return False
+    return all(isinstance(p, (list, tuple)) and len(p) == 2
+               and (not isinstance(p[0], (list, tuple)) or _chain_shape(p[0])) for p in inner)
+
+
 def _generator_state(generator: torch.Generator) -> tuple[int, int]:
     seed, offset = struct.unpack("<Qq", bytes(generator.get_state().tolist()))
     return seed, offset
@@ -96,7 +104,9 @@ class DeviceLoop:
     inner: [(graph, settled), ...]: for each pair in order, run `graph` (a `CUDAGraph(keep_graph=True)`) while the
         one-element int64 tensor `settled` is 0: WHILE nodes one after the other, after each body run (nested in
         the loop's body, before its condition) and once at the start of each launch, before the loop's entry (a
-        rollout's refills, one graph per group size: its first fill, then the refills after each step).
+        rollout's refills, one graph per group size: its first fill, then the refills after each step). `graph`
+        may itself be such a list: its WHILE node's body is then that chain of WHILE nodes (a rollout's refills
+        of one size at several widths).
         Uncaptured, the body callable runs its own inner loops: pass inner=None.
 
     `launch(max_steps=N)` runs at most N steps (streaming); `launches` counts graph launches.
@@ -116,10 +126,9 @@ class DeviceLoop:
         self.last_calls = None           # uncaptured: steps run by the last launch
         self.captured = isinstance(body, torch.cuda.CUDAGraph)
         self._exec = self._graph = self._rng = None
-        if inner is not None and (not isinstance(inner, (list, tuple)) or not inner
-                                  or any(not isinstance(p, (list, tuple)) or len(p) != 2 for p in inner)):
+        if inner is not None and not _chain_shape(inner):
             raise ValueError("inner must be a non-empty list of (graph, settled) pairs, run in order before each body "
-                             "run, or None")
+                             "run (a graph may be such a list again), or None")
         self.inner = inner
         self._rollout_open = False
         self._closed = False
@@ -244,18 +253,20 @@ class DeviceLoop:
     def _add_inner(self, graph, after, ctx, inner_graph, settled):
         """In `graph`, after node `after` (None: first): an entry kernel, then a WHILE node running `inner_graph`
         while its `settled` flag is 0 (the same condition kernel: no step count, a limit of 1 never reached).
-        Returns the WHILE node."""
+        `inner_graph` a list of pairs: the WHILE node's body is their chain. Returns the WHILE node."""
         cu = self._cu
         if not isinstance(settled, torch.Tensor) or settled.dtype != torch.int64 or settled.numel() != 1 \
                 or settled.device != self.device:
             raise ValueError("inner=[(graph, settled), ...]: each settled must be a one-element int64 tensor on the "
                              "loop's device")
-        try:
-            raw = inner_graph.raw_cuda_graph()
-        except RuntimeError as error:
-            raise ValueError("capture the inner graph with torch.cuda.CUDAGraph(keep_graph=True)") from error
-        inner_body = cu.CUgraph(int(raw))
-        self.body_nodes += _check_body_nodes(cu, inner_body)
+        inner_body = None
+        if not isinstance(inner_graph, (list, tuple)):
+            try:
+                raw = inner_graph.raw_cuda_graph()
+            except RuntimeError as error:
+                raise ValueError("capture the inner graph with torch.cuda.CUDAGraph(keep_graph=True)") from error
+            inner_body = cu.CUgraph(int(raw))
+            self.body_nodes += _check_body_nodes(cu, inner_body)
         handle = _check(cu.cuGraphConditionalHandleCreate(graph, ctx, 0, cu.CU_GRAPH_COND_ASSIGN_DEFAULT),
                         "cuGraphConditionalHandleCreate (inner)")
         deps = None if after is None else [after]
@@ -263,8 +274,13 @@ class DeviceLoop:
                                                self._inner_params(handle, settled, True)),
                        "cuGraphAddKernelNode (inner entry)")
         node, body = self._add_while(graph, entry, handle, ctx, "inner WHILE")
-        child = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
-        _check(cu.cuGraphAddKernelNode(body, [child], 1, self._inner_params(handle, settled, False)),
+        if inner_body is not None:
+            last = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
+        else:
+            last = None
+            for sub_graph, sub_settled in inner_graph:
+                last = self._add_inner(body, last, ctx, sub_graph, sub_settled)
+        _check(cu.cuGraphAddKernelNode(body, [last], 1, self._inner_params(handle, settled, False)),
                "cuGraphAddKernelNode (inner condition)")
         self._inner_handles.append(handle)
         return node
