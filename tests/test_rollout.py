@@ -422,6 +422,36 @@ def test_mask_is_the_rows_columns(attn):
         assert shared[..., 0].all() and not shared[..., 1:].any()
 
 
+def test_step_and_refills_read_nothing_on_the_host(monkeypatch):
+    """A captured step or refill cannot read a device value on the host (CUDA refuses it mid-capture), and a CPU
+    run would not notice: every op of RowStep's step and refills is watched here for the ops that read back
+    (`graphs._SYNCING`: `.item()`, a tensor indexed by a 0-d tensor, `nonzero`, ...), with ragged prompts over
+    three width buckets, sampling, a repetition penalty, forced lengths and log-probabilities."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from gdtool.core import graphs
+
+    found = []
+
+    class Reads(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in graphs._SYNCING:
+                found.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    for name in ("__call__", "refill", "flags"):
+        def watched(self, *args, _original=getattr(rollout_step.RowStep, name), **kwargs):
+            with Reads():
+                return _original(self, *args, **kwargs)
+        monkeypatch.setattr(rollout_step.RowStep, name, watched)
+    model = _lively("tiny-llama")
+    prompts = _prompts(model, 9, seed=4, lengths=(1, 40))
+    out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill="host", refill_rows=2, do_sample=True,
+                         seed=1, repetition_penalty=1.3, eos_token_id=1, pad_token_id=0,
+                         target_lengths=[1 + i % N for i in range(9)])
+    assert len(out.refill_widths) > 1 and out.prefills >= 5
+    assert not found, found
+
+
 def test_per_row_write_lands_in_each_rows_column():
     model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.float64)
     cache = rollout_step.row_cache(model, 6)

@@ -161,7 +161,9 @@ def width_buckets(lengths, most: int = REFILL_WIDTHS) -> tuple[int, ...]:
 def width_of(longest: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
     """The smallest of `widths` (ascending, on longest's device) that is at least `longest` (one rule for the
     device's flags and the host's plan: `refill_shapes`)."""
-    return widths[(widths < longest[..., None]).sum(-1).clamp(max=widths.numel() - 1)]
+    index = (widths < longest[..., None]).sum(-1).clamp(max=widths.numel() - 1)
+    # gathered, not indexed: widths[index] with a 0-d index reads it on the host (a sync no graph can hold)
+    return widths.gather(0, index.reshape(-1)).reshape(index.shape)
 
 
 def refill_shapes(sizes: tuple, widths: tuple, lengths) -> dict:
