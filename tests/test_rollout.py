@@ -452,6 +452,26 @@ def test_step_and_refills_read_nothing_on_the_host(monkeypatch):
     assert not found, found
 
 
+def test_a_refill_out_of_turn_stays_in_bounds():
+    """A captured rollout warms up and times each (size, width) refill from its first state, where the next prompt
+    may be wider than that width: the refill must still index inside its w columns (on a GPU an index past them
+    is a device-side assert that takes the process down)."""
+    model = _lively("tiny-llama")
+    sequences = [(0, 0, list(range(3, 33))), (1, 0, [5, 6, 7])]      # 30 tokens, then 3
+    settings = resolve(model, N, dict(eos_token_id=None, pad_token_id=0), {})
+    widths = rollout_step.width_buckets([30, 3])
+    assert widths == (16, 30)
+    state = rollout_step.new_row_state(2, sequences, settings, model.config.vocab_size, "cpu", True, None, (1,),
+                                       widths)
+    step = rollout_step.RowStep(model, rollout_step.row_cache(model, 30 + N), state, settings, sizes=(1,),
+                                widths=widths)
+    step.flags()
+    assert (state.group.item(), state.width.item()) == (1, 30)
+    with torch.inference_mode(), step.decoding():
+        step.refill(1, 16)   # out of turn: prompt 0 is 30 tokens wide
+    assert state.lengths[0].item() == 1 and state.prompt_lengths[0].item() == 16
+
+
 def test_per_row_write_lands_in_each_rows_column():
     model = gdtool.load_model("tiny-llama", seed=0, dtype=torch.float64)
     cache = rollout_step.row_cache(model, 6)

@@ -538,7 +538,9 @@ class RowStep(Step):
         slot = torch.topk(s.unfinished * self.slots + self.slot_ids, rows, largest=False, sorted=True).indices
         q = (s.next + self.row_ids[:rows]).clamp(max=self.queue_size - 1)   # the next `rows` sequences
         ids = s.queue_ids[:, :width].index_select(0, q)         # [g, w]
-        length = s.queue_lengths.index_select(0, q)             # [g]
+        # at most the width: a no-op in the rollout's order (the flags pick a width that holds the g prompts), and
+        # in bounds when a refill runs out of turn (the warm-up and timing replays of each shape, from the first state)
+        length = s.queue_lengths.index_select(0, q).clamp(max=width)   # [g]
         prompt = s.queue_prompt.index_select(0, q)
         sample = s.queue_sample.index_select(0, q)
         prompt_mask = (self.columns < length[:, None]).long()   # [g, C]
