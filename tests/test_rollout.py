@@ -227,12 +227,13 @@ def test_windows_per_row_seeded_sweep(seed):
 
 def test_width_buckets_and_the_shapes_the_queue_asks_for():
     assert rollout_step.width_buckets([128] * 5) == (128,)
-    assert rollout_step.width_buckets([20, 512, 300]) == (128, 256, 512)
+    assert rollout_step.width_buckets([20, 512, 300], most=3) == (128, 256, 512)
+    assert rollout_step.width_buckets([20, 512, 300]) == (512,)         # the default: one width
     assert rollout_step.width_buckets([20, 512, 300], most=1) == (512,)
     assert rollout_step.width_buckets([20, 512, 300], most=9) == (32, 64, 128, 256, 512)
-    assert rollout_step.width_buckets([100, 120]) == (120,)            # no prompt fits 64
-    assert rollout_step.width_buckets([3, 40]) == (16, 32, 40)         # halvings rounded up to 16
-    assert rollout_step.width_buckets([3, 9]) == (9,)                  # nothing narrower than 16 below 9
+    assert rollout_step.width_buckets([100, 120], most=3) == (120,)    # no prompt fits 64
+    assert rollout_step.width_buckets([3, 40], most=3) == (16, 32, 40)  # halvings rounded up to 16
+    assert rollout_step.width_buckets([3, 9], most=3) == (9,)          # nothing narrower than 16 below 9
     widths = (16, 32, 40)
     assert rollout_step.refill_shapes((2, 1), widths, [5, 40, 3, 20]) == {2: (32, 40), 1: (16, 32, 40)}
     assert rollout_step.refill_shapes((4,), widths, [5, 6, 3, 20]) == {4: (32,)}
@@ -446,7 +447,7 @@ def test_step_and_refills_read_nothing_on_the_host(monkeypatch):
     model = _lively("tiny-llama")
     prompts = _prompts(model, 9, seed=4, lengths=(1, 40))
     out = gdtool.rollout(model, prompts, slots=3, max_new_tokens=N, refill="host", refill_rows=2, do_sample=True,
-                         seed=1, repetition_penalty=1.3, eos_token_id=1, pad_token_id=0,
+                         seed=1, repetition_penalty=1.3, eos_token_id=1, pad_token_id=0, refill_widths=3,
                          target_lengths=[1 + i % N for i in range(9)])
     assert len(out.refill_widths) > 1 and out.prefills >= 5
     assert not found, found
@@ -459,7 +460,7 @@ def test_a_refill_out_of_turn_stays_in_bounds():
     model = _lively("tiny-llama")
     sequences = [(0, 0, list(range(3, 33))), (1, 0, [5, 6, 7])]      # 30 tokens, then 3
     settings = resolve(model, N, dict(eos_token_id=None, pad_token_id=0), {})
-    widths = rollout_step.width_buckets([30, 3])
+    widths = rollout_step.width_buckets([30, 3], most=3)
     assert widths == (16, 30)
     state = rollout_step.new_row_state(2, sequences, settings, model.config.vocab_size, "cpu", True, None, (1,),
                                        widths)

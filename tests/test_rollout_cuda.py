@@ -33,7 +33,7 @@ def _model(name):
 
 
 SHAPES = [dict(), dict(refill_rows=1), dict(refill_rows=3, refill_after=2, refill_widths=2),
-          dict(refill_rows=4, refill_after=4), dict(refill_widths=1)]
+          dict(refill_rows=4, refill_after=4, refill_widths=3), dict()]
 
 
 def _case(seed: int):

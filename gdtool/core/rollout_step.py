@@ -127,7 +127,9 @@ class RowState:
 
 
 REFILL_ROWS = 8   # the most prompts one refill prefills together, unless refill_rows says otherwise
-REFILL_WIDTHS = 3  # the most widths a refill prefills at (width buckets), unless refill_widths says otherwise
+# the most widths a refill prefills at (width buckets), unless refill_widths says otherwise: 1 (every refill at the
+# longest prompt's width) until the captured twin rule has passed on a GPU with several (docs/rollout.md)
+REFILL_WIDTHS = 1
 WIDTH_STEP = 16    # width buckets below the longest prompt are multiples of this
 
 

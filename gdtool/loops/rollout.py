@@ -20,7 +20,7 @@ refill="host"  each slot holds one sequence at its own positions (`core/rollout_
                cache row. `refill_after=A` (default: an eighth of the slots, at least 1) waits until
                A slots are free (or all the queue has left), so that one forward fills several.
                A refill prefills the smallest width bucket that holds its prompts: the longest
-               prompt and up to `refill_widths - 1` (default 2) halvings of it, so short prompts do
+               prompt and up to `refill_widths - 1` halvings of it (default 1: none), so short prompts do
                not pay for the longest one's pads. Greedy, each sequence is generate() on its prompt alone, up to rounding
                (tokens equal in float64 on a CPU). Sampling draws keyed noise (`core/noise.py`),
                not generate()'s generator stream, so a sequence does not depend on its slot, the
