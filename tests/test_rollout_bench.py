@@ -3,6 +3,7 @@ writes CSV + JSON, makes exactly the drawn tokens, prints ratios of its own figu
 them; bad input ends it with one line (exit 2) before any model loads. No speed is asserted."""
 import json
 import re
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -101,6 +102,8 @@ def _no_model(*args, **kwargs):
     (["--prompts", "4", "--lengths", "list:3,4"], "one length per prompt: --prompts 4"),
     (["--batch", "4"], "--batch is an option of --workload decode; the rollout workload takes --slots"),
     (["--max-new-tokens", "8"], "max_new_tokens is the distribution's cap"),
+    (["--prompt-len", "9,8"], "--prompt-len '9,8': LO > HI; swap them (8,9)"),
+    (["--refill-widths", "0"], "refill-widths 0 must be at least 1"),
 ])
 def test_bad_input_is_one_line_before_any_model(extra, words, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(rollout_bench, "load_model", _no_model)
@@ -167,6 +170,34 @@ def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
     assert doc["files"][0].endswith("tiny-llama_rollout_s2_n9_p4_uniform1-6_static-device.csv")
     assert calls == [4, 9, 4, 9]
     assert "device/static" in table and re.search(r"device/host -", table)
+
+
+def test_ragged_prompts_and_width_buckets(tmp_path, capsys, monkeypatch):
+    """--prompt-len LO,HI draws ragged prompts (seeded, in [LO, HI]); --refill-widths gives one config per
+    value, named by it, and the refill runners get it: with three buckets the refills ran at more than one width,
+    and every runner kept the same useful tokens."""
+    widths = []
+    real = rollout_bench.rollout
+
+    def seen(model, prompts, **kwargs):
+        out = real(model, prompts, **kwargs)
+        if kwargs.get("refill") != "off":
+            widths.append((kwargs["refill_widths"], dict(out.refill_widths), sorted({len(p) for p in prompts})))
+        return out
+    monkeypatch.setattr(rollout_bench, "rollout", seen)
+    argv = BASE + ["--prompts", "12", "--prompt-len", "2,40", "--slots", "3", "--lengths",
+                   "uniform:1:6", "--repeats", "1", "--runners", "static,device", "--refill-widths", "1,3",
+                   "--out", str(tmp_path)]
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0, table
+    names = sorted(Path(f).name for f in doc["files"] if f.endswith(".json"))
+    assert names == ["tiny-llama_rollout_s3_n12_p2-40_uniform1-6_static-device.json",
+                     "tiny-llama_rollout_s3_n12_p2-40_uniform1-6_static-device_widths3.json"]
+    lengths = widths[-1][2]
+    assert len(lengths) > 3 and min(lengths) >= 2 and max(lengths) <= 40
+    assert {len(w) for n, w, _ in widths if n == 1} == {1} and max(len(w) for n, w, _ in widths if n == 3) > 1
+    useful = [r["useful_tokens"] for r in doc["results"]]
+    assert len(useful) == 4 and len(set(useful)) == 1, useful
 
 
 def test_hf_cb_is_na_with_the_reason_where_it_cannot_run(monkeypatch):

@@ -200,6 +200,13 @@ class Parser(argparse.ArgumentParser):
         return self.add_int("--prompt-len", "--prompt-length", default=default, minimum=1,
                             help="prompt tokens per row")
 
+    def add_prompt_lengths(self, default: str, what: str = ""):
+        """--prompt-len taking one length or LO,HI (rows of lengths drawn between them): parsed to (lo, hi)."""
+        return self.add_argument("--prompt-len", "--prompt-length", default=default, metavar="LO[,HI]",
+                                 type=_argparse_type(prompt_lengths, "prompt lengths"),
+                                 help="prompt lengths: one length, or LO,HI for rows of lengths drawn between them"
+                                      + (f" {what}" if what else ""))
+
     def add_max_new_tokens(self, default, minimum=1, help="tokens generated per row"):
         return self.add_int("--max-new-tokens", default=default, minimum=minimum, help=help)
 
@@ -348,16 +355,34 @@ def int_item(what: str, minimum: int):
     return check
 
 
-def int_type(flag: str, minimum: int):
-    check = int_item(flag.lstrip("-"), minimum)
+def prompt_lengths(text: str) -> tuple[int, int]:
+    """--prompt-len: "N" or "LO,HI" as (lo, hi), 1 <= lo <= hi."""
+    items = split(text)
+    try:
+        lengths = [int(x) for x in items]
+    except ValueError:
+        raise ValueError(f"--prompt-len {text!r}: give one length or LO,HI (e.g. 5,12)") from None
+    if not 1 <= len(lengths) <= 2 or min(lengths) < 1:
+        raise ValueError(f"--prompt-len {text!r}: give one length >= 1, or LO,HI with 1 <= LO <= HI (e.g. 5,12)")
+    lo, hi = lengths[0], lengths[-1]
+    if lo > hi:
+        raise ValueError(f"--prompt-len {text!r}: LO > HI; swap them ({hi},{lo})")
+    return lo, hi
 
+
+def _argparse_type(parse, name: str):
+    """`parse` as an argparse type: its ValueError becomes argparse's one-line error."""
     def convert(value):
         try:
-            return check(value)
+            return parse(value)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
-    convert.__name__ = "whole number"
+    convert.__name__ = name
     return convert
+
+
+def int_type(flag: str, minimum: int):
+    return _argparse_type(int_item(flag.lstrip("-"), minimum), "whole number")
 
 
 def device_type(value: str) -> str:

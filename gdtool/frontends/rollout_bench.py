@@ -16,16 +16,18 @@ the tokens someone keeps:
     hf-cb     transformers' continuous batching (`model.continuous_batching_context_manager`), one `add_request`
               per prompt with its drawn length as max_new_tokens, greedy
 
-`--refill-rows` and `--refill-after` (one config per value): the refill runners' `refill_rows` (the most prompts one
-refill prefills together) and `refill_after` (refill once this many slots are free); gdtool.rollout's defaults
-unless given.
+`--refill-rows`, `--refill-after` and `--refill-widths` (one config per value): the refill runners' `refill_rows`
+(the most prompts one refill prefills together), `refill_after` (refill once this many slots are free) and
+`refill_widths` (the most width buckets a refill prefills at); gdtool.rollout's defaults unless given.
 
 `--kernels` (one config per value): every gdtool runner runs those kernels. With "fast" the static runners run
 gdtool's own decode forward where it applies, and the refill runners the compiled step over the per-row cache write
 with gdtool's split-KV attention (`kernels/rows.py`): gdtool's own forward writes one cache column shared by
 every row.
 
-Prompts are `--prompts` rows of `--prompt-len` random tokens (seeded). Each prompt's response length is drawn
+Prompts are `--prompts` rows of `--prompt-len` random tokens (seeded); with `--prompt-len LO,HI` their lengths
+are drawn uniformly from [LO, HI] (ragged prompts: what width buckets are for; the eos-off runner's batch is HI
+tokens wide). Each prompt's response length is drawn
 from `--lengths` (gdtool.measure.workloads; max_new_tokens is the distribution's cap); gdtool's runners force EOS
 at that length (`target_lengths`), so random weights give realistic lengths. A sequence that emits EOS by itself
 before that ends early: the table counts such sequences (`early`). hf-cb cannot force a token, so its EOS is
@@ -79,7 +81,7 @@ from . import options
 from ..core.models import eos_ids, load_model, random_prompts
 from ..loops.decoder import Decoder
 from ..core.rollout_step import default_refill_after
-from ..loops.rollout import REFILL_ROWS, rollout
+from ..loops.rollout import REFILL_ROWS, REFILL_WIDTHS, rollout
 from ..measure import record, rollouts, workloads
 
 RUNNERS = ("static", "host", "device", "eos-off", "hf-cb")
@@ -119,10 +121,13 @@ class RolloutConfig(record.Config):
     kernels: str = "hf"          # every gdtool runner runs these
     refill_rows: int = REFILL_ROWS   # the refill runners' refill_rows and refill_after (gdtool.rollout)
     refill_after: int | None = None   # None: gdtool.rollout's default for the slots (default_refill_after)
+    refill_widths: int = REFILL_WIDTHS   # the refill runners' refill_widths
+    prompt_min: int | None = None     # prompts drawn from [prompt_min, prompt_len] tokens; None: all prompt_len
 
     def name_parts(self) -> list:
         parts = [Path(self.model).name or self.model, "rollout", f"s{self.slots}", f"n{self.prompts}",
-                 f"p{self.prompt_len}", workloads.parse(self.lengths).name]
+                 f"p{self.prompt_len}" if self.prompt_min is None else f"p{self.prompt_min}-{self.prompt_len}",
+                 workloads.parse(self.lengths).name]
         if self.seed:
             parts.append(f"seed{self.seed}")
         if self.cb_cuda_graphs != "auto":
@@ -135,6 +140,8 @@ class RolloutConfig(record.Config):
             parts.append(f"rows{self.refill_rows}")
         if self.refill_after is not None:
             parts.append(f"after{self.refill_after}")
+        if self.refill_widths != REFILL_WIDTHS:
+            parts.append(f"widths{self.refill_widths}")
         return parts
 
     @property
@@ -146,7 +153,7 @@ class RolloutConfig(record.Config):
 class Workload:
     """What every runner of one config decodes: the prompts, their drawn lengths, and the eos-off batch."""
 
-    prompts: list                 # [prompts] lists of prompt_len token ids
+    prompts: list                 # [prompts] lists of token ids (prompt_len, or prompt_min..prompt_len)
     targets: list                 # drawn response length of each prompt (EOS included)
     slots: int
     max_new_tokens: int
@@ -173,10 +180,12 @@ class RunnerResult:
 
 def make_workload(model, cfg: RolloutConfig) -> Workload:
     dist = workloads.parse(cfg.lengths)
-    prompts = random_prompts(model, batch=cfg.prompts, lengths=cfg.prompt_len, seed=cfg.seed).input_ids
+    drawn = random_prompts(model, batch=cfg.prompts, seed=cfg.seed,
+                           lengths=cfg.prompt_len if cfg.prompt_min is None else (cfg.prompt_min, cfg.prompt_len))
+    prompts = [row[mask.bool()].tolist() for row, mask in zip(drawn.input_ids.cpu(), drawn.attention_mask.cpu())]
     full = random_prompts(model, batch=cfg.slots, lengths=cfg.prompt_len, seed=cfg.seed).input_ids
     eos = eos_ids(model)
-    return Workload(prompts.cpu().tolist(), dist.draw(batch=cfg.prompts, seed=cfg.seed).tolist(), cfg.slots,
+    return Workload(prompts, dist.draw(batch=cfg.prompts, seed=cfg.seed).tolist(), cfg.slots,
                     dist.max_length, eos, eos[0], full)
 
 
@@ -204,10 +213,11 @@ def label(runner: str, kernels: str) -> str:
 
 
 def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf", refill_rows: int = REFILL_ROWS,
-                   refill_after: int | None = None):
+                   refill_after: int | None = None, refill_widths: int = REFILL_WIDTHS):
     """One gdtool.rollout call over the whole workload."""
     device = next(model.parameters()).device
-    shape = {} if refill == "off" else dict(refill_rows=refill_rows, refill_after=refill_after)
+    shape = {} if refill == "off" else dict(refill_rows=refill_rows, refill_after=refill_after,
+                                            refill_widths=refill_widths)
 
     def once(part: Workload | None = None) -> dict:
         w = part or work
@@ -389,7 +399,8 @@ def _error(error: Exception) -> str:
 def _make(model, runner: str, work: Workload, cfg: RolloutConfig):
     if runner in ROLLOUTS:
         refill, mode = ROLLOUTS[runner]
-        return rollout_runner(model, work, refill, mode, cfg.kernels, cfg.refill_rows, cfg.refill_after)
+        return rollout_runner(model, work, refill, mode, cfg.kernels, cfg.refill_rows, cfg.refill_after,
+                              cfg.refill_widths)
     if runner == "eos-off":
         return EosOffRunner(model, work, cfg.kernels)
     return ContinuousBatchingRunner(model, work, cfg.cb_cuda_graphs)
@@ -566,10 +577,14 @@ def header(cfg: RolloutConfig, work: Workload, env: dict, summary) -> str:
     note = (f"; prefill_s of {', '.join(estimated)} estimated (each size's refills inside the captured loop priced "
             "by one replay of that size's graph)") if estimated else ""
     return (f"\n{cfg.name}: {env['device_name']}, torch {env['torch']}, transformers {env['transformers']}; "
-            f"{cfg.prompts} prompts x {cfg.prompt_len} tokens, {cfg.slots} slots, lengths {cfg.lengths}, refill_rows "
-            f"{cfg.refill_rows}, refill_after {_after(cfg)} "
+            f"{cfg.prompts} prompts x {_prompt_tokens(cfg)} tokens, {cfg.slots} slots, lengths {cfg.lengths}, "
+            f"refill_rows {cfg.refill_rows}, refill_after {_after(cfg)}, refill_widths {cfg.refill_widths} "
             f"(max_new_tokens {work.max_new_tokens}, {work.drawn_tokens} tokens drawn); greedy, median of "
             f"{cfg.repeats}; eos-off step {step_ms}; ideal = prefill_s + steps x eos-off step{note}")
+
+
+def _prompt_tokens(cfg: RolloutConfig) -> str:
+    return str(cfg.prompt_len) if cfg.prompt_min is None else f"{cfg.prompt_min}-{cfg.prompt_len}"
 
 
 def _after(cfg: RolloutConfig) -> str:
@@ -620,7 +635,7 @@ def parser() -> options.Parser:
     p.list_option("--slots", item=options.int_item("slots", 1), default=[64],
                   help="rows decoded at once, one config per value")
     p.add_int("--prompts", default=1024, minimum=1, help="prompts per rollout (random tokens, seeded)")
-    p.add_prompt_len(128)
+    p.add_prompt_lengths("128", "(seeded)")
     lengths = p.add_lengths(["geom:128:512"])
     lengths.help = ("response-length distribution(s) (gdtool.measure.workloads), one config per value: fixed:N, "
                     "uniform:LO:HI, geom:MEAN:CAP, list:A,B,C (one per prompt), emp:A,B,C (drawn); max_new_tokens "
@@ -636,6 +651,9 @@ def parser() -> options.Parser:
     p.list_option("--refill-after", item=options.int_item("refill-after", 1), default=[None],
                   help="the refill runners' refill_after (refill once this many slots are free; default: "
                        "gdtool.rollout's, an eighth of the slots), one config per value")
+    p.list_option("--refill-widths", item=options.int_item("refill-widths", 1), default=[REFILL_WIDTHS],
+                  help="the refill runners' refill_widths (the most width buckets a refill prefills at: the longest "
+                       "prompt and its halvings; for ragged prompts, --prompt-len LO,HI), one config per value")
     p.add_argument("--cb-cuda-graphs", choices=CB_CUDA_GRAPHS, default="auto",
                    help="hf-cb's CUDA graphs (use_cuda_graph): auto leaves HF's choice (on for flash attention, "
                         "off where an attention mask is needed), on or off forces it")
@@ -675,13 +693,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _configs(model_name: str, args) -> list[RolloutConfig]:
-    return [RolloutConfig(model=model_name, slots=slots, prompts=args.prompts, prompt_len=args.prompt_len,
+    lo, hi = args.prompt_len
+    return [RolloutConfig(model=model_name, slots=slots, prompts=args.prompts, prompt_len=hi,
+                          prompt_min=None if lo == hi else lo,
                           lengths=workloads.parse(spec).spec, repeats=args.repeats, seed=args.seed,
                           cb_cuda_graphs=args.cb_cuda_graphs,
                           runners=tuple(r for r in RUNNERS if r in args.runners), kernels=kernels,
-                          refill_rows=rows, refill_after=after)
+                          refill_rows=rows, refill_after=after, refill_widths=widths)
             for kernels in dict.fromkeys(args.kernels)
             for rows in dict.fromkeys(args.refill_rows) for after in dict.fromkeys(args.refill_after)
+            for widths in dict.fromkeys(args.refill_widths)
             for spec in dict.fromkeys(args.lengths) for slots in dict.fromkeys(args.slots)]
 
 

@@ -25,20 +25,6 @@ from ..core.modes import check_mode
 from ..core.models import load_model, random_prompts
 
 
-def _prompt_lengths(text: str) -> tuple[int, int]:
-    items = options.split(text)
-    try:
-        lengths = [int(x) for x in items]
-    except ValueError:
-        raise ValueError(f"--prompt-len {text!r}: give one length or LO,HI (e.g. 5,12)") from None
-    if not 1 <= len(lengths) <= 2 or min(lengths) < 1:
-        raise ValueError(f"--prompt-len {text!r}: give one length >= 1, or LO,HI with 1 <= LO <= HI (e.g. 5,12)")
-    lo, hi = lengths[0], lengths[-1]
-    if lo > hi:
-        raise ValueError(f"--prompt-len {text!r}: LO > HI; swap them ({hi},{lo})")
-    return lo, hi
-
-
 _FROM_MODEL = "(default: the model's generation config, as generate() reads it)"
 
 
@@ -49,8 +35,7 @@ def parser() -> options.Parser:
     p.add_batch([4])
     p.add_poll(["default"], extra_help="; device-loop stops on the device and never polls")
     p.add_kernels()
-    p.add_argument("--prompt-len", "--prompt-length", default="5,12", metavar="LO[,HI]",
-                   help="prompt lengths: one length, or LO,HI for rows of lengths drawn between them (left-padded)")
+    p.add_prompt_lengths("5,12", "(left-padded)")
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text, repeatable (needs a local checkpoint with a tokenizer; presets have none)")
     p.add_max_new_tokens(32)
@@ -106,7 +91,7 @@ def _main(args) -> int:
     from ..core.models import default_device
     device = torch.device(args.device) if args.device else default_device()
     names = args.model or options.default_models(device.type == "cuda")
-    prompt_lengths = _prompt_lengths(args.prompt_len)
+    prompt_lengths = args.prompt_len
     modes = options.expand_modes(args.mode)
     polls = list(dict.fromkeys(args.poll))
     kernels_list = list(dict.fromkeys(args.kernels))
