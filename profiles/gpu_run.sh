@@ -80,7 +80,8 @@
 #                  (no peers): which PDL setting each preset's step wants
 #   bench-1b, bench-8b   python -m gdtool bench
 #   rollout-bench  python -m gdtool bench --workload rollout: ROLLOUT_MODEL (llama-1b), ROLLOUT_SLOTS (64),
-#                  ROLLOUT_PROMPTS (1024), ROLLOUT_LENGTHS (geom:128:512), ROLLOUT_REPEATS (1), ROLLOUT_FLAGS (e.g.
+#                  ROLLOUT_PROMPTS (1024), ROLLOUT_PROMPT_LEN (128, or LO,HI: ragged), ROLLOUT_LENGTHS (geom:128:512),
+#                  ROLLOUT_REPEATS (1), ROLLOUT_FLAGS (e.g.
 #                  --runners static: qwen3-8b's static runner alone fills a lent machine's 600 s command)
 #   tests-rollout  the rollout's cuda tests (tests/test_rollout_cuda.py: the twin rule captured, and real-size bf16)
 #   sweep, notebooks     profiles/regenerate.sh (notebooks: executed in place with their GPU parameters)
@@ -217,7 +218,7 @@ for p in "$@"; do
            --out "$work/bench-8b" ;;
     rollout-bench) part rollout-bench ${BENCH_SECONDS:-560} "$py" -m gdtool bench --workload rollout \
            --model ${ROLLOUT_MODEL:-llama-1b} --slots ${ROLLOUT_SLOTS:-64} --prompts ${ROLLOUT_PROMPTS:-1024} \
-           --prompt-len 128 --lengths ${ROLLOUT_LENGTHS:-geom:128:512} --repeats ${ROLLOUT_REPEATS:-1} \
+           --prompt-len ${ROLLOUT_PROMPT_LEN:-128} --lengths ${ROLLOUT_LENGTHS:-geom:128:512} --repeats ${ROLLOUT_REPEATS:-1} \
            ${ROLLOUT_FLAGS:-} --out "$work/rollout-bench" ;;
     tests-rollout) part tests-rollout ${TESTS_PICK_SECONDS:-300} "$py" -m pytest -q -rfE --tb=short -m cuda \
            -n ${TEST_WORKERS:-6} -p no:cacheprovider -p no:logging tests/test_rollout_cuda.py ;;
