@@ -105,20 +105,22 @@ def test_device_loop_streams_groups_and_counts_on_the_device():
 def test_real_size_bf16_with_reproducible_attention(name):
     """At real size in bf16, PyTorch's default masked attention kernel is not reproducible run to run (measured
     on an H100: two eager static rollouts of llama-1b differ), so the twin rule is checked with sdpa's math
-    kernel, which is: every mode and both policies give the eager host run's sequences."""
+    kernel, which is: every mode and both policies give the eager host run's sequences, refills prefilled at three
+    widths."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from gdtool.measure import workloads
     model = gdtool.load_model(name, seed=0, dtype=torch.bfloat16, device="cuda")
     rng = random.Random(5)
     prompts = [[rng.randrange(3, 4000) for _ in range(rng.randint(8, 96))] for _ in range(40)]
     targets = workloads.geometric(mean=16, cap=40).draw(batch=len(prompts), seed=1).tolist()
-    settings = dict(max_new_tokens=40, eos_token_id=2, pad_token_id=0, target_lengths=targets)
+    settings = dict(max_new_tokens=40, eos_token_id=2, pad_token_id=0, target_lengths=targets, refill_widths=3)
     with sdpa_kernel([SDPBackend.MATH]):
         reference = gdtool.rollout(model, prompts, slots=12, refill="host", mode="eager", **settings)
         for refill, mode in [("host", "step-graph"), ("device", "step-graph"), ("device", "device-loop")]:
             _same(reference, gdtool.rollout(model, prompts, slots=12, refill=refill, mode=mode, **settings),
                   (name, refill, mode))
     assert reference.prefilled_rows == len(prompts) and max(reference.refill_sizes) == 8
+    assert len(reference.refill_widths) > 1   # prompts of 8-96 tokens: buckets 32, 48 and 96
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-gemma3", "tiny-gpt-oss"])
