@@ -498,9 +498,12 @@ class RowStep(Step):
         ready = (left > 0) & (free >= left.clamp(max=min(self.after, self.slots)))
         room = torch.minimum(free, left)
         group = torch.where(self.size_tensor <= room, self.size_tensor, 0).max() * ready
-        q = (s.next + self.row_ids).clamp(max=self.queue_size - 1)      # the next sequences, as refill(g) takes them
-        longest = torch.where(self.row_ids < group, s.queue_lengths.index_select(0, q), 0).max()
-        width = width_of(longest, self.width_tensor) * ready
+        if len(self.widths) == 1:   # one width: nothing to pick (a Python branch, fixed for the rollout)
+            width = self.width_tensor[0] * ready
+        else:
+            q = (s.next + self.row_ids).clamp(max=self.queue_size - 1)  # the next sequences, as refill(g) takes them
+            longest = torch.where(self.row_ids < group, s.queue_lengths.index_select(0, q), 0).max()
+            width = width_of(longest, self.width_tensor) * ready
         s.settled.copy_((~ready).long().view(1))
         s.group.copy_(group.view(1))
         s.width.copy_(width.view(1))
