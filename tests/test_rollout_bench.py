@@ -200,6 +200,27 @@ def test_ragged_prompts_and_width_buckets(tmp_path, capsys, monkeypatch):
     assert len(useful) == 4 and len(set(useful)) == 1, useful
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_the_warm_up_builds_what_the_timed_call_builds(seed):
+    """The warm-up call runs the first WARMUP_BATCHES x slots prompts only where they plan the whole queue's
+    shapes (W, width buckets, refill graphs); otherwise the timed call would compile and capture its own (at
+    ragged prompts, on a GPU, most of its wall time). Seeded draws of equal and ragged prompts."""
+    import random
+    from gdtool.core.rollout_step import refill_plan
+    rng = random.Random(seed)
+    slots, n = rng.choice([2, 4, 8]), rng.randint(1, 60)
+    lo = rng.choice([16, 40, 128])
+    lengths = [lo if seed % 2 else rng.randint(4, lo) for _ in range(n)]
+    work = rollout_bench.Workload([[1] * k for k in lengths], [1] * n, slots, 8, [2], 0, None)
+    for rows, widths in ((8, 1), (4, 3)):
+        part = rollout_bench.warmup_part(work, rows, widths)
+        plan = refill_plan(lengths, slots, rows, widths)
+        assert refill_plan([len(p) for p in part.prompts], slots, rows, widths) == plan
+        assert part.prompts == work.prompts[:len(part.prompts)] and part.targets == work.targets[:len(part.prompts)]
+        if seed % 2:   # equal prompts: the part, as long as the queue is longer than it
+            assert len(part.prompts) == min(n, rollout_bench.WARMUP_BATCHES * slots)
+
+
 def test_hf_cb_is_na_with_the_reason_where_it_cannot_run(monkeypatch):
     cfg = rollout_bench.RolloutConfig("tiny-llama", slots=2, prompts=6, prompt_len=4, lengths="uniform:1:6",
                                       repeats=1)

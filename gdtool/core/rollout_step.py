@@ -178,6 +178,17 @@ def refill_shapes(sizes: tuple, widths: tuple, lengths) -> dict:
             for g in sizes}
 
 
+def refill_plan(lengths, slots: int, refill_rows: int, refill_widths: int) -> tuple[int, tuple, tuple]:
+    """(W, the width buckets, the (g, w) shapes that get a refill graph) of a queue of sequences of these
+    lengths: what a rollout builds (warms up, captures, compiles) before its first prefill. Two queues with one
+    plan build the same graphs and programs."""
+    lengths = [int(n) for n in lengths]
+    sizes = refill_sizes(refill_rows, slots, len(lengths))
+    widths = width_buckets(lengths, refill_widths)
+    shapes = tuple((g, w) for g, ws in refill_shapes(sizes, widths, lengths).items() for w in ws)
+    return max(lengths), widths, shapes
+
+
 def new_row_state(slots: int, sequences: list, settings: Settings, vocab: int, device,
                   return_logprobs: bool, targets: list | None = None, sizes: tuple = (1,),
                   widths: tuple | None = None) -> RowState:

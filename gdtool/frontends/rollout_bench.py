@@ -80,7 +80,7 @@ import torch
 from . import options
 from ..core.models import eos_ids, load_model, random_prompts
 from ..loops.decoder import Decoder
-from ..core.rollout_step import default_refill_after
+from ..core.rollout_step import default_refill_after, refill_plan
 from ..loops.rollout import REFILL_ROWS, REFILL_WIDTHS, rollout
 from ..measure import record, rollouts, workloads
 
@@ -189,12 +189,16 @@ def make_workload(model, cfg: RolloutConfig) -> Workload:
                     dist.max_length, eos, eos[0], full)
 
 
-def warmup_part(work: Workload) -> Workload:
+def warmup_part(work: Workload, refill_rows: int = REFILL_ROWS, refill_widths: int = REFILL_WIDTHS) -> Workload:
     """The warm-up call's workload: the first WARMUP_BATCHES x slots prompts (refills run, the graphs and kernels
     the timed calls use are built once); a gdtool rollout captures its graphs in every call, so a warm-up over
-    the whole workload would only double the run."""
+    the whole workload would only double the run. Where those prompts plan other shapes than the whole queue
+    (ragged prompts: another longest prompt, other refill widths), the whole workload: a part would leave the
+    timed call to compile its programs (a ragged llama-1b run on an H100 spent 111 s of its 116 s there)."""
     k = min(len(work.prompts), WARMUP_BATCHES * work.slots)
-    return dataclasses.replace(work, prompts=work.prompts[:k], targets=work.targets[:k])
+    part = dataclasses.replace(work, prompts=work.prompts[:k], targets=work.targets[:k])
+    plan = [refill_plan([len(p) for p in w.prompts], w.slots, refill_rows, refill_widths) for w in (part, work)]
+    return part if plan[0] == plan[1] else work
 
 
 def _sync(device: torch.device) -> None:
@@ -418,7 +422,7 @@ def measure(model, runner: str, work: Workload, cfg: RolloutConfig) -> RunnerRes
     try:
         once = _make(model, runner, work, cfg)
         t0 = time.perf_counter()
-        once(warmup_part(work))
+        once(warmup_part(work, cfg.refill_rows, cfg.refill_widths))
         result.warmup_s = time.perf_counter() - t0
         timed = True
         for _ in range(cfg.repeats):

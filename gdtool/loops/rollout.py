@@ -49,7 +49,7 @@ import torch
 from ..core import graphs, ranges, sampling
 from ..core.modes import check_mode
 from ..core.rollout_step import (REFILL_ROWS, REFILL_WIDTHS, RowStep, check_rows, default_refill_after,
-                                  new_row_state, refill_shapes, refill_sizes, row_cache, width_buckets)
+                                  new_row_state, refill_plan, refill_sizes, row_cache)
 from ..core.settings import UNSET, resolve
 from ..core.syncs import Counter, hidden_waits
 from ..kernels.rows import CompiledRowStep
@@ -430,14 +430,12 @@ class _RowRollout:
         self.spec, self.poll, self.steps_per_launch = check_mode(mode), poll, steps_per_launch
         self.num_samples, self.kernels = num_samples, kernels
         self.device = next(model.parameters()).device
-        width = max(len(ids) for _, _, ids in sequences)
-        cache_len = width + settings.max_new_tokens
         vocab = model.config.get_text_config().vocab_size
         sizes = refill_sizes(refill_rows, slots, len(sequences))
-        lengths = [len(ids) for _, _, ids in sequences]
-        widths = width_buckets(lengths, refill_widths)
         # the (size, width) pairs the queue can ask for: one refill graph (and compiled prefill) each
-        self.shapes = [(g, w) for g, ws in refill_shapes(sizes, widths, lengths).items() for w in ws]
+        width, widths, shapes = refill_plan([len(ids) for _, _, ids in sequences], slots, refill_rows, refill_widths)
+        self.shapes = list(shapes)
+        cache_len = width + settings.max_new_tokens
         self.state = new_row_state(slots, sequences, settings, vocab, self.device, return_logprobs, targets, sizes,
                                    widths)
         cache = row_cache(model, cache_len)
