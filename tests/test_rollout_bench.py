@@ -172,6 +172,35 @@ def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
     assert "device/static" in table and re.search(r"device/host -", table)
 
 
+def test_a_cut_run_keeps_the_runners_it_measured(tmp_path, capsys, monkeypatch):
+    """A run stopped during a runner (a time limit, an interrupt) leaves NAME.partial.csv/.json with the runners
+    measured before it; resuming measures the config again (a partial file is never skipped), and the whole
+    config's files replace the partial ones."""
+    argv = BASE + ["--prompts", "6", "--prompt-len", "4", "--slots", "2", "--lengths", "uniform:1:6", "--repeats",
+                   "1", "--runners", "static,device,eos-off", "--out", str(tmp_path)]
+    real = rollout_bench.measure
+
+    def cut(model, runner, work, cfg):
+        if runner == "eos-off":
+            raise KeyboardInterrupt
+        return real(model, runner, work, cfg)
+    monkeypatch.setattr(rollout_bench, "measure", cut)
+    with pytest.raises(KeyboardInterrupt):
+        cli.main(argv + ["--json"])
+    capsys.readouterr()
+    name = "tiny-llama_rollout_s2_n6_p4_uniform1-6_static-device-eos-off"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.partial.csv", f"{name}.partial.json"]
+    kept = record.read_sidecar(tmp_path / f"{name}.partial.json")
+    assert [r["runner"] for r in kept["summary"]] == ["static", "device"]
+    assert all(r["status"] == "ok" and r["tok_s"] > 0 for r in kept["summary"])
+    assert set(pd.read_csv(tmp_path / f"{name}.partial.csv").runner) == {"static", "device"}
+    monkeypatch.setattr(rollout_bench, "measure", real)
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0 and "skipped" not in table, table
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.csv", f"{name}.json"]
+    assert [r["runner"] for r in doc["results"]] == ["static", "device", "eos-off"]
+
+
 def test_ragged_prompts_and_width_buckets(tmp_path, capsys, monkeypatch):
     """--prompt-len LO,HI draws ragged prompts (seeded, in [LO, HI]); --refill-widths gives one config per
     value, named by it, and the refill runners get it: with three buckets the refills ran at more than one width,

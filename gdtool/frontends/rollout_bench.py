@@ -454,12 +454,17 @@ def _cleanup(model, attrs_before: set) -> None:
         torch.cuda.empty_cache()
 
 
-def run_config(model, cfg: RolloutConfig, log=print, on_runner=None) -> tuple[Workload, list[RunnerResult]]:
+def run_config(model, cfg: RolloutConfig, log=print, on_runner=None,
+               on_partial=None) -> tuple[Workload, list[RunnerResult]]:
+    """Each runner of `cfg` in turn; `on_partial(work, results)` after each but the last (what a run cut there
+    keeps)."""
     work = make_workload(model, cfg)
     results = []
     for runner in cfg.runners:
         result = measure(model, runner, work, cfg)
         results.append(result)
+        if on_partial is not None and len(results) < len(cfg.runners):
+            on_partial(work, results)
         timing = ""
         if result.samples:
             wall = _median([s["wall_s"] for s in result.samples])
@@ -600,13 +605,23 @@ def format_ratios(values: dict) -> str:
         f"{name} {'-' if v != v else format(v, '.2f')}" for name, v in values.items())
 
 
-def save(df, summary, cfg: RolloutConfig, env: dict, out_dir: Path) -> list[str]:
+PARTIAL = ".partial"   # the files of a config whose runners have not all run yet
+
+
+def save(df, summary, cfg: RolloutConfig, env: dict, out_dir: Path, partial: bool = False) -> list[str]:
+    """The config's CSV (every timed call) and JSON (environment, config, summary, ratios). `partial`: the runners
+    measured so far, as NAME.partial.csv/.json, which resuming never skips; the whole config's files replace
+    them."""
     out_dir = Path(out_dir)
-    csv_path, json_path = out_dir / f"{cfg.name}.csv", out_dir / f"{cfg.name}.json"
+    stem = cfg.name + (PARTIAL if partial else "")
+    csv_path, json_path = out_dir / f"{stem}.csv", out_dir / f"{stem}.json"
     record.save_csv(df, csv_path, first=("config", "config_hash", "runner", "repeat"))
     record.write_sidecar(json_path, env, name=cfg.name, config_hash=cfg.config_hash, config=dataclasses.asdict(cfg),
                          summary=json.loads(summary.to_json(orient="records", double_precision=15)),
                          ratios=_no_nan(ratios(summary)))
+    if not partial:
+        for path in (out_dir / f"{cfg.name}{PARTIAL}.csv", out_dir / f"{cfg.name}{PARTIAL}.json"):
+            path.unlink(missing_ok=True)
     return [str(csv_path), str(json_path)]
 
 
@@ -768,7 +783,11 @@ def _load(model_name: str, seed: int, device: torch.device, log):
 
 def _measured(model, cfg: RolloutConfig, env: dict, out_dir: Path, log, on_runner):
     """Measure one config and write its files: (summary, the table as text, the files, whether a runner failed)."""
-    work, results = run_config(model, cfg, log=log, on_runner=on_runner)
+    def keep(work, results):   # a run cut by its time limit keeps the runners it measured
+        df = tidy_rows(cfg, work, results, env["device_name"])
+        save(df, summarize(df), cfg, env, out_dir, partial=True)
+
+    work, results = run_config(model, cfg, log=log, on_runner=on_runner, on_partial=keep)
     df = tidy_rows(cfg, work, results, env["device_name"])
     summary = summarize(df)
     files = save(df, summary, cfg, env, out_dir)
