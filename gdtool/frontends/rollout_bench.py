@@ -461,6 +461,13 @@ def run_config(model, cfg: RolloutConfig, log=print, on_runner=None,
     work = make_workload(model, cfg)
     results = []
     for runner in cfg.runners:
+        if runner in ROLLOUTS or runner == "eos-off":   # the warm-up of a compiled runner can take minutes
+            part = len(warmup_part(work, cfg.refill_rows, cfg.refill_widths).prompts) if runner in ROLLOUTS else \
+                work.slots
+            builds = " and ".join(([] if cfg.kernels == "hf" else ["compiles the programs not compiled yet"]) +
+                                  (["captures its graphs"] if work.full_batch.device.type == "cuda" else []))
+            log(f"[bench] {cfg.name} {label(runner, cfg.kernels)}: a warm-up call over {part} prompts"
+                f"{f' (it {builds})' if builds else ''}, then {cfg.repeats} timed")
         result = measure(model, runner, work, cfg)
         results.append(result)
         if on_partial is not None and len(results) < len(cfg.runners):
