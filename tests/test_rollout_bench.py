@@ -162,13 +162,13 @@ def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
         calls.append(len(prompts))
         return real(model, prompts, **kwargs)
     monkeypatch.setattr(rollout_bench, "rollout", counted)
-    argv = BASE + ["--prompts", "9", "--prompt-len", "4", "--slots", "2", "--lengths", "uniform:1:6", "--repeats",
+    argv = BASE + ["--prompts", "10", "--prompt-len", "4", "--slots", "2", "--lengths", "uniform:1:6", "--repeats",
                    "1", "--runners", "device,static", "--out", str(tmp_path)]
     rc, table, doc = run_cli(argv, capsys)
     assert rc == 0, table
     assert {r["runner"] for r in doc["results"]} == {"static", "device"}
-    assert doc["files"][0].endswith("tiny-llama_rollout_s2_n9_p4_uniform1-6_static-device.csv")
-    assert calls == [4, 9, 4, 9]
+    assert doc["files"][0].endswith("tiny-llama_rollout_s2_n10_p4_uniform1-6_static-device.csv")
+    assert calls == [4, 10, 4, 10]
     assert "device/static" in table and re.search(r"device/host -", table)
 
 
@@ -231,9 +231,10 @@ def test_ragged_prompts_and_width_buckets(tmp_path, capsys, monkeypatch):
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_warm_up_builds_what_the_timed_call_builds(seed):
-    """The warm-up call runs the first WARMUP_BATCHES x slots prompts only where they plan the whole queue's
-    shapes (W, width buckets, refill graphs); otherwise the timed call would compile and capture its own (at
-    ragged prompts, on a GPU, most of its wall time). Seeded draws of equal and ragged prompts."""
+    """The warm-up call runs the first WARMUP_BATCHES x slots prompts only where they ask for the whole queue's
+    shapes (the refill plan: W, width buckets, refill graphs; the static batches' rows and widths); otherwise the
+    timed call would compile and capture its own (at ragged prompts, on a GPU, most of its wall time). Seeded
+    draws of equal and ragged prompts."""
     import random
     from gdtool.core.rollout_step import refill_plan
     rng = random.Random(seed)
@@ -245,8 +246,12 @@ def test_the_warm_up_builds_what_the_timed_call_builds(seed):
         part = rollout_bench.warmup_part(work, rows, widths)
         plan = refill_plan(lengths, slots, rows, widths)
         assert refill_plan([len(p) for p in part.prompts], slots, rows, widths) == plan
+        batches = [(len(part.prompts[i:i + slots]), max(map(len, part.prompts[i:i + slots])))
+                   for i in range(0, len(part.prompts), slots)]
+        assert set(batches) == {(len(lengths[i:i + slots]), max(lengths[i:i + slots]))
+                                for i in range(0, n, slots)}
         assert part.prompts == work.prompts[:len(part.prompts)] and part.targets == work.targets[:len(part.prompts)]
-        if seed % 2:   # equal prompts: the part, as long as the queue is longer than it
+        if seed % 2 and n % slots == 0:   # equal prompts in full batches: the part
             assert len(part.prompts) == min(n, rollout_bench.WARMUP_BATCHES * slots)
 
 

@@ -192,13 +192,18 @@ def make_workload(model, cfg: RolloutConfig) -> Workload:
 def warmup_part(work: Workload, refill_rows: int = REFILL_ROWS, refill_widths: int = REFILL_WIDTHS) -> Workload:
     """The warm-up call's workload: the first WARMUP_BATCHES x slots prompts (refills run, the graphs and kernels
     the timed calls use are built once); a gdtool rollout captures its graphs in every call, so a warm-up over
-    the whole workload would only double the run. Where those prompts plan other shapes than the whole queue
-    (ragged prompts: another longest prompt, other refill widths), the whole workload: a part would leave the
-    timed call to compile its programs (a ragged llama-1b run on an H100 spent 111 s of its 116 s there)."""
+    the whole workload would only double the run. Where those prompts ask for other shapes than the whole queue,
+    the whole workload: a part would leave the timed call to compile its programs (a ragged llama-1b run on an
+    H100 spent 111 s of its 116 s there). The shapes: the refill runners' plan (W, width buckets, refill
+    shapes), and the static runner's batches (each left-padded to its longest prompt: one shape per batch)."""
     k = min(len(work.prompts), WARMUP_BATCHES * work.slots)
     part = dataclasses.replace(work, prompts=work.prompts[:k], targets=work.targets[:k])
-    plan = [refill_plan([len(p) for p in w.prompts], w.slots, refill_rows, refill_widths) for w in (part, work)]
-    return part if plan[0] == plan[1] else work
+
+    def shapes(w: Workload) -> tuple:
+        lengths = [len(p) for p in w.prompts]
+        batches = {(len(lengths[i:i + w.slots]), max(lengths[i:i + w.slots])) for i in range(0, len(lengths), w.slots)}
+        return refill_plan(lengths, w.slots, refill_rows, refill_widths), batches
+    return part if shapes(part) == shapes(work) else work
 
 
 def _sync(device: torch.device) -> None:
