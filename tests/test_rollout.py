@@ -403,6 +403,7 @@ def test_figures_add_up_and_refill_keeps_rows_busy():
     assert host.row_steps == host.prefilled_rows + 4 * host.decode_steps
     assert host.row_step_share > off.row_step_share
     assert host.decode_steps < off.decode_steps
+    assert off.setup_parts is None and host.setup_parts is None   # nothing captured on a CPU: no setup to split
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])

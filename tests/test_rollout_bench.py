@@ -172,6 +172,28 @@ def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
     assert "device/static" in table and re.search(r"device/host -", table)
 
 
+def test_setup_in_parts_is_printed_and_kept(tmp_path, capsys, monkeypatch):
+    """A captured rollout's setup_s in parts (warm-up, capture, ...) is printed under the table and kept in the
+    files; a CPU rollout captures nothing, so its parts are given here."""
+    real = rollout_bench.rollout
+
+    def with_parts(model, prompts, **kwargs):
+        out = real(model, prompts, **kwargs)
+        if kwargs["refill"] == "device":
+            out.setup_parts = {"warmup_s": 0.25, "capture_s": 0.125}
+        return out
+    monkeypatch.setattr(rollout_bench, "rollout", with_parts)
+    argv = BASE + ["--prompts", "6", "--prompt-len", "4", "--slots", "2", "--lengths", "uniform:1:6", "--repeats",
+                   "1", "--runners", "host,device", "--out", str(tmp_path)]
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0, table
+    assert re.search(r"device \(.*\): setup_s in parts: warmup_s 0.250, capture_s 0.125", table)
+    assert "host (gdtool refill=host, step-graph, hf): setup_s in parts" not in table
+    saved = json.loads(Path(next(f for f in doc["files"] if f.endswith(".json"))).read_text())
+    kept = {r["runner"]: r["setup_parts"] for r in saved["summary"]}
+    assert json.loads(kept["device"]) == {"warmup_s": 0.25, "capture_s": 0.125} and kept["host"] == ""
+
+
 def test_a_cut_run_keeps_the_runners_it_measured(tmp_path, capsys, monkeypatch):
     """A run stopped during a runner (a time limit, an interrupt) leaves NAME.partial.csv/.json with the runners
     measured before it; resuming measures the config again (a partial file is never skipped), and the whole

@@ -99,6 +99,12 @@ def test_device_loop_streams_groups_and_counts_on_the_device():
         assert len({s.prompt_index for s in group}) == 1 and [s.sample_index for s in group] == [0, 1, 2]
     assert out.row_steps == out.prefilled_rows + 4 * out.decode_steps and max(out.refill_sizes) == 4
     assert out.launches >= out.decode_steps // 4
+    parts = out.setup_parts   # where the setup went: each part timed to the device's end of its work
+    assert list(parts) == ["warmup_s", "capture_s", "pricing_s", "loop_s"] and min(parts.values()) > 0
+    assert sum(parts.values()) <= out.setup_s
+    host = gdtool.rollout(model, prompts, slots=4, max_new_tokens=N, refill="host", mode="step-graph",
+                          eos_token_id=1, pad_token_id=0, target_lengths=targets[:len(prompts)])
+    assert list(host.setup_parts) == ["warmup_s", "capture_s"] and sum(host.setup_parts.values()) <= host.setup_s
 
 
 @pytest.mark.parametrize("name", ["llama-1b", "qwen2.5-0.5b"])

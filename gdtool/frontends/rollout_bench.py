@@ -241,7 +241,8 @@ def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str =
                     row_step_share=out.row_step_share, decode_steps=out.decode_steps, host_syncs=out.host_syncs,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, setup_s=out.setup_s,
                     prefill_estimated=out.prefill_estimated, launches=out.launches, prefills=out.prefills,
-                    refill_sizes=json.dumps(out.refill_sizes) if out.refill_sizes else "")
+                    refill_sizes=json.dumps(out.refill_sizes) if out.refill_sizes else "",
+                    setup_parts=json.dumps(out.setup_parts) if out.setup_parts else "")
 
     return once
 
@@ -512,7 +513,8 @@ def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], d
             row = {**base, "runner": r.runner, "label": r.label, "status": r.status, "note": r.note,
                    "warmup_s": r.warmup_s, "repeat": i if s else -1,
                    **{k: s.get(k, float("nan")) for k in FIGURES},
-                   "prefill_estimated": s.get("prefill_estimated", False), "refill_sizes": s.get("refill_sizes", "")}
+                   "prefill_estimated": s.get("prefill_estimated", False), "refill_sizes": s.get("refill_sizes", ""),
+                   "setup_parts": s.get("setup_parts", "")}
             if r.runner in ROLLOUTS and s:   # what the lengths alone say the device counts (measure.rollouts)
                 plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0], refill_rows=cfg.refill_rows,
                                          refill_after=cfg.refill_after)
@@ -535,6 +537,7 @@ def summarize(df):
         row["tok_s"] = row["useful_tokens"] / row["wall_s"] if row["wall_s"] > 0 else float("nan")
         row["prefill_estimated"] = bool(g.prefill_estimated.any())
         row["refill_sizes"] = g.refill_sizes.iloc[-1] if "refill_sizes" in g else ""   # the last call's {rows: refills}
+        row["setup_parts"] = g.setup_parts.iloc[-1] if "setup_parts" in g else ""     # ... and its setup_s in parts
         rows.append(row)
     summary = pd.DataFrame(rows)
     for column in COUNTS:   # whole numbers stay whole (NaN where a runner has none)
@@ -588,6 +591,9 @@ def format_table(summary) -> str:
     text = table.to_string(index=False, formatters=formats, justify="right", na_rep="-")
     notes = [f"  {label}: {note}" for label, note, state in zip(summary.label, summary.note, summary.status)
              if note and state == "ok"]
+    if "setup_parts" in summary:
+        notes += [f"  {label}: setup_s in parts: " + ", ".join(f"{k} {v:.3f}" for k, v in json.loads(parts).items())
+                  for label, parts in zip(summary.label, summary.setup_parts) if isinstance(parts, str) and parts]
     return "\n".join([text, *notes])
 
 

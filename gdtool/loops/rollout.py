@@ -95,6 +95,8 @@ class RolloutOutput:
     decode_s: float                   # decode steps, EOS checks and read-backs (graph warm-up and capture too)
     total_s: float
     setup_s: float = 0.0              # refill="host"/"device": warm-up and capture before the first prefill
+    setup_parts: dict | None = None   # captured refill: setup_s in parts: warmup_s, capture_s, and for "device"
+    #                                   pricing_s (timing each refill graph) and loop_s (building the WHILE loop)
     prefill_estimated: bool = False   # refill="device" captured: refills inside the loop priced by each size's replay
     launches: int | None = None       # refill="device" captured: graph launches of the decode loop
     refill_sizes: dict | None = None  # refill: {rows: refills of that many rows}
@@ -409,6 +411,20 @@ class RolloutInterrupted(KeyboardInterrupt):
         self.output = output
 
 
+class _Clock:
+    """Seconds between laps, the device's queued work included (synchronized at each lap)."""
+
+    def __init__(self, synchronize):
+        self.synchronize = synchronize
+        self.synchronize()
+        self.t = time.perf_counter()
+
+    def lap(self) -> float:
+        self.synchronize()
+        t, self.t = self.t, time.perf_counter()
+        return self.t - t
+
+
 _FAR = 1 << 62  # a device loop's step limit where only `done` stops it
 
 
@@ -476,6 +492,8 @@ class _RowRollout:
         if not self.capture:
             return
         snap = state.snapshot()
+        parts = self.setup_parts = {}
+        clock = _Clock(self._synchronize)
         # HF's kernels: the first warm-up step watched for what a graph cannot hold. Never a compiled step: under
         # the watching dispatch mode dynamo skips its function, and marks it to run uncompiled from then on
         watch = watched(self.model, self.kernels)
@@ -490,6 +508,7 @@ class _RowRollout:
             else:
                 forward = graphs.warm_up(step, 2, model=watch)
         state.restore(snap)
+        parts["warmup_s"] = clock.lap()
         pool = torch.cuda.graph_pool_handle()
         keep = self.refill == "device"
         with ranges.span(ranges.CAPTURE):
@@ -511,12 +530,15 @@ class _RowRollout:
                 self.graphs.append(whole)
                 self.do_step = whole.replay
                 self.do_refill = {shape: graph.replay for shape, graph in refills.items()}
+        parts["capture_s"] = clock.lap()
         if keep:
             self.refill_s = self._time_refills(refills, snap)
+            parts["pricing_s"] = clock.lap()
             from .devloop import DeviceLoop
             far = torch.tensor(_FAR, dtype=torch.long, device=self.device)
             self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=self._chain(refills))
             self.loops.append(self.step_loop)
+            parts["loop_s"] = clock.lap()
 
     def _chain(self, refills: dict) -> list:
         """The device loop's refills: per size, largest first, a WHILE node running while `group` is that size;
@@ -575,6 +597,7 @@ class _RowRollout:
                 graph.close()
         out = self._output(prefill_s, loop_s)
         out.setup_s = t_loop - t_start
+        out.setup_parts = getattr(self, "setup_parts", None) or None
         return out
 
     def _synchronize(self) -> None:
