@@ -2,7 +2,8 @@
 
 Inductor programs: the decode forward of `RowStep` (HF's forward over the per-row cache write) with the
 selection of each slot's token (`forward_select`), and per refill size g and width w a refill's prefill of g
-prompts w columns wide with their first tokens (`prefill_select`). The update of the per-sequence results, the flags and the choice of slot and sequence stay
+prompts w columns wide with their first tokens (`prefill_select`), its decoder layers compiled once for all
+(`regions.py`: a program's compile time no longer grows with depth). The update of the per-sequence results, the flags and the choice of slot and sequence stay
 as they are, captured around them. Neither program reads the queue or the results, so they are the same for any
 number of prompts: each is kept in the model's table of compiled steps (`compiled.py`), one per shape key
 (slots, cache columns, refill rows and width, what is recorded, the settings, the per-row window, what the
@@ -29,7 +30,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..core.rollout_step import RowStep
-from . import attention
+from . import attention, regions
 from . import step as kernel_step
 from .compiled import _ATTR, _Compiled, _fresh, _graphs_compiled, _no_function_modes
 
@@ -53,6 +54,7 @@ class CompiledRowStep(RowStep):
         self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels)
         self.split_kernel, self.split_note = attention.split_kv_plan(self.model, kernels)
         attention.install()
+        self.regional = regions.install(self.model)   # refills' prefills compile by layer (regions.py)
         # the cache allocated now, not at the first write: a program compiled around that write would branch on
         # it and be compiled again once it is done
         config = self.model.config.get_text_config()
@@ -75,11 +77,23 @@ class CompiledRowStep(RowStep):
                                f"({type(_get_current_dispatch_mode()).__name__}); dynamo would leave it "
                                "uncompiled from then on. Call it outside the mode (a capture's warm-up watches HF's "
                                "kernels only: kernels.step.watched)")
-        entry = self._entry(body, *(tuple(args[0].shape) if args else (0, 0)))
+        shape = tuple(args[0].shape) if args else (0, 0)
+        regional = self.regional and body is _prefill_select
+        entry = self._entry(body, *shape, regional)
         before = _graphs_compiled()
         t0 = time.perf_counter()
-        with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel):
-            result = entry.fn(self, *args)
+        try:
+            with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel), \
+                    regions.regional(regional):
+                result = entry.fn(self, *args)
+        except Exception as error:   # noqa: BLE001 - a region dynamo cannot trace: the whole model, said so
+            if not regional or entry.calls:
+                raise
+            entry = self._entry(body, *shape, False)
+            entry.note = f"compiled whole: by layer it failed ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
+            self.regional = False
+            with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel):
+                result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
         if compiled:
             entry.compile_s += time.perf_counter() - t0
@@ -87,19 +101,19 @@ class CompiledRowStep(RowStep):
         entry.calls += 1
         return result
 
-    def _key(self, body, rows: int, width: int) -> tuple:
+    def _key(self, body, rows: int, width: int, regional: bool) -> tuple:
         s = self.state
         read = (s.tokens, s.positions, s.mask, s.seen, s.prompt_index, s.sample_index, s.lengths, s.targets, s.eos)
         buffers = tuple(None if t is None else (tuple(t.shape), t.dtype, str(t.device)) for t in read)
         param = next(self.model.parameters())
         return ("rows", body.__name__, rows, width, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
-                self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel)
+                self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel, regional)
 
-    def _entry(self, body, rows: int, width: int) -> _Compiled:
+    def _entry(self, body, rows: int, width: int, regional: bool = False) -> _Compiled:
         """The compiled program of `body` for this step's shapes; `rows` and `width`: a prefill's prompts and
-        columns (0, 0: decode)."""
+        columns (0, 0: decode); `regional`: its decoder layers compiled once each kind (regions.py)."""
         table = self.model.__dict__.setdefault(_ATTR, {})
-        key = self._key(body, rows, width)
+        key = self._key(body, rows, width, regional)
         if key not in table:
             slots, columns = self.state.mask.shape
             what = "decode" if body is _forward_select else f"prefill_g{rows}_w{width}"
@@ -108,5 +122,6 @@ class CompiledRowStep(RowStep):
                 ("_sinks" if self.sinks_kernel else "")
             fn = torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                options=kernel_step.INDUCTOR_OPTIONS)   # the static step's, read at each compile
-            table[key] = _Compiled(fn, name, kernels=self.kernels)
+            table[key] = _Compiled(fn, name, kernels=self.kernels,
+                                   note="compiled by layer (nested compile regions)" if regional else "")
         return table[key]
