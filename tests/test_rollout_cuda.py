@@ -107,6 +107,29 @@ def test_device_loop_streams_groups_and_counts_on_the_device():
     assert list(host.setup_parts) == ["warmup_s", "capture_s"] and sum(host.setup_parts.values()) <= host.setup_s
 
 
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])
+def test_fast_moe_decode_runs_gdtools_experts_and_is_its_eager_run(name):
+    """kernels="fast" on a mixture of experts in bf16: the decode program's MoE blocks run gdtool's experts kernels
+    (planned for the slots, as the static fast step's are), and every captured mode of both policies gives the
+    bits of its eager run (sdpa's math kernel for the prefills: reproducible run to run)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from gdtool.kernels import compiled
+    model = gdtool.load_model(name, seed=0, dtype=torch.bfloat16, device="cuda")
+    rng, prompts, slots = _case(41)
+    settings = dict(max_new_tokens=N, pad_token_id=0, eos_token_id=1,
+                    target_lengths=[rng.randint(1, N) for _ in prompts])
+    with sdpa_kernel([SDPBackend.MATH]):
+        reference = gdtool.rollout(model, prompts, slots=slots, refill="host", mode="eager", kernels="fast",
+                                   **settings)
+        for refill, mode in [("host", "step-graph"), ("device", "step-graph"), ("device", "device-loop")]:
+            out = gdtool.rollout(model, prompts, slots=slots, refill=refill, mode=mode, kernels="fast", **settings)
+            _same(reference, out, (name, refill, mode))
+    table = compiled.compiles(model)
+    decode = table[table.step.str.startswith("rows_decode")]
+    assert len(decode) == 1 and decode.step.iloc[0].endswith("_moe"), table.to_string()
+    assert "in gdtool's kernels" in decode.note.iloc[0] and set(table.compiles) == {1}
+
+
 @pytest.mark.parametrize("name", ["llama-1b", "qwen2.5-0.5b"])
 def test_real_size_bf16_with_reproducible_attention(name):
     """At real size in bf16, PyTorch's default masked attention kernel is not reproducible run to run (measured

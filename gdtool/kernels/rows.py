@@ -15,9 +15,11 @@ Each call runs inside the attention dispatcher's scope (`attention.scope`), as t
 one-token query over the cache takes the packed grouped-query form, not HF's `repeat_kv`, which copies every row's
 whole cache per layer (at 64 slots that copy is most of the step). kernels="fast" adds gdtool's split-KV kernels for
 those calls (`attention.split_kv_plan`; gpt-oss: `sinks_plan`), which read the per-row mask and skip each row's
-masked columns: the rows' own lengths, without a shared write index. A prefill (W query tokens) keeps HF's
-attention; gdtool's own decode forward and the MoE and matrix-vector kernels of "fast" are not used here (their
-cache write is one column shared by every row).
+masked columns: the rows' own lengths, without a shared write index. On a mixture of experts the decode
+program's MoE blocks run gdtool's experts kernels (`experts.scope`, as in the static fast step: at 64 rows
+HF's experts are most of a step), planned for the slots. A prefill (W query tokens) keeps HF's attention and
+experts; gdtool's own decode forward and its matrix-vector kernels are not used here (the forward's cache write
+is one column shared by every row).
 
 As with the static step, the compiled program rounds differently from HF's kernels (it is not bitwise
 generate()); each mode is bit for bit its eager run, the same program called directly.
@@ -30,7 +32,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from ..core.rollout_step import RowStep
-from . import attention, regions
+from . import attention, experts, regions
 from . import step as kernel_step
 from .compiled import _ATTR, _Compiled, _fresh, _graphs_compiled, _no_function_modes
 
@@ -55,6 +57,8 @@ class CompiledRowStep(RowStep):
         self.split_kernel, self.split_note = attention.split_kv_plan(self.model, kernels)
         attention.install()
         self.regional = regions.install(self.model)   # refills' prefills compile by layer (regions.py)
+        # "fast" on a mixture of experts: the decode program's MoE blocks in gdtool's kernels, planned for the slots
+        self.moe_plan = experts.plan(self.model, self.slots) if kernels == "fast" else None
         # the cache allocated now, not at the first write: a program compiled around that write would branch on
         # it and be compiled again once it is done
         config = self.model.config.get_text_config()
@@ -79,16 +83,18 @@ class CompiledRowStep(RowStep):
                                "kernels only: kernels.step.watched)")
         shape = tuple(args[0].shape) if args else (0, 0)
         regional = self.regional and body is _prefill_select
+        moe = self.moe_plan if body is _forward_select else None
         entry = self._entry(body, *shape, regional)
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
-            with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel), \
+            with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel), experts.scope(moe), \
                     regions.regional(regional):
                 result = entry.fn(self, *args)
         except Exception as error:   # noqa: BLE001 - a region dynamo cannot trace: the whole model, said so
             if not regional or entry.calls:
                 raise
+            self.model.__dict__[_ATTR].pop(self._key(body, *shape, True), None)   # never ran: not kept
             entry = self._entry(body, *shape, False)
             entry.note = f"compiled whole: by layer it failed ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
             self.regional = False
@@ -107,7 +113,12 @@ class CompiledRowStep(RowStep):
         buffers = tuple(None if t is None else (tuple(t.shape), t.dtype, str(t.device)) for t in read)
         param = next(self.model.parameters())
         return ("rows", body.__name__, rows, width, param.dtype, str(param.device), buffers, self.records_logprobs, self.settings,
-                self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel, regional)
+                self.window, self.logprobs_of, self.sinks_kernel, self.split_kernel, regional,
+                self._moe_key(body))
+
+    def _moe_key(self, body) -> tuple:
+        """The MoE layers the decode program runs in gdtool's kernels (a prefill: none)."""
+        return self.moe_plan.key() if self.moe_plan is not None and body is _forward_select else ()
 
     def _entry(self, body, rows: int, width: int, regional: bool = False) -> _Compiled:
         """The compiled program of `body` for this step's shapes; `rows` and `width`: a prefill's prompts and
@@ -119,9 +130,10 @@ class CompiledRowStep(RowStep):
             what = "decode" if body is _forward_select else f"prefill_g{rows}_w{width}"
             name = f"rows_{what}_s{slots}_c{columns}_n{self.settings.max_new_tokens}_" + \
                 ("sample" if self.settings.do_sample else "greedy") + ("_split" if self.split_kernel else "") + \
-                ("_sinks" if self.sinks_kernel else "")
+                ("_sinks" if self.sinks_kernel else "") + ("_moe" if self._moe_key(body) else "")
             fn = torch.compile(_fresh(body), backend="inductor", fullgraph=True, dynamic=False,
                                options=kernel_step.INDUCTOR_OPTIONS)   # the static step's, read at each compile
+            moe = self.moe_plan.note() if self._moe_key(body) else ""
             table[key] = _Compiled(fn, name, kernels=self.kernels,
-                                   note="compiled by layer (nested compile regions)" if regional else "")
+                                   note="compiled by layer (nested compile regions)" if regional else moe)
         return table[key]
