@@ -134,6 +134,8 @@ def test_bad_arguments_say_what_to_pass():
         DeviceLoop(body, done, step, 2.5)
     with pytest.raises(TypeError, match="replay"):
         DeviceLoop(42, done, step, 10)
+    with pytest.raises(ValueError, match="inner_clock must be"):   # a clock with no inner graphs to time
+        DeviceLoop(body, done, step, 10, inner_clock=torch.zeros(2, dtype=torch.long))
     loop = DeviceLoop(body, done, step, 10)
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="max_steps"):
@@ -241,12 +243,14 @@ def test_nvrtc_compiles_the_condition_kernel_without_headers():
     image, target = devloop.compile_kernels((9, 0), nvrtc)
     assert target == "sm_90" and image[:4] == b"\x7fELF"
     assert b"gdtool_loop_condition" in image and b"cudaGraphSetConditional" in image
+    assert b"gdtool_stamp" in image and b"gdtool_rng_set" in image
 
 
 def test_nvrtc_falls_back_to_ptx_for_an_unknown_architecture():
     nvrtc = _nvrtc()
     image, target = devloop.compile_kernels((99, 0), nvrtc)
     assert target.startswith("compute_") and b".entry gdtool_loop_condition" in image
+    assert b".entry gdtool_stamp" in image and b"%globaltimer" in image
 
 
 # -- GPU: the WHILE node ----------------------------------------------------------------------------
@@ -277,6 +281,44 @@ def test_one_launch_runs_exactly_target_steps(target):
         loop.launch()  # already done: the entry kernel keeps the body from running
         torch.cuda.synchronize()
         assert int(x) == target
+
+
+@pytest.mark.cuda
+def test_inner_clock_times_the_inner_graphs_on_the_device():
+    """An inner graph runs at each launch's start and after each step while its flag is 0; `inner_clock[1]`
+    adds up its time on the device: positive, within the launch's time, and more for a launch with more runs."""
+    body, x, step, done, _, reset = toy(6, "cuda")
+    settled = torch.zeros(1, dtype=torch.long, device="cuda")
+    runs = torch.zeros((), dtype=torch.long, device="cuda")
+
+    def stepped():
+        body()
+        settled.zero_()   # every step asks for the inner graph
+
+    def inner():
+        torch.cuda._sleep(100_000)
+        runs.add_(1)
+        settled.fill_(1)
+
+    outer, inner_graph = capture(stepped), capture(inner)
+    clock = torch.zeros(2, dtype=torch.long, device="cuda")
+    totals = []
+    for target in (6, 18):
+        reset(target)
+        settled.zero_()
+        runs.zero_()
+        before = int(clock[1])
+        with DeviceLoop(outer, done, step, 100, inner=[(inner_graph, settled)], inner_clock=clock) as loop:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            loop.launch()
+            end.record()
+            torch.cuda.synchronize()
+        spent = int(clock[1]) - before
+        assert int(x) == target and int(runs) >= target
+        assert 0 < spent <= start.elapsed_time(end) * 1e6
+        totals.append(spent)
+    assert totals[1] > totals[0]
 
 
 @pytest.mark.cuda

@@ -100,8 +100,10 @@ def test_device_loop_streams_groups_and_counts_on_the_device():
     assert out.row_steps == out.prefilled_rows + 4 * out.decode_steps and max(out.refill_sizes) == 4
     assert out.launches >= out.decode_steps // 4
     parts = out.setup_parts   # where the setup went: each part timed to the device's end of its work
-    assert list(parts) == ["warmup_s", "capture_s", "pricing_s", "loop_s"] and min(parts.values()) > 0
+    assert list(parts) == ["warmup_s", "capture_s", "loop_s"] and min(parts.values()) > 0
     assert sum(parts.values()) <= out.setup_s
+    # the refills inside the loop timed on the device: some time, and less than the loop's (decode_s is the rest)
+    assert out.prefill_s > 0 and out.decode_s > 0
     host = gdtool.rollout(model, prompts, slots=4, max_new_tokens=N, refill="host", mode="step-graph",
                           eos_token_id=1, pad_token_id=0, target_lengths=targets[:len(prompts)])
     assert list(host.setup_parts) == ["warmup_s", "capture_s"] and sum(host.setup_parts.values()) <= host.setup_s

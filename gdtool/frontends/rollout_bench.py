@@ -240,7 +240,7 @@ def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str =
         return dict(wall_s=wall, useful_tokens=out.useful_tokens, early=early,
                     row_step_share=out.row_step_share, decode_steps=out.decode_steps, host_syncs=out.host_syncs,
                     prefill_s=out.prefill_s, decode_s=out.decode_s, setup_s=out.setup_s,
-                    prefill_estimated=out.prefill_estimated, launches=out.launches, prefills=out.prefills,
+                    launches=out.launches, prefills=out.prefills,
                     refill_sizes=json.dumps(out.refill_sizes) if out.refill_sizes else "",
                     setup_parts=json.dumps(out.setup_parts) if out.setup_parts else "")
 
@@ -513,7 +513,7 @@ def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], d
             row = {**base, "runner": r.runner, "label": r.label, "status": r.status, "note": r.note,
                    "warmup_s": r.warmup_s, "repeat": i if s else -1,
                    **{k: s.get(k, float("nan")) for k in FIGURES},
-                   "prefill_estimated": s.get("prefill_estimated", False), "refill_sizes": s.get("refill_sizes", ""),
+                   "refill_sizes": s.get("refill_sizes", ""),
                    "setup_parts": s.get("setup_parts", "")}
             if r.runner in ROLLOUTS and s:   # what the lengths alone say the device counts (measure.rollouts)
                 plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0], refill_rows=cfg.refill_rows,
@@ -535,7 +535,6 @@ def summarize(df):
         for column in FIGURES:
             row[column] = _median(g[column].tolist())
         row["tok_s"] = row["useful_tokens"] / row["wall_s"] if row["wall_s"] > 0 else float("nan")
-        row["prefill_estimated"] = bool(g.prefill_estimated.any())
         row["refill_sizes"] = g.refill_sizes.iloc[-1] if "refill_sizes" in g else ""   # the last call's {rows: refills}
         row["setup_parts"] = g.setup_parts.iloc[-1] if "setup_parts" in g else ""     # ... and its setup_s in parts
         rows.append(row)
@@ -600,14 +599,11 @@ def format_table(summary) -> str:
 def header(cfg: RolloutConfig, work: Workload, env: dict, summary) -> str:
     step = summary.loc[summary.runner == "eos-off", "step_s"]
     step_ms = f"{float(step.iloc[0]) * 1e3:.3f} ms" if len(step) and step.iloc[0] == step.iloc[0] else "-"
-    estimated = summary.loc[summary.prefill_estimated, "runner"].tolist()
-    note = (f"; prefill_s of {', '.join(estimated)} estimated (each size's refills inside the captured loop priced "
-            "by one replay of that size's graph)") if estimated else ""
     return (f"\n{cfg.name}: {env['device_name']}, torch {env['torch']}, transformers {env['transformers']}; "
             f"{cfg.prompts} prompts x {_prompt_tokens(cfg)} tokens, {cfg.slots} slots, lengths {cfg.lengths}, "
             f"refill_rows {cfg.refill_rows}, refill_after {_after(cfg)}, refill_widths {cfg.refill_widths} "
             f"(max_new_tokens {work.max_new_tokens}, {work.drawn_tokens} tokens drawn); greedy, median of "
-            f"{cfg.repeats}; eos-off step {step_ms}; ideal = prefill_s + steps x eos-off step{note}")
+            f"{cfg.repeats}; eos-off step {step_ms}; ideal = prefill_s + steps x eos-off step")
 
 
 def _prompt_tokens(cfg: RolloutConfig) -> str:

@@ -96,8 +96,7 @@ class RolloutOutput:
     total_s: float
     setup_s: float = 0.0              # refill="host"/"device": warm-up and capture before the first prefill
     setup_parts: dict | None = None   # captured refill: setup_s in parts: warmup_s, capture_s, and for "device"
-    #                                   pricing_s (timing each refill graph) and loop_s (building the WHILE loop)
-    prefill_estimated: bool = False   # refill="device" captured: refills inside the loop priced by each size's replay
+    #                                   loop_s (building the WHILE loop)
     launches: int | None = None       # refill="device" captured: graph launches of the decode loop
     refill_sizes: dict | None = None  # refill: {rows: refills of that many rows}
     refill_widths: dict | None = None  # refill: {columns: refills prefilled that wide}
@@ -468,8 +467,7 @@ class _RowRollout:
         self.results: list = [None] * len(sequences)
         self.delivered = 0
         self.groups_left: dict = {}
-        self.refill_s: dict = {}   # refill="device" captured: seconds of one replay of each size's refill
-        self.estimated = False
+        self.refill_clock = None   # refill="device" captured: [scratch, ns] of the refills, timed on the device
 
     # -- host reads --
     def _read(self, tensor: torch.Tensor) -> list:
@@ -532,11 +530,11 @@ class _RowRollout:
                 self.do_refill = {shape: graph.replay for shape, graph in refills.items()}
         parts["capture_s"] = clock.lap()
         if keep:
-            self.refill_s = self._time_refills(refills, snap)
-            parts["pricing_s"] = clock.lap()
             from .devloop import DeviceLoop
             far = torch.tensor(_FAR, dtype=torch.long, device=self.device)
-            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=self._chain(refills))
+            self.refill_clock = torch.zeros(2, dtype=torch.long, device=self.device)
+            self.step_loop = DeviceLoop(whole.graph, state.done, state.steps, far, inner=self._chain(refills),
+                                        inner_clock=self.refill_clock)
             self.loops.append(self.step_loop)
             parts["loop_s"] = clock.lap()
 
@@ -554,22 +552,6 @@ class _RowRollout:
             else:
                 chain.append(([(refills[g, w].graph, s.pick_width[i, j:j + 1]) for j, w in widths], s.pick[i:i + 1]))
         return chain
-
-    def _time_refills(self, refills: dict, snap: dict) -> dict:
-        """Seconds of one replay of each shape's refill graph, from the rollout's first state (the best of two):
-        what prices the refills a device loop runs unseen. The state is restored after each."""
-        times = {}
-        for shape, graph in refills.items():
-            best = float("inf")
-            for _ in range(2):
-                self._synchronize()
-                t0 = time.perf_counter()
-                graph.replay()
-                self._synchronize()
-                best = min(best, time.perf_counter() - t0)
-                self.state.restore(snap)
-            times[shape] = best
-        return times
 
     # -- the run --
     def run(self) -> RolloutOutput:
@@ -640,8 +622,8 @@ class _RowRollout:
 
     def _device(self) -> float:
         """refill="device", captured: the refills in WHILE nodes after each step, on the device (and at the start
-        of each launch: the first one fills the slots). Returns the refills' seconds, priced by each size's replay
-        (`_time_refills`)."""
+        of each launch: the first one fills the slots). Returns the refills' seconds, timed on the device around
+        each refill graph (the loop's `inner_clock`)."""
         launches = 0
         if self.spec.device_loop:
             while True:
@@ -665,10 +647,7 @@ class _RowRollout:
                 if done:
                     break
         self.launches = launches
-        counts = self._read(self.state.refill_counts)
-        self.estimated = True
-        return sum(counts[i][j] * self.refill_s[g, w] for i, g in enumerate(self.step.sizes)
-                   for j, w in enumerate(self.step.widths) if counts[i][j])
+        return self._read(self.refill_clock[1:])[0] / 1e9
 
     # -- results --
     def _harvest(self) -> None:
@@ -712,7 +691,6 @@ class _RowRollout:
         out = RolloutOutput(done, self.refill, self.slots, self.settings.max_new_tokens, "",
                             sum(seq.length for seq in done), row_steps, steps, refills, started,
                             self.syncs + self.waits.count, prefill_s, max(loop_s - prefill_s, 0.0), 0.0)
-        out.prefill_estimated = self.estimated
         out.launches = getattr(self, "launches", None)
         out.refill_sizes = {g: sum(row) for g, row in zip(sizes, counts) if sum(row)}
         out.refill_widths = {w: sum(row[j] for row in counts) for j, w in enumerate(widths)

@@ -108,13 +108,17 @@ class DeviceLoop:
         may itself be such a list: its WHILE node's body is then that chain of WHILE nodes (a rollout's refills
         of one size at several widths).
         Uncaptured, the body callable runs its own inner loops: pass inner=None.
+    inner_clock: a two-element int64 tensor on the loop's device, or None: each run of an inner graph is timed on
+        the device (its nanosecond timer, read by a one-thread kernel before and after it) and the nanoseconds are
+        added into `inner_clock[1]` (`inner_clock[0]` is the clock's scratch). Needs `inner`.
 
     `launch(max_steps=N)` runs at most N steps (streaming); `launches` counts graph launches.
     """
 
     def __init__(self, body, done: torch.Tensor, step: torch.Tensor, limit, *, count_steps: bool = False,
                  advance_rng: bool = False, rng_increment: int | None = None,
-                 generator: torch.Generator | None = None, inner: list | None = None):
+                 generator: torch.Generator | None = None, inner: list | None = None,
+                 inner_clock: torch.Tensor | None = None):
         if not isinstance(limit, torch.Tensor):
             if isinstance(limit, bool) or not isinstance(limit, int):
                 raise ValueError(f"limit must be an int or a one-element int64 tensor; got {type(limit).__name__}")
@@ -130,6 +134,12 @@ class DeviceLoop:
             raise ValueError("inner must be a non-empty list of (graph, settled) pairs, run in order before each body "
                              "run (a graph may be such a list again), or None")
         self.inner = inner
+        if inner_clock is not None and (inner is None or not isinstance(inner_clock, torch.Tensor)
+                                        or inner_clock.dtype != torch.int64 or inner_clock.numel() != 2
+                                        or not inner_clock.is_contiguous() or inner_clock.device != done.device):
+            raise ValueError("inner_clock must be a contiguous two-element int64 tensor on the loop's device, with "
+                             "inner graphs to time (inner=[...])")
+        self.inner_clock = inner_clock
         self._rollout_open = False
         self._closed = False
         self.body_nodes = self.rng_kernels = 0
@@ -275,7 +285,12 @@ class DeviceLoop:
                        "cuGraphAddKernelNode (inner entry)")
         node, body = self._add_while(graph, entry, handle, ctx, "inner WHILE")
         if inner_body is not None:
-            last = _check(cu.cuGraphAddChildGraphNode(body, None, 0, inner_body), "cuGraphAddChildGraphNode (inner)")
+            first = self._stamp(body, None, begin=True)
+            deps = None if first is None else [first]
+            last = _check(cu.cuGraphAddChildGraphNode(body, deps, 0 if first is None else 1, inner_body),
+                          "cuGraphAddChildGraphNode (inner)")
+            end = self._stamp(body, last, begin=False)
+            last = last if end is None else end
         else:
             last = None
             for sub_graph, sub_settled in inner_graph:
@@ -284,6 +299,24 @@ class DeviceLoop:
                "cuGraphAddKernelNode (inner condition)")
         self._inner_handles.append(handle)
         return node
+
+    _STAMP_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int)
+
+    def _stamp(self, graph, after, begin: bool):
+        """With an inner clock: in `graph` after node `after` (None: first), the clock kernel (begin: store the
+        time; else add the time since into the total). Returns the node, or None without a clock."""
+        if self.inner_clock is None:
+            return None
+        kp = self._cu.CUDA_KERNEL_NODE_PARAMS()
+        kp.func = self._kernels.stamp
+        kp.gridDimX = kp.gridDimY = kp.gridDimZ = 1
+        kp.blockDimX = kp.blockDimY = kp.blockDimZ = 1
+        kp.sharedMemBytes = 0
+        base = self.inner_clock.data_ptr()
+        kp.kernelParams = ((base, base + 8, int(begin)), self._STAMP_TYPES)
+        deps = None if after is None else [after]
+        return _check(self._cu.cuGraphAddKernelNode(graph, deps, 0 if after is None else 1, kp),
+                      "cuGraphAddKernelNode (inner clock)")
 
     def _inner_params(self, handle, settled: torch.Tensor, entering: bool):
         base = self._inner_scratch.data_ptr()

@@ -1,4 +1,5 @@
-"""The loop's own kernels: the condition kernel and the RNG writer, compiled at run time by NVRTC.
+"""The loop's own kernels: the condition kernel, the RNG writer and the clock around inner graphs, compiled at
+run time by NVRTC.
 
 `compile_kernels()` turns `_KERNEL_SOURCE` into a CUBIN for the device (or PTX for the newest older
 architecture NVRTC knows), with no nvcc and no CUDA headers; `_kernels()` loads the image once per
@@ -51,6 +52,15 @@ extern "C" __global__ void gdtool_loop_condition(
     cudaGraphSetConditional(handle, again ? 1u : 0u);
 }
 
+// A clock around inner graphs (a rollout's refills): begin stores the device's nanosecond timer, end adds the
+// time since into the total. Launched in the graph's order, so it spans exactly the work between the two.
+extern "C" __global__ void gdtool_stamp(long long* clock, long long* total, int begin) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    if (begin) *clock = static_cast<long long>(now);
+    else *total += static_cast<long long>(now) - *clock;
+}
+
 // What torch's replay prologue does before each replay: the captured RNG kernels' seed and offset.
 extern "C" __global__ void gdtool_rng_set(long long* seed, long long* offset, unsigned long long seed_value,
                                           long long offset_value) {
@@ -61,6 +71,7 @@ extern "C" __global__ void gdtool_rng_set(long long* seed, long long* offset, un
 
 _CONDITION = b"gdtool_loop_condition"
 _RNG_SET = b"gdtool_rng_set"
+_STAMP = b"gdtool_stamp"
 
 
 @dataclass
@@ -68,6 +79,7 @@ class _Kernels:
     module: object
     condition: object
     rng_set: object
+    stamp: object        # the clock around inner graphs
     target: str          # "sm_90" (CUBIN) or "compute_89" (PTX, JIT-compiled by the driver)
 
 
@@ -150,7 +162,8 @@ def _kernels(cu, nvrtc, device_index: int, ctx) -> _Kernels:
             module = _check(cu.cuModuleLoadData(image), "cuModuleLoadData (the condition kernel)")
             condition = _check(cu.cuModuleGetFunction(module, _CONDITION), "cuModuleGetFunction")
             rng_set = _check(cu.cuModuleGetFunction(module, _RNG_SET), "cuModuleGetFunction")
-            _kernel_cache[key] = _Kernels(module, condition, rng_set, target)
+            stamp = _check(cu.cuModuleGetFunction(module, _STAMP), "cuModuleGetFunction")
+            _kernel_cache[key] = _Kernels(module, condition, rng_set, stamp, target)
         return _kernel_cache[key]
 
 
