@@ -1,6 +1,7 @@
 """A refill's prefill program compiles its decoder layers once (`gdtool.kernels.regions`): the layers are found
-across the zoo, the route is a no-op outside `regional()`, and a model whose layers a region cannot hold compiles
-whole, with the reason in the compiles table, never an error or another answer."""
+across the zoo, the route is on the layers only inside its scope (and there, uncompiled, the layer itself), and a
+model whose layers a region cannot hold compiles whole, with the reason in the compiles table, never an error or
+another answer."""
 import pytest
 import torch
 
@@ -22,19 +23,21 @@ SETTINGS = dict(slots=2, max_new_tokens=4, refill="host", eos_token_id=None, pad
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3-moe", "tiny-gemma3", "zoo:gpt_oss", "zoo:gemma3_text"])
-def test_layers_found_and_eager_unchanged(name):
+def test_layers_found_and_the_route_only_inside_its_scope(name):
     model = _model(name, torch.float32)   # HF's grouped experts take no float64
     layers = regions.decoder_layers(model)
     assert len(layers) == model.config.get_text_config().num_hidden_layers > 0
+    routes = regions.plan(model)
+    assert [layer for layer, _ in routes] == layers
     ids = torch.tensor([PROMPTS[0]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
-        assert regions.install(model) and regions.install(model)   # twice: the same route
-        after = model(input_ids=ids).logits
-        with regions.regional():   # outside torch.compile a region is the call itself
+        with regions.scope(routes):   # outside torch.compile a region is the call itself
+            assert all(vars(layer)["forward"].__func__ is regions._forward for layer in layers)
             inside = model(input_ids=ids).logits
-    assert torch.equal(before, after) and torch.equal(before, inside)
-    assert all(vars(layer)["forward"].__func__ is regions._forward for layer in layers)
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, inside) and torch.equal(before, after)
+    assert not any("forward" in vars(layer) for layer in layers)   # HF's forward back on exit
 
 
 def test_a_layer_already_rerouted_is_left_alone():
@@ -42,8 +45,7 @@ def test_a_layer_already_rerouted_is_left_alone():
     first = regions.decoder_layers(model)[0]
     hook = first.forward
     first.forward = lambda *a, **k: hook(*a, **k)   # a dispatch hook's own forward
-    assert not regions.install(model)
-    assert not any(getattr(layer, regions._ATTR, False) for layer in regions.decoder_layers(model))
+    assert regions.plan(model) == []
 
 
 def test_prefill_programs_compile_by_layer_and_are_their_own_twins():

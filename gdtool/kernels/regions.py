@@ -12,8 +12,11 @@ twin, captured or not.
 The decode step keeps its whole-model program: there the kernels that span a layer's boundary (its residual
 add and the next layer's norm) are a share of a memory-bound step, while a prefill is matrix products.
 
-    install(model)       # route each decoder layer's forward through `_forward` (a no-op outside regional())
-    with regional():     # calls compiled inside trace each layer as a region
+The route is put on the layers only for the length of a prefill program's call (`swap.forwards`, as the experts
+kernels are): HF's kernels, generate() and the decode program never see it.
+
+    routes = plan(model)       # [(layer, its forward through the region)], or [] where none applies
+    with scope(routes):        # a prefill program called (and compiled) inside
         ...
 """
 from __future__ import annotations
@@ -23,9 +26,9 @@ from contextlib import contextmanager
 
 import torch
 
+from . import swap
+
 ENABLED = True   # refills' prefill programs compile by layer (rows.py); False: each traces the whole model
-_ATTR = "_gdtool_region"
-_active = [False]   # read while dynamo traces (a guard on its value): True inside regional()
 
 
 def _call_forward(layer, *args, **kwargs):
@@ -37,9 +40,7 @@ _layer = _region(_call_forward) if _region is not None else None
 
 
 def _forward(self, *args, **kwargs):
-    if _active[0]:
-        return _layer(self, *args, **kwargs)
-    return type(self).forward(self, *args, **kwargs)
+    return _layer(self, *args, **kwargs)
 
 
 def decoder_layers(model) -> list:
@@ -54,29 +55,19 @@ def decoder_layers(model) -> list:
     return []
 
 
-def install(model) -> bool:
-    """Route each decoder layer's forward through a region while `regional()` is on; returns whether the model
-    has them. A layer whose forward an instance attribute already replaces (a dispatch hook) is left as it is,
-    and then so is the whole model."""
+def plan(model) -> list:
+    """(layer, its forward through the region) for each decoder layer, or [] where regions do not apply: turned
+    off, a torch without them, no decoder layers found, or a layer whose forward an instance attribute already
+    replaces (a dispatch hook: the model is then left as it is)."""
     layers = decoder_layers(model)
-    if not ENABLED or _layer is None or not layers:
-        return False
-    if all(getattr(layer, _ATTR, False) for layer in layers):
-        return True
-    if any("forward" in vars(layer) for layer in layers):
-        return False
-    for layer in layers:
-        layer.forward = types.MethodType(_forward, layer)
-        setattr(layer, _ATTR, True)
-    return True
+    if not ENABLED or _layer is None or not layers or any("forward" in vars(layer) for layer in layers):
+        return []
+    return [(layer, types.MethodType(_forward, layer)) for layer in layers]
 
 
 @contextmanager
-def regional(on: bool = True):
-    """Inside, the installed layers run as nested compile regions (outside torch.compile: as they are)."""
-    before = _active[0]
-    _active[0] = on
-    try:
+def scope(routes: list):
+    """Inside, the planned layers run as nested compile regions (outside torch.compile: as they are); each
+    layer's own forward is back on exit."""
+    with swap.forwards(routes):
         yield
-    finally:
-        _active[0] = before

@@ -56,7 +56,7 @@ class CompiledRowStep(RowStep):
         self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels)
         self.split_kernel, self.split_note = attention.split_kv_plan(self.model, kernels)
         attention.install()
-        self.regional = regions.install(self.model)   # refills' prefills compile by layer (regions.py)
+        self.regions = regions.plan(self.model)   # refills' prefills compile by layer (regions.py)
         # "fast" on a mixture of experts: the decode program's MoE blocks in gdtool's kernels, planned for the slots
         self.moe_plan = experts.plan(self.model, self.slots) if kernels == "fast" else None
         # the cache allocated now, not at the first write: a program compiled around that write would branch on
@@ -82,14 +82,14 @@ class CompiledRowStep(RowStep):
                                "uncompiled from then on. Call it outside the mode (a capture's warm-up watches HF's "
                                "kernels only: kernels.step.watched)")
         shape = tuple(args[0].shape) if args else (0, 0)
-        regional = self.regional and body is _prefill_select
+        regional = bool(self.regions) and body is _prefill_select
         moe = self.moe_plan if body is _forward_select else None
         entry = self._entry(body, *shape, regional)
         before = _graphs_compiled()
         t0 = time.perf_counter()
         try:
             with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel), experts.scope(moe), \
-                    regions.regional(regional):
+                    regions.scope(self.regions if regional else []):
                 result = entry.fn(self, *args)
         except Exception as error:   # noqa: BLE001 - a region dynamo cannot trace: the whole model, said so
             if not regional or entry.calls:
@@ -97,7 +97,7 @@ class CompiledRowStep(RowStep):
             self.model.__dict__[_ATTR].pop(self._key(body, *shape, True), None)   # never ran: not kept
             entry = self._entry(body, *shape, False)
             entry.note = f"compiled whole: by layer it failed ({type(error).__name__}: {str(error).splitlines()[0][:160]})"
-            self.regional = False
+            self.regions = []
             with _no_function_modes(), attention.scope(self.sinks_kernel, self.split_kernel):
                 result = entry.fn(self, *args)
         compiled = _graphs_compiled() - before
