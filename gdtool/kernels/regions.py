@@ -3,7 +3,7 @@
 A rollout's refill prefills g prompts w columns wide, one inductor program per (g, w) (`rows.py`), and each
 program traces and lowers the whole model: cold, about 22 s a program for llama-1b's 16 layers and 50 s for
 qwen3-8b's 36 on an H100, so a 64-slot rollout's five programs took qwen3-8b 250 s before its first token.
-Under `regional()` each decoder layer's forward is one nested compile region
+Inside `scope()` each decoder layer's forward is one nested compile region
 (`torch.compiler.nested_compile_region`): dynamo and inductor compile a layer once and reuse its code for every
 layer alike in shapes, strides and constants, and compile again for one that differs (Gemma 3's sliding and
 full layers). What runs is the same arithmetic, in the same kernels for every layer; a program is still its own

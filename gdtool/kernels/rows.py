@@ -3,8 +3,8 @@
 Inductor programs: the decode forward of `RowStep` (HF's forward over the per-row cache write) with the
 selection of each slot's token (`forward_select`), and per refill size g and width w a refill's prefill of g
 prompts w columns wide with their first tokens (`prefill_select`), its decoder layers compiled once for all
-(`regions.py`: a program's compile time no longer grows with depth). The update of the per-sequence results, the flags and the choice of slot and sequence stay
-as they are, captured around them. Neither program reads the queue or the results, so they are the same for any
+(`regions.py`: a program's compile time no longer grows with depth). The update of the per-sequence results,
+the flags and the choice of slot and sequence stay as they are, captured around them. Neither program reads the queue or the results, so they are the same for any
 number of prompts: each is kept in the model's table of compiled steps (`compiled.py`), one per shape key
 (slots, cache columns, refill rows and width, what is recorded, the settings, the per-row window, what the
 log-probabilities are of). The seed is
