@@ -432,6 +432,25 @@ def test_triton_kernels_on_cuda(dtype, pdl):
 
 
 @pytest.mark.cuda
+def test_tensor_core_kernels_keep_float32_products_float32_on_cuda():
+    """The kernels built on tl.dot (the split-KV attention, the grouped experts) take float32 operands at float32
+    (`dot_precision`: "ieee"): Triton's default rounds them to TF32 (10 mantissa bits, ~1e-3 relative), which fails
+    the float32 tolerance (1e-5, within twice torch's own error) that these checks hold the kernels to."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results = []
+    for m, live, cache, pad in ((1, 1, 40, 0), (2, 37, 40, 0), (3, 70, 90, 5), (4, 17, 17, 3)):
+        for sinks in (False, True):
+            results.append(testing.check_attention(m, 8, 2, 32, cache, live, torch.float32, "cuda", gen, pad,
+                                                   sinks=sinks))
+    for shape in testing.EXPERTS_GROUPED_SMALL:
+        results += testing.check_experts(*shape, torch.float32, "cuda", gen, grouped=True)
+    for shape in testing.EXPERTS_OSS_GROUPED_SMALL:
+        results += testing.check_experts_oss(*shape, torch.float32, "cuda", gen, grouped=True)
+    bad = [r for r in results if not r.ok]
+    assert not bad, testing.table(bad)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("batch", [2, 8, 16], ids=["one-pass", "two-passes", "four-passes-line-at-16"])
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-mistral"])
 def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):

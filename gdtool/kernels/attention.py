@@ -59,8 +59,8 @@ import torch
 import torch.nn.functional as F
 
 from . import tuning
-from .triton import (HAVE_TRITON, cdiv, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda, usable,
-                     zero_counts)
+from .triton import (HAVE_TRITON, cdiv, dot_precision, env_flag, launch_options, next_pow2, tl, triton,
+                     untested_on_cuda, usable, zero_counts)
 
 # The split-KV plan's parameters are the device's tuning (`tuning.py`, section "attention"):
 #   programs_per_sm    split programs per multiprocessor at batch 1 (the device's count): enough chunks to fill the GPU
@@ -389,7 +389,7 @@ if HAVE_TRITON:
                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, G: tl.constexpr,
                       BLOCK_G: tl.constexpr, CHUNK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
                       EARLY: tl.constexpr, FUSED: tl.constexpr, COMBINE_G: tl.constexpr, BLOCK_SPLITS: tl.constexpr,
-                      SINKS: tl.constexpr, MASK_ONLY: tl.constexpr, PDL: tl.constexpr):
+                      SINKS: tl.constexpr, MASK_ONLY: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr):
         bh = tl.program_id(0)
         s = tl.program_id(1)
         b = bh // HKV
@@ -428,7 +428,7 @@ if HAVE_TRITON:
             m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
             l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
             acc = tl.zeros([BLOCK_G, D], dtype=tl.float32)
-            m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale)
+            m_i, l_i, acc = _attend(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT)
             for j0 in range(EARLY, CHUNK, BLOCK_S):  # static bounds; keys past `end` are masked (not read)
                 # names of their own: the early block's are EARLY wide, a loop-carried value keeps one shape
                 jb = start + j0 + tl.arange(0, BLOCK_S)
@@ -437,7 +437,7 @@ if HAVE_TRITON:
                 read_b = keep_b if MASK_ONLY else inside_b
                 kb = tl.load(kv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
                 vb = tl.load(vv + jb[:, None] * D + d[None, :], mask=read_b[:, None], other=0.0)
-                m_i, l_i, acc = _attend(q, kb, vb, keep_b, m_i, l_i, acc, qk_scale)
+                m_i, l_i, acc = _attend(q, kb, vb, keep_b, m_i, l_i, acc, qk_scale, DOT)
             heads = b * HQ + hk * G + g
             if SPLITS == 1:  # the only chunk: finished here, as the combine finishes one chunk's partials
                 if SINKS:
@@ -464,16 +464,17 @@ if HAVE_TRITON:
                                CHUNK, SPLITS, BLOCK_SPLITS, SINKS)
 
     @triton.jit
-    def _attend(q, k, v, keep, m_i, l_i, acc, qk_scale):
-        """One block of keys in the online softmax: (running max, sum, unnormalized output) after it."""
-        scores = tl.dot(q, tl.trans(k)) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
+    def _attend(q, k, v, keep, m_i, l_i, acc, qk_scale, DOT: tl.constexpr):
+        """One block of keys in the online softmax: (running max, sum, unnormalized output) after it (DOT: the
+        products' precision, `dot_precision`)."""
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT) * qk_scale          # [BLOCK_G, BLOCK_S], log2 units
         scores = tl.where(keep[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row so far
         p = tl.exp2(scores - m_safe[:, None])
         alpha = tl.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT)
         return m_new, l_i, acc
 
     @triton.jit
@@ -604,7 +605,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits,
         BLOCK_S=tune["attention"]["block_s"], EARLY=early_keys(chunk, d, tune), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
-        SINKS=sinks is not None, MASK_ONLY=mask_only, num_warps=4, **opts)
+        SINKS=sinks is not None, MASK_ONLY=mask_only, DOT=dot_precision(q.dtype), num_warps=4, **opts)
     if not fused and splits > 1:
         _attention_combine_kernel[(b * hq, d // block_d)](
             m, l, acc, out, slot, sink, HQ=hq, D=d, BLOCK_D=block_d, CHUNK=chunk, SPLITS=splits,

@@ -13,6 +13,7 @@ becomes a programmatic edge between the two kernel nodes.
 from __future__ import annotations
 
 import os
+import torch
 from contextlib import contextmanager
 
 try:  # a CPU build of torch has no Triton: the kernels' torch references run instead
@@ -213,6 +214,13 @@ def zero_counts(name: str, n: int, device):
     if key not in _COUNTS or _COUNTS[key].numel() < n:
         _COUNTS[key] = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
     return _COUNTS[key]
+
+
+def dot_precision(dtype) -> str:
+    """tl.dot's input_precision for operands of `dtype`: "ieee" for float32, whose products Triton would otherwise
+    round to TF32 (10 mantissa bits) where torch's float32 matmuls do not; "tf32" (Triton's default, ignored for
+    16-bit operands) for the rest, so a bf16 program is the one compiled before."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def next_pow2(n: int) -> int:

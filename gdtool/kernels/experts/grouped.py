@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..triton import HAVE_TRITON, next_pow2, tl, triton
+from ..triton import HAVE_TRITON, dot_precision, next_pow2, tl, triton
 from .router import _logits
 from .. import tuning
 from .tiles import ALIGN_ELEMENTS, ALIGN_TAIL, experts_config, grouped_config, grouped_slots
@@ -76,7 +76,7 @@ if HAVE_TRITON:
     @triton.jit
     def _grouped_gate_up_kernel(x_ptr, gu_ptr, gub_ptr, sorted_ptr, tile_expert_ptr, act_ptr, H, I, stride_x,
                                 ALPHA, LIMIT, TOPK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                BLOCK_K: tl.constexpr, OSS: tl.constexpr):
+                                BLOCK_K: tl.constexpr, OSS: tl.constexpr, DOT: tl.constexpr):
         """Grid (tiles, N tiles of I): act[pair, n] = silu(x @ Wg[e].T) * (x @ Wu[e].T), rounded as HF; OSS:
         gpt-oss's [E, H, 2I] weights, the tile's 2 * BLOCK_N interleaved gate/up columns contiguous in each
         weight row, one tl.dot, its biases and clamped SwiGLU (`_oss_swiglu`)."""
@@ -102,7 +102,7 @@ if HAVE_TRITON:
                                 mask=real[:, None] & kmask[None, :], other=0.0)
                     w = tl.load(base + k[:, None].to(tl.int64) * (2 * I) + c[None, :],
                                 mask=kmask[:, None] & cmask[None, :], other=0.0)                    # [K, 2N]
-                    acc = tl.dot(x, w, acc)
+                    acc = tl.dot(x, w, acc, input_precision=DOT)
                 bias = tl.load(gub_ptr + expert.to(tl.int64) * (2 * I) + c, mask=cmask, other=0.0).to(tl.float32)
                 g, u = tl.split(tl.reshape(acc, [BLOCK_M, BLOCK_N, 2]))
                 gb, ub = tl.split(tl.reshape(bias, [BLOCK_N, 2]))
@@ -118,8 +118,8 @@ if HAVE_TRITON:
                     wmask = kmask[:, None] & nmask[None, :]
                     wg = tl.load(base + n[None, :].to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)   # [K, N]
                     wu = tl.load(base + (I + n[None, :]).to(tl.int64) * H + k[:, None], mask=wmask, other=0.0)
-                    g = tl.dot(x, wg, g)
-                    u = tl.dot(x, wu, u)
+                    g = tl.dot(x, wg, g, input_precision=DOT)
+                    u = tl.dot(x, wu, u, input_precision=DOT)
                 g = g.to(out_ty).to(tl.float32)
                 u = u.to(out_ty).to(tl.float32)
                 a = (g / (1.0 + tl.exp(-g))).to(out_ty).to(tl.float32)
@@ -129,7 +129,7 @@ if HAVE_TRITON:
     @triton.jit
     def _grouped_down_kernel(act_ptr, d_ptr, db_ptr, wts_ptr, sorted_ptr, tile_expert_ptr, y_ptr, H, I,
                              W_F32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, OSS: tl.constexpr):
+                             BLOCK_K: tl.constexpr, OSS: tl.constexpr, DOT: tl.constexpr):
         """Grid (tiles, N tiles of H): y[pair, n] = round(act[pair] @ Wd[e].T) * weight[pair] (rounded
         unless W_F32, whose y is float32); OSS: gpt-oss's [E, I, H] weights and its bias, added to the rounded
         product and rounded."""
@@ -156,7 +156,7 @@ if HAVE_TRITON:
                 else:
                     w = tl.load(base + n[None, :].to(tl.int64) * I + k[:, None], mask=kmask[:, None] & nmask[None, :],
                                 other=0.0)
-                acc = tl.dot(a, w, acc)
+                acc = tl.dot(a, w, acc, input_precision=DOT)
             y = acc.to(out_ty).to(tl.float32)
             if OSS:
                 bias = tl.load(db_ptr + expert.to(tl.int64) * H + n, mask=nmask, other=0.0).to(tl.float32)
@@ -205,11 +205,12 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     tiles = slots // cfg.block_m
     _grouped_gate_up_kernel[(tiles, triton.cdiv(i, cfg.block_n))](
         x, gate_up, gate_up_bias, order, tile_expert, act, h, i, x.stride(0), float(alpha), float(limit), TOPK=top_k,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, num_warps=cfg.warps,
-        num_stages=cfg.stages)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, DOT=dot_precision(x.dtype),
+        num_warps=cfg.warps, num_stages=cfg.stages)
     _grouped_down_kernel[(tiles, triton.cdiv(h, cfg.block_n))](
         act, down, down_bias, weights, order, tile_expert, y, h, i, W_F32=weights_f32, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, num_warps=cfg.warps, num_stages=cfg.stages)
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, OSS=oss is not None, DOT=dot_precision(x.dtype), num_warps=cfg.warps,
+        num_stages=cfg.stages)
     _combine_kernel[(triton.cdiv(h, cfg.block_n), m)](y, out, h, out.stride(0), TOPK=top_k, BLOCK_N=cfg.block_n)
     if intermediates is not None:
         intermediates.update(logits=logits, ids=ids, weights=weights, act=act, order=order, tile_expert=tile_expert)
