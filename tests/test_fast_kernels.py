@@ -395,6 +395,20 @@ def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
            "round at first use" in note, note
 
 
+def test_tensor_core_products_follow_torchs_float32_matmul_precision():
+    """`dot_precision`: float32 operands at float32 ("ieee") under torch's default "highest", TF32 where the user
+    chose "high" or "medium" (as torch's own float32 matmuls then do); 16-bit operands at Triton's default."""
+    before = torch.get_float32_matmul_precision()
+    try:
+        seen = {}
+        for setting in ("highest", "high", "medium"):
+            torch.set_float32_matmul_precision(setting)
+            seen[setting] = [fast_triton.dot_precision(d) for d in (torch.float32, torch.bfloat16, torch.float16)]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    assert seen == {"highest": ["ieee", "tf32", "tf32"], "high": ["tf32"] * 3, "medium": ["tf32"] * 3}
+
+
 @pytest.mark.parametrize("late", [False, True], ids=["early-trigger", "late-trigger"])
 def test_matrix_vector_kernel_compiles_for_hopper_with_pdl(late, monkeypatch):
     """The kernel's PDL branches never run under the interpreter (no PDL on a CPU): a gate/up launch of

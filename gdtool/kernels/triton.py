@@ -217,10 +217,13 @@ def zero_counts(name: str, n: int, device):
 
 
 def dot_precision(dtype) -> str:
-    """tl.dot's input_precision for operands of `dtype`: "ieee" for float32, whose products Triton would otherwise
-    round to TF32 (10 mantissa bits) where torch's float32 matmuls do not; "tf32" (Triton's default, ignored for
-    16-bit operands) for the rest, so a bf16 program is the one compiled before."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+    """tl.dot's input_precision for operands of `dtype`. float32 follows torch's float32 matmul precision:
+    "ieee" at "highest" (torch's default: its float32 matmuls keep float32 products, which Triton's default
+    would round to TF32's 10 mantissa bits), "tf32" where the user chose "high" or "medium". Other dtypes get
+    "tf32", Triton's default, which it ignores for 16-bit operands (a bf16 program is the one compiled before)."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
 
 
 def next_pow2(n: int) -> int:
