@@ -13,8 +13,9 @@ becomes a programmatic edge between the two kernel nodes.
 from __future__ import annotations
 
 import os
-import torch
 from contextlib import contextmanager
+
+import torch
 
 try:  # a CPU build of torch has no Triton: the kernels' torch references run instead
     import triton
