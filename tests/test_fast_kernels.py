@@ -83,6 +83,46 @@ def test_norm_weights_before_the_wait_under_the_interpreter_equal_the_late_loads
     run_interpreted(code, timeout=600)
 
 
+@pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")
+@pytest.mark.slow  # ~60 s on 2 cores (Triton's interpreter)
+def test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_scores():
+    """`gemv.fold_embedding`: the embedding lookup folded into the first layer's qkv_rope (Gemma's scaled one too)
+    decodes the tokens and scores of HF's embedding module run first, bit for bit, at one pass of rows and several
+    (the kernels' checks against the lookup alone: `testing.check_folded_embedding`)."""
+    code = ("import torch, gdtool\nfrom gdtool.kernels import gemv, step\n"
+            "for name, batch in (('tiny-llama', 2), ('tiny-gemma3', 6)):\n"
+            "    model = gdtool.load_model(name, seed=0)\n"
+            "    prompt = gdtool.random_prompts(model, batch=batch, lengths=(3, 7), seed=1)\n"
+            "    kw = dict(max_new_tokens=4, eos_token_id=None, pad_token_id=0, do_sample=False, kernels='fast',\n"
+            "              return_scores=True)\n"
+            "    outs = []\n"
+            "    for fold in (True, False):\n"
+            "        gemv._FOLD_EMBEDDING = fold\n"
+            "        outs.append(gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw))\n"
+            "    assert 'Triton kernels' in step.compiles(model).kernels.iloc[-1]\n"
+            "    assert torch.equal(outs[0].tokens, outs[1].tokens), name\n"
+            "    assert torch.equal(torch.stack(outs[0].scores), torch.stack(outs[1].scores)), name\n"
+            "print('ok')\n")
+    run_interpreted(code, timeout=600)
+
+
+def test_folded_embedding_runs_on_cuda_only_where_tested(monkeypatch):
+    """GDTOOL_FOLD_EMBEDDING (on by default): on a CPU taken; on CUDA only once its cuda tests passed there (or
+    GDTOOL_UNTESTED_KERNELS=1); off, HF's embedding module runs first everywhere."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")   # device types only: nothing is allocated on them
+    monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
+    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))
+    monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", True)
+    assert gemv.fold_embedding(cpu)
+    assert gemv.fold_embedding(cuda) == (gemv.FOLD_EMBEDDING_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"])
+    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((8, 0), "3.6"))   # no cuda test ran there
+    assert not gemv.fold_embedding(cuda)
+    monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+    assert gemv.fold_embedding(cuda)
+    monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", False)
+    assert not gemv.fold_embedding(cpu) and not gemv.fold_embedding(cuda)
+
+
 def _decode(model, prompt, **kw):
     kw = dict(dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, mode="step-graph", do_sample=False), **kw)
     return gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
@@ -483,9 +523,15 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
         late_trigger.setattr(gemv, "_LATE_TRIGGER", True)
         late_trigger.setenv("GDTOOL_UNTESTED_KERNELS", "1")
         late = _decode(model, prompt, kernels="fast", max_new_tokens=24)
+    with monkeypatch.context() as unfolded:   # HF's embedding module first, not the lookup in the first qkv_rope
+        unfolded.setattr(gemv, "_FOLD_EMBEDDING", False)
+        apart = _decode(model, prompt, kernels="fast", max_new_tokens=24, return_scores=True)
+    folded = _decode(model, prompt, kernels="fast", max_new_tokens=24, return_scores=True)
     assert captured.replays == captured.steps > 0
     assert torch.equal(captured.tokens, direct.tokens) and torch.equal(captured.tokens, plain.tokens)
     assert torch.equal(auto.tokens, plain.tokens) and torch.equal(late.tokens, plain.tokens)
+    assert torch.equal(folded.tokens, apart.tokens)
+    assert torch.equal(torch.stack(folded.scores), torch.stack(apart.scores))
     table = fast.compiles(model)
     # greedy: the forward and the tail (argmax, update, counters) in gdtool's kernels, nothing compiled
     assert table.compiles.sum() == 0 and table.kernels.iloc[0].startswith("fast: fast decode forward"), table

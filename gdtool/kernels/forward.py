@@ -10,8 +10,9 @@ runs six, over HF's own weights and HF's own static cache:
     rms_gemv          RMSNorm + gate/up products + SiLU * up
     rms_gemv          down projection + residual add
 
-then RMSNorm + lm_head (float32 logits, as the step reads them), the embedding lookup and one
-update of the layers' cache counters: 99 kernels for a 16-layer model. The RoPE angles are computed
+then RMSNorm + lm_head (float32 logits, as the step reads them) and one update of the layers' cache counters:
+98 kernels for a 16-layer model. The embedding lookup is folded into the first layer's `qkv_rope` (its rows
+gathered from the table where the kernel reads its input; `gemv.fold_embedding`), else HF's module runs first. The RoPE angles are computed
 inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled RoPE included), as
 HF's rotary embedding computes them. The forward runs eagerly, outside torch.compile (its calls
 are kernels already); select and update around it stay compiled, and gdtool captures the whole
@@ -29,7 +30,7 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
     Gemma 3   the (1 + w) RMSNorm (a flag of every norm), norms after attention and after the MLP
               (residual + norm, folded into the next kernel that reads the residual: gate/up, then the
               next layer's qkv_rope or the lm_head's norm; no kernel of their own), GELU-tanh gate/up, the scaled
-              embedding (HF's own module), per-layer-type RoPE (local / global inv_freq), sliding
+              embedding (the scale in the folded lookup, rounded as HF's module rounds it), per-layer-type RoPE (local / global inv_freq), sliding
               layers whose window rolls (`StaticSlidingWindowLayer`: below)
     Qwen3-MoE, Mixtral, Qwen2-MoE   Llama's sequence (Qwen3's q/k norm, Qwen2's biases) with a mixture of
               experts for the MLP in some or all layers: there the experts kernels (`experts.block_triton`:
@@ -375,11 +376,14 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
     window_masks {layer index: [B, W]} for the sliding layers, `core.feed.Windows.layer_masks`), writing each
     layer's key and value where HF's update writes them and advancing the counters as it does; advance=False
     returns (logits, the counters to advance by 1) and leaves them to the caller (`tail.update`).
-    Runs eagerly: every line below is one kernel (the embedding, the counters' update, a full window's
-    roll) or a call of gdtool's kernels."""
+    Runs eagerly: every line below is one kernel (the embedding where it is not folded into the first qkv_rope,
+    the counters' update, a full window's roll) or a call of gdtool's kernels."""
     inner = model.model
     rotary = inner.rotary_emb
-    h = inner.embed_tokens(tokens[:, 0])                          # [B, H]: HF's lookup (and Gemma's scale)
+    embedding = inner.embed_tokens
+    # [B, H]: HF's lookup (and Gemma's scale), or None: folded into the first layer's qkv_rope (`gemv.fold_embedding`)
+    fold = gemv.fold_embedding(tokens.device) and embedding.max_norm is None
+    h = None if fold else embedding(tokens[:, 0])
     layers = compat.cache_layers(cache)
     counters = []
     # Gemma's norm after the MLP and its residual add, h + RMSNorm(down's output), waiting to be folded into the
@@ -403,10 +407,11 @@ def forward(model, cache, tokens: torch.Tensor, positions: torch.Tensor, mask: t
         qk_norm = (attn.q_norm.weight, attn.k_norm.weight, _eps(attn.q_norm)) \
             if getattr(attn, "q_norm", None) is not None else None
         inv_freq, scaling, _ = _rope(rotary, attn)
-        q = ops.qkv_rope(h, norm1.weight, _eps(norm1), attn.q_proj.weight, attn.k_proj.weight,
-                         attn.v_proj.weight, positions, inv_freq, scaling,
-                         layer.keys, layer.values, slot, biases, qk_norm, plus_one, add=pending)
-        if pending is not None:
+        embed = (tokens[:, 0], getattr(embedding, "embed_scale", None)) if h is None else None
+        q = ops.qkv_rope(embedding.weight if h is None else h, norm1.weight, _eps(norm1), attn.q_proj.weight,
+                         attn.k_proj.weight, attn.v_proj.weight, positions, inv_freq, scaling,
+                         layer.keys, layer.values, slot, biases, qk_norm, plus_one, add=pending, embed=embed)
+        if pending is not None or embed is not None:
             q, h = q
         o = ops.decode_attention(q, layer.keys, layer.values, layer_mask, slot, attn.scaling)
         act = _activation(mlp)

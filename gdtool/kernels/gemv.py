@@ -86,6 +86,13 @@ def gate_up_reference(x, norm_weight, eps, gate_weight, up_weight, plus_one=Fals
     return activation_reference(F.linear(n, gate_weight), act) * F.linear(n, up_weight)
 
 
+def embedding_reference(table, tokens, scale=None):
+    """The rows of embedding table [V, K] at tokens [M], times scale (a tensor, Gemma's embed_scale) in the table's
+    dtype where given: HF's embedding modules (nn.Embedding's lookup; Gemma 3's scaled one)."""
+    rows = F.embedding(tokens, table)
+    return rows if scale is None else rows * scale.to(table.dtype)
+
+
 def rms_add_reference(y, norm_weight, eps, residual, plus_one=False):
     """residual + RMSNorm(y): Gemma's post-attention and post-feedforward norms and the residual add."""
     return residual + rms_norm_reference(y, norm_weight, eps, plus_one)
@@ -157,13 +164,24 @@ if HAVE_TRITON:
     @triton.jit
     def _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K: tl.constexpr, NORM: tl.constexpr,
                     PLUS_ONE: tl.constexpr, a_ptr, ga_ptr, stride_a, eps_a, h_ptr, stride_h, write_h,
-                    ADD: tl.constexpr, WRITE_H: tl.constexpr, g_pre, ga_pre, PRE: tl.constexpr):
+                    ADD: tl.constexpr, WRITE_H: tl.constexpr, g_pre, ga_pre, PRE: tl.constexpr,
+                    tok_ptr, stride_tok, scale_ptr, EMBED: tl.constexpr, SCALE: tl.constexpr):
         """x [ROWS, 1, BLOCK_K] (whole rows) as the product reads it, in the model dtype: RMSNorm'd
         with HF's roundings where NORM (`_scale_norm`). ADD (Gemma's norm after attention or the MLP,
-        folded in): x is first residual x + RMSNorm(a) with ga's weights, as `_rms_add_kernel` computes it,
-        and stored at h (WRITE_H) by the program where write_h (one: every program computes the same rows).
-        PRE: the norms' weights are g_pre and ga_pre (`_norm_weights`, loaded before the wait), not loaded here."""
-        x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
+        folded in): x is first residual x + RMSNorm(a) with ga's weights, as `_rms_add_kernel` computes it.
+        EMBED (the embedding lookup, folded into the first layer's kernel): x is an embedding table and the
+        rows are its rows at the tokens (tok_ptr), times the scale at scale_ptr in the table's dtype where
+        SCALE (Gemma's), as HF's embedding module computes them. Either way the rows are stored at h (WRITE_H)
+        by the program where write_h (one: every program computes the same rows). PRE: the norms' weights are
+        g_pre and ga_pre (`_norm_weights`, loaded before the wait), not loaded here."""
+        if EMBED:
+            tok = tl.load(tok_ptr + rm3 * stride_tok, mask=rm3 < M, other=0).to(tl.int64)
+            x = tl.load(x_ptr + tok * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
+            if SCALE:  # HF: rows * embed_scale.to(weight.dtype), the product rounded once
+                s = tl.load(scale_ptr).to(x.dtype).to(tl.float32)
+                x = (x.to(tl.float32) * s).to(x.dtype)
+        else:
+            x = tl.load(x_ptr + rm3 * stride_x + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
         if ADD:
             a = tl.load(a_ptr + rm3 * stride_a + k3, mask=(rm3 < M) & (k3 < K), other=0.0)
             af = a.to(tl.float32)
@@ -174,8 +192,8 @@ if HAVE_TRITON:
                 ga = tl.load(ga_ptr + k3, mask=k3 < K, other=0.0)
             normed = _scale_norm(af, rstd_a, ga, a.dtype, PLUS_ONE)
             x = (x.to(tl.float32) + normed.to(tl.float32)).to(a.dtype)
-            if WRITE_H:  # a scalar condition folded into the bound (the interpreter refuses tensor_mask & scalar_bool)
-                tl.store(h_ptr + rm3 * stride_h + k3, x, mask=(rm3 < tl.where(write_h, M, 0)) & (k3 < K))
+        if WRITE_H:  # a scalar condition folded into the bound (the interpreter refuses tensor_mask & scalar_bool)
+            tl.store(h_ptr + rm3 * stride_h + k3, x, mask=(rm3 < tl.where(write_h, M, 0)) & (k3 < K))
         if NORM:
             xf = x.to(tl.float32)
             rstd = tl.rsqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
@@ -273,7 +291,7 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_launch_dependents()
         if PASSES == 1:
             x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, NORM, PLUS_ONE, a_ptr, ga_ptr, stride_a, eps_a,
-                            h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM)
+                            h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM, x_ptr, 0, x_ptr, False, False)
         for i in range(ITERS):  # constant trip count (tiles past N are masked): one loop shape for every program
             t = pid + i * nprog
             if PDL and LATE_TRIGGER:  # the next kernel launches as this one's last tile round starts (`late_trigger`)
@@ -292,7 +310,7 @@ if HAVE_TRITON:
                     xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K, NORM,
                                      PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
                                      h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD, WRITE_H, g, ga,
-                                     EARLY_NORM)
+                                     EARLY_NORM, x_ptr, 0, x_ptr, False, False)
                     _gemv_tile_out(xp, w, w2, t, p * ROWS, x_ptr, b_ptr, res_ptr, y_ptr, M, N, stride_res,
                                    stride_y, GATE_UP, BIAS, RESIDUAL, OUT_F32, ROWS, BLOCK_N, ACT)
             w = w_next
@@ -428,13 +446,15 @@ if HAVE_TRITON:
     @triton.jit
     def _qkv_rope_gemv_kernel(x_ptr, g_ptr, wq_ptr, wk_ptr, wv_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
                               pos_ptr, inv_ptr, q_ptr, kr_ptr, kc_ptr, vc_ptr, slot_ptr, a_ptr, ga_ptr, h_ptr,
-                              M, C, stride_x, stride_pos, stride_a, stride_h, scaling, eps, qk_eps, eps_a, nprog,
+                              tok_ptr, scale_ptr,
+                              M, C, stride_x, stride_pos, stride_a, stride_h, stride_tok, scaling, eps, qk_eps, eps_a,
+                              nprog,
                               ITERS: tl.constexpr, K: tl.constexpr, HQ: tl.constexpr, HKV: tl.constexpr,
                               D: tl.constexpr, HB: tl.constexpr, ROWS: tl.constexpr, PASSES: tl.constexpr,
                               BLOCK_K: tl.constexpr, KSPLIT: tl.constexpr, BIAS: tl.constexpr,
                               QK_NORM: tl.constexpr, PLUS_ONE: tl.constexpr, RAW: tl.constexpr,
                               ADD: tl.constexpr, WRITE_H: tl.constexpr, EARLY_NORM: tl.constexpr,
-                              PDL: tl.constexpr):
+                              EMBED: tl.constexpr, SCALE: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         tiles: tl.constexpr = (HQ + 2 * HKV) * ((D // 2) // HB)
         k3 = tl.arange(0, BLOCK_K)[None, None, :]
@@ -453,7 +473,8 @@ if HAVE_TRITON:
                 tl.extra.cuda.gdc_launch_dependents()
             if PASSES == 1:
                 x = _input_rows(x_ptr, g_ptr, stride_x, M, eps, rm3, k3, K, True, PLUS_ONE, a_ptr, ga_ptr, stride_a,
-                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM).to(tl.float32)
+                                eps_a, h_ptr, stride_h, pid == 0, ADD, WRITE_H, g, ga, EARLY_NORM,
+                                tok_ptr, stride_tok, scale_ptr, EMBED, SCALE).to(tl.float32)
             slot = tl.load(slot_ptr)
             for i in range(ITERS):
                 t = pid + i * nprog
@@ -468,10 +489,14 @@ if HAVE_TRITON:
                     if PASSES == 1:
                         xp = x
                     else:
-                        xp = _input_rows(x_ptr + p * ROWS * stride_x, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
+                        x_pass = x_ptr + p * ROWS * stride_x
+                        if EMBED:  # the pass's rows are the tokens', anywhere in the table
+                            x_pass = x_ptr
+                        xp = _input_rows(x_pass, g_ptr, stride_x, M - p * ROWS, eps, rm3, k3, K,
                                          True, PLUS_ONE, a_ptr + p * ROWS * stride_a, ga_ptr, stride_a, eps_a,
                                          h_ptr + p * ROWS * stride_h, stride_h, (pid == 0) & (i == 0), ADD,
-                                         WRITE_H, g, ga, EARLY_NORM).to(tl.float32)
+                                         WRITE_H, g, ga, EARLY_NORM, tok_ptr + p * ROWS * stride_tok, stride_tok,
+                                         scale_ptr, EMBED, SCALE).to(tl.float32)
                     y1 = tl.sum(xp * w1.to(tl.float32), axis=2)   # [ROWS, HB]
                     y2 = tl.sum(xp * w2.to(tl.float32), axis=2)
                     _qkv_finish(y1, y2, h, d1, t < tiles, p * ROWS, x_ptr, bq_ptr, bk_ptr, bv_ptr, gq_ptr, gk_ptr,
@@ -568,6 +593,21 @@ def early_norm(device) -> bool:
     """Whether the kernels load their norms' weights before the PDL wait on `device`: asked for (GDTOOL_EARLY_NORM,
     on by default) and, on CUDA, tested there."""
     return _EARLY_NORM and not untested_on_cuda(EARLY_NORM_PATH, device)
+
+
+# The embedding lookup folded into the first layer's qkv_rope (its `embed=`): the rows gathered from the table where
+# the kernel would read h, and stored as h by one program, as the folded residual add stores its h. One kernel fewer a
+# step, and the first of the step's PDL chain (HF's lookup is a torch kernel, which launches no dependents early).
+# The same rows, the same bits. On CUDA only while the path is in CUDA_TESTED; GDTOOL_FOLD_EMBEDDING=0: HF's module
+# everywhere (the before of an A/B).
+FOLD_EMBEDDING_PATH = "embedding lookup in the first qkv_rope"
+_FOLD_EMBEDDING = env_flag("GDTOOL_FOLD_EMBEDDING", default=True)
+
+
+def fold_embedding(device) -> bool:
+    """Whether the fast forward folds the embedding lookup into the first layer's qkv_rope on `device`: asked for
+    (GDTOOL_FOLD_EMBEDDING, on by default) and, on CUDA, tested there."""
+    return _FOLD_EMBEDDING and not untested_on_cuda(FOLD_EMBEDDING_PATH, device)
 
 
 # Where the matrix-vector products (`_rms_gemv_kernel`: o, gate/up, down, the lm_head) let the next kernel launch
@@ -697,22 +737,32 @@ def whole_head_config(k: int, d: int, m: int = 1) -> tuple[int, int, int, int]:
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
-             biases=None, qk_norm=None, plus_one=False, config=None, add=None):
+             biases=None, qk_norm=None, plus_one=False, config=None, add=None, embed=None):
     """Triton `qkv_rope`: same arguments and result as `qkv_rope_reference`. With a per-head norm and tiles
     smaller than a head (the default), two kernels: the products, RoPE-free for q and k (q in its buffer, k
     in a scratch row, v in the cache), then each head's norm and RoPE (`_qk_norm_rope_kernel`).
-    add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s add); returns (q, h) then."""
-    m, k = x.shape
+    add=(a, weight, eps): the input is x + RMSNorm(a), folded in (`rms_gemv`'s add); returns (q, h) then.
+    embed=(tokens [M], scale or None): x is an embedding table [V, K] and the input is its rows at the tokens
+    (`embedding_reference`), the lookup folded in; returns (q, h) then."""
+    if add is not None and embed is not None:
+        raise ValueError("qkv_rope folds in a residual add or an embedding lookup, not both")
+    m, k = (embed[0].shape[0], x.shape[1]) if embed is not None else x.shape
     _, hkv, c, d = k_cache.shape
     hq = wq.shape[0] // d
     config = config or qkv_rope_config(k, d, m, qk_norm is not None, tuning.current(x.device))
     hb, warps, per_sm, block_k = config if len(config) == 4 else (*config, next_pow2(k))  # 3: K in one tile
     ksplit = triton.cdiv(k, block_k)
-    if add is not None and ksplit > 1:  # K in chunks never holds a whole row: the add runs as its own kernel first
-        h = rms_add(add[0], add[1], add[2], x, plus_one)
+    if (add is not None or embed is not None) and ksplit > 1:
+        # K in chunks never holds a whole row: the add or the lookup runs as its own kernel first
+        h = rms_add(add[0], add[1], add[2], x, plus_one) if add is not None else embedding_reference(x, *embed)
         return qkv_rope(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot,
                         biases, qk_norm, plus_one, config), h
-    a, ga, eps_a, h, fold, write = _added(x, add, True)
+    if embed is not None:
+        tokens, scale = embed
+        a, ga, eps_a, h, fold, write = x, x, 0.0, torch.empty(m, k, device=x.device, dtype=x.dtype), True, True
+    else:
+        tokens, scale = None, None
+        a, ga, eps_a, h, fold, write = _added(x, add, True)
     two = qk_norm is not None and hb != d // 2   # the per-head norm needs the whole head: a second kernel
     rows, passes = _row_passes(m)
     if ksplit > 1:  # the chunked loop multiplies every row at once
@@ -725,12 +775,14 @@ def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_ca
     grid = (_programs(tiles, x.device, per_sm),)
     _qkv_rope_gemv_kernel[grid](
         x, norm_weight, wq, wk, wv, bq, bk, bv, gq, gk, positions, inv_freq, q, k_raw, k_cache, v_cache, slot,
-        a, ga, h if h is not None else x,
-        m, c, x.stride(0), positions.stride(0), a.stride(0), (h if h is not None else x).stride(0), float(scaling),
-        float(eps), float(qk_eps), eps_a, grid[0],
+        a, ga, h if h is not None else x, tokens if tokens is not None else positions,
+        scale if scale is not None else x,
+        m, c, x.stride(0), positions.stride(0), a.stride(0), (h if h is not None else x).stride(0),
+        tokens.stride(0) if tokens is not None else 0, float(scaling), float(eps), float(qk_eps), eps_a, grid[0],
         ITERS=triton.cdiv(tiles, grid[0]), K=k, HQ=hq, HKV=hkv, D=d, HB=hb, ROWS=rows, PASSES=passes,
         BLOCK_K=block_k, KSPLIT=ksplit, BIAS=biases is not None, QK_NORM=qk_norm is not None and not two,
-        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold, WRITE_H=write, EARLY_NORM=early_norm(x.device), num_warps=warps,
+        PLUS_ONE=bool(plus_one), RAW=two, ADD=fold and embed is None, WRITE_H=write, EARLY_NORM=early_norm(x.device),
+        EMBED=embed is not None, SCALE=scale is not None, num_warps=warps,
         **launch_options(x.device, _bytes(wq, wk, wv)))
     if two:
         norm_rows = next_pow2(m)

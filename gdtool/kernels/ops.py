@@ -20,7 +20,8 @@ reference runs, with the same arguments and result. The fast decode forward call
                                                                             state updated, counters + 1 (`tail`)
 (`!`: written in place. plus_one: Gemma's RMSNorm, times 1 + weight: `gemv`.) rms_gemv and qkv_rope also take
 add=(a, weight, eps): their input becomes x + RMSNorm(a), rms_add folded into them (Gemma 3's post norms), and
-they return it beside their result.
+they return it beside their result. qkv_rope takes embed=(tokens, scale?) instead: x is the embedding table and
+its input the table's rows at the tokens (the first layer's lookup folded in), returned beside q.
 """
 from __future__ import annotations
 
@@ -60,15 +61,20 @@ def moe(x, block, norm_weight, eps):
 
 
 def qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache, slot, biases=None,
-             qk_norm=None, plus_one=False, add=None):
-    """add: as rms_gemv's (returns (q, the input) then)."""
+             qk_norm=None, plus_one=False, add=None, embed=None):
+    """add: as rms_gemv's (returns (q, the input) then). embed=(tokens, scale or None): x is the embedding table
+    and the input its rows at the tokens (`gemv.embedding_reference`), also returned."""
     if usable(x, wq, k_cache):
         return gemv.qkv_rope(x, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache, v_cache,
-                             slot, biases, qk_norm, plus_one, add=add)
-    h = x if add is None else gemv.rms_add_reference(add[0], add[1], add[2], x, plus_one)
+                             slot, biases, qk_norm, plus_one, add=add, embed=embed)
+    h = x
+    if add is not None:
+        h = gemv.rms_add_reference(add[0], add[1], add[2], x, plus_one)
+    elif embed is not None:
+        h = gemv.embedding_reference(x, *embed)
     q = gemv.qkv_rope_reference(h, norm_weight, eps, wq, wk, wv, positions, inv_freq, scaling, k_cache,
                                 v_cache, slot, biases, qk_norm, plus_one)
-    return (q, h) if add is not None else q
+    return (q, h) if add is not None or embed is not None else q
 
 
 def roll_window(k_cache, v_cache):

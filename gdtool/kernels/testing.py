@@ -186,6 +186,36 @@ def check_folded_add(m, k, dtype, device, gen, kind, n=96, config=None) -> list[
                    same, "bit for bit rms_add, then the kernel" if same else "DIFFERS from rms_add, then the kernel")]
 
 
+def check_folded_embedding(m, k, dtype, device, gen, scaled, qk_norm=False, config=None, vocab=50) -> list[Result]:
+    """The embedding lookup folded into the first qkv_rope (`embed=`): its input h, q and the cache's k and v, bit
+    for bit those of the lookup (`embedding_reference`), then the kernel alone. scaled: Gemma's embed_scale (a
+    float32 buffer, rounded to the table's dtype as HF's module rounds it). Triton only, as `check_folded_add`."""
+    if not _impl.triton:
+        return []
+    table = torch.randn(vocab, k, generator=gen, device=device).to(dtype)
+    tokens = torch.randint(0, vocab, (m, 1), generator=gen, device=device)[:, 0]   # a column's view, as the step's
+    scale = torch.tensor(k ** 0.5, device=device) if scaled else None
+    hq, hkv, d, cache_len = 4, 2, 32, 9
+    g = _norm_weight(k, dtype, device, gen, scaled)
+    ws = [(torch.randn(hh * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for hh in (hq, hkv, hkv)]
+    norms = tuple(_norm_weight(d, dtype, device, gen, scaled) for _ in range(2)) + (1e-6,) if qk_norm else None
+    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    slot = torch.randint(0, cache_len, (), generator=gen, device=device)
+    caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
+    mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+    args = (g, 1e-5, *ws, positions, inv_freq, 1.0)
+    q, h = gemv.qkv_rope(table, *args, *mine, slot, None, norms, scaled, config=config, embed=(tokens, scale))
+    h_apart = gemv.embedding_reference(table, tokens, scale)
+    q_apart = gemv.qkv_rope(h_apart, *args, *theirs, slot, None, norms, scaled, config=config)
+    outs = [(q, q_apart), (mine[0], theirs[0]), (mine[1], theirs[1]), (h, h_apart)]
+    same = all(torch.equal(o, p) for o, p in outs)
+    error = max(_rel(o, p.double()) if p.abs().sum() > 0 else 0.0 for o, p in outs)
+    name = "qkv_rope with the" + (" scaled" if scaled else "") + " embedding folded in" + (" +qk_norm" if qk_norm else "")
+    return [Result(name, f"{m}x{k}", str(dtype).replace("torch.", ""), error, 0.0, 0.0, same,
+                   "bit for bit the lookup, then the kernel" if same else "DIFFERS from the lookup, then the kernel")]
+
+
 def _rope_exact(t, cos, sin):
     return t * cos + gemv.rotate_half(t) * sin
 
@@ -370,6 +400,11 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         for kind in ("gate_up", "lm_head", "qkv"):
             results += check_folded_add(m, 64, dtype, device, gen, kind, config=(4, 4, 2) if kind == "qkv" else None)
     results += check_folded_add(2, 128, dtype, device, gen, "qkv", config=(16, 4, 2, 32))      # K in chunks: apart
+    # the embedding lookup folded into the first qkv_rope (one and several passes; Gemma's scale; two kernels)
+    for m, scaled, qk_norm, config in ((1, False, False, None), (3, True, True, (4, 4, 2)), (6, False, False, (4, 4, 2)),
+                                       (6, True, True, None), (2, True, True, (16, 4, 2, 32))):   # K in chunks: apart
+        results += check_folded_embedding(m, 64 if config != (16, 4, 2, 32) else 128, dtype, device, gen, scaled,
+                                          qk_norm, config)
     # Gemma 3's full sliding windows: the roll (one chunk, several chunks, a window of 1 and 2)
     for b, hkv, w, d, config in ((2, 2, 8, 16, None), (3, 1, 9, 32, (4, 2)), (1, 2, 1, 16, None), (2, 1, 2, 16, None)):
         results.append(check_window_roll(b, hkv, w, d, dtype, device, gen, config))
@@ -402,6 +437,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
             results.append(check_rms_add(m, 1152, dtype, device, gen))
             for kind in ("gate_up", "lm_head", "qkv"):
                 results += check_folded_add(m, 1152, dtype, device, gen, kind, n=6912)
+            results += check_folded_embedding(m, 1152, dtype, device, gen, True, True, vocab=262144)   # its table
+            results += check_folded_embedding(m, 2048, dtype, device, gen, False, vocab=128256)       # Llama 3's
             results.append(check_gate_up(m, 6912, 1152, dtype, device, gen, plus_one=True, act="gelu_tanh"))
             results.append(check_gemv(m, 1152, 6912, dtype, device, gen, False, False, False))   # down
             results.append(check_gemv(m, 262144, 1152, dtype, device, gen, True, False, True, plus_one=True))
