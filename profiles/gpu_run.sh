@@ -42,6 +42,8 @@
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
+#   bench-fold     the embedding lookup apart (0) and folded into the first qkv_rope (1), alternating, twice each,
+#                  for each of FOLD_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (1): the lever's before and after
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
 #   ncu-experts    Nsight Compute (`ncu --set full`) on gdtool's experts kernels in profiles/moe_block.py's captured
 #                  Qwen3-30B-A3B block: the small kernels at 1 token, the grouped ones at NCU_GROUPED_BATCH (64);
@@ -297,6 +299,10 @@ for p in "$@"; do
            GDTOOL_PDL=${TRIGGER_PDL:-1} GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --late-trigger \$t -- \
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
            --kernels fast --no-progress --out $work/bench-trigger/\$m-late-\$t || exit 1; done; done" ;;
+    bench-fold) part bench-fold ${BENCH_SECONDS:-400} bash -c "for m in ${FOLD_MODELS:-llama-1b gemma-3-1b}; do \
+           for r in 1 2; do for f in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --fold-embedding \$f -- \
+           --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
+           --kernels fast --no-progress --out $work/bench-fold/\$m-fold-\$f-r\$r || exit 1; done; done; done" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;

@@ -1,11 +1,12 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: its target programs (`attention.split_plan`,
 which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
-GDTOOL_ONE_KERNEL_TAIL and GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round), and the largest
+GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round) and
+GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), and the largest
 batch the matrix-vector kernels take (`forward.batch_line`: one line for every shape), passed as a tuning
 (`tuning.use`), for an A/B of plans in the step.
 
     python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
-        [--gemv-rows N] -- --model llama-1b ...
+        [--fold-embedding 0|1] [--gemv-rows N] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -36,6 +37,9 @@ def main(argv=None) -> int:
     parser.add_argument("--late-trigger", type=int, choices=(0, 1), default=None,
                         help="the matrix-vector products let the next kernel launch after their PDL wait (0) or as "
                              "their last tile round starts (1; untested on CUDA until its cuda tests pass)")
+    parser.add_argument("--fold-embedding", type=int, choices=(0, 1), default=None,
+                        help="the embedding lookup in HF's module first (0) or folded into the first qkv_rope (1; "
+                             "untested on CUDA until its cuda tests pass)")
     parser.add_argument("--gemv-rows", type=int, default=None,
                         help=f"the largest batch of the matrix-vector kernels for Llama, Mistral, Qwen2, Qwen3 at "
                              f"every shape (default: the device's tuning, batch_lines per hidden size; 0 to "
@@ -58,9 +62,12 @@ def main(argv=None) -> int:
         tail._ON = bool(args.tail)
     if args.late_trigger is not None:
         gemv._LATE_TRIGGER = bool(args.late_trigger)
+    if args.fold_embedding is not None:
+        gemv._FOLD_EMBEDDING = bool(args.fold_embedding)
     print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, fused combine "
           f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
           f"one-kernel tail {'on' if tail._ON else 'off'}, PDL trigger {'late' if gemv._LATE_TRIGGER else 'early'}, "
+          f"embedding {'folded' if gemv._FOLD_EMBEDDING else 'apart'}, "
           f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}", flush=True)
     with tuning.use(tune):   # every kernel of the bench reads these values, the device's others unchanged
         return cli.main(["bench", *bench])
