@@ -248,6 +248,9 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
     assert set(picks) == {1, 2, 4, 8, 16, 32, 64}
     for batch, pick in picks.items():
         assert experts.grouped_config(batch, h200) == experts.GroupedConfig(**pick), batch
+        # float32 operands: the reduction step halved, each pipeline stage the bytes of the bf16 tile swept
+        wide = experts.grouped_config(batch, h200, itemsize=4)
+        assert wide == experts.GroupedConfig(**dict(pick, block_k=max(16, pick["block_k"] // 2))), batch
     small_from = [p for p in h200.provenance("experts_small")["files"] if p not in tuned_from]
     assert small_from == ["profiles/h200/moe-sweep-79cb9d0/qwen3-30b-a3b.csv"]
     newer = moe_sweep.small_picks(moe_sweep.load(os.path.join(root, small_from[0])))

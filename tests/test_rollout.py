@@ -131,6 +131,44 @@ def test_host_equals_generate_alone(name):
     assert sorted(lengths["tail"])[-2:] == [N, N] and sorted(lengths["tail"])[-3] <= 3
 
 
+@pytest.mark.parametrize("capturable", [True, False], ids=["grouped-mm-capturable", "not-capturable"])
+def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatch):
+    """Inside the rollout's decode context (generate()'s switch of grouped_mm experts to batched_mm, which on a GPU
+    copies every routed expert's weights per token), a refill's prefill runs the model's own grouped_mm where
+    grouped_mm is capturable (bf16 on sm_90+; here said so), batched_mm elsewhere; the decode steps keep batched_mm,
+    and the model's implementation is as it was after the rollout."""
+    import contextlib
+    from gdtool.core import feed
+    model = gdtool.load_model("tiny-qwen3-moe", seed=0)
+    model.set_experts_implementation("grouped_mm")
+
+    @contextlib.contextmanager
+    def switch():   # what transformers does on a GPU
+        model.set_experts_implementation("batched_mm")
+        try:
+            yield
+        finally:
+            model.set_experts_implementation("grouped_mm")
+
+    monkeypatch.setattr(model, "_optimize_model_for_decode", switch)
+    monkeypatch.setattr(feed, "grouped_mm_capturable", lambda param: capturable)
+    seen = []
+    for module in feed.experts_modules(model):
+        def spy(hidden, *args, _forward=module.forward, _module=module, **kwargs):
+            seen.append((hidden.shape[0], _module.config._experts_implementation))
+            return _forward(hidden, *args, **kwargs)
+        monkeypatch.setattr(module, "forward", spy)
+    prompts = _prompts(model, 5, seed=2)
+    slots = 2
+    out = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=4, refill="host", mode="eager", pad_token_id=0,
+                         eos_token_id=None)
+    assert len(out.sequences) == 5
+    prefills = {impl for tokens, impl in seen if tokens > slots}
+    decodes = {impl for tokens, impl in seen if tokens <= slots}
+    assert prefills == {"grouped_mm" if capturable else "batched_mm"} and decodes == {"batched_mm"}, seen
+    assert model.get_experts_implementation()[""] == "grouped_mm"
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "zoo:mixtral"])
 def test_moe_equals_generate_alone(name):
     """Mixture-of-experts families (routing per token, no capacity limit): each sequence is generate() on its

@@ -159,6 +159,14 @@ def _host_routed_experts(model) -> tuple[str, str] | None:
     return None
 
 
+def grouped_mm_capturable(param) -> bool:
+    """Whether transformers' grouped_mm experts run on `param`'s dtype and device without reading their offsets on the
+    host (torch's grouped matmul: bf16 on a GPU of compute capability 9.0 or newer), so that a CUDA graph can hold
+    them."""
+    return (param.dtype == torch.bfloat16 and param.device.type == "cuda"
+            and torch.cuda.get_device_capability(param.device) >= (9, 0))
+
+
 def experts_modules(model) -> list:
     """The experts blocks that dispatch through transformers' experts implementations."""
     return [m for m in model.modules() if hasattr(m, "is_concatenated") and hasattr(m, "has_gate")]
@@ -406,10 +414,35 @@ class Feed:
         """What holds for every decode forward: generate()'s decode-time experts implementation, the
         sliding layers' shifted frame, and masks built without host-to-device copies."""
         optimize = getattr(self.model, "_optimize_model_for_decode", None)
-        experts = optimize() if optimize is not None and experts_modules(self.model) else contextlib.nullcontext()
+        moe = optimize is not None and bool(experts_modules(self.model))
+        before = self.model.get_experts_implementation() if moe else None
+        experts = optimize() if moe else contextlib.nullcontext()
         frame = self.windows.patched(self.cache) if self.windows else contextlib.nullcontext()
         with experts, frame, compat.capturable_masks(), compat.capturable_positions(self.model, self.cache_len):
+            self._before_decoding = before
+            try:
+                yield
+            finally:
+                self._before_decoding = None
+
+    @contextlib.contextmanager
+    def prefilling(self):
+        """A prefill inside `decoding()` (a rollout's refill): the experts as generate()'s prefill runs them, in the
+        model's own implementation where the decode switched grouped_mm to batched_mm. batched_mm copies every routed
+        expert's weights for each token (`gate_up_proj[ids]`): 48 GiB for a refill of 8 prompts of 128 tokens of
+        Qwen3-30B-A3B, where its decode step's one token a row copies 0.4 GiB. Only where grouped_mm runs without a
+        host read, so that a graph can hold it: bf16 on a GPU of compute capability 9.0 or newer (transformers'
+        fallback for the other dtypes reads its offsets on the host); elsewhere the prefill keeps batched_mm."""
+        before = getattr(self, "_before_decoding", None)
+        now = self.model.get_experts_implementation() if before is not None else None
+        switch = before is not None and now != before and grouped_mm_capturable(next(self.model.parameters()))
+        if switch:
+            self.model.set_experts_implementation(before)
+        try:
             yield
+        finally:
+            if switch:
+                self.model.set_experts_implementation(now)
 
     # -- phases of the sliding layers --
     def phase_of(self, step: int) -> int:

@@ -566,7 +566,10 @@ class RowStep(Step):
             seen = torch.zeros(rows, s.seen.shape[1], dtype=torch.bool, device=ids.device).scatter_(1, real, True)
         if s.targets is not None:
             target = s.queue_targets.index_select(0, q)
-        chosen, logprob = self.prefill_select(ids, prompt_mask, slot, length, seen, prompt, sample, target)
+        # the experts as a prefill runs them, not the decode's batched_mm (`feed.prefilling`); outside the program a
+        # compiled row step calls (dynamo would trace the switch)
+        with self.feed.prefilling():
+            chosen, logprob = self.prefill_select(ids, prompt_mask, slot, length, seen, prompt, sample, target)
         s.sequence.index_copy_(0, slot, q)
         s.slot_of.index_copy_(0, q, slot)
         s.prompt_index.index_copy_(0, slot, prompt)

@@ -187,7 +187,7 @@ def block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32
     i = (gate_up.shape[2] if oss else gate_up.shape[1]) // 2
     router_bias, gate_up_bias, down_bias, alpha, limit = oss or (None, gate_up, down, 0.0, 0.0)
     tune = tuning.current(x.device)
-    cfg = config or grouped_config(m, tune)
+    cfg = config or grouped_config(m, tune, x.element_size())
     dev = x.device
     pairs = m * top_k
     slots = grouped_slots(pairs, e, cfg.block_m)

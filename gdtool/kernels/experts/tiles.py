@@ -155,9 +155,15 @@ def runs_grouped(family: str, tokens: int, tune: tuning.Tuning | None = None) ->
     return family in GROUPED_FAMILIES and tokens >= grouped_from(tune)
 
 
-def grouped_config(tokens: int, tune: tuning.Tuning | None = None) -> GroupedConfig:
-    """The grouped kernels' tiles at `tokens` rows: the first row of the tuning's experts_grouped.tiles covering it."""
-    return GroupedConfig(**(tune or tuning.current()).pick("experts_grouped", "tiles", tokens=tokens))
+def grouped_config(tokens: int, tune: tuning.Tuning | None = None, itemsize: int = 2) -> GroupedConfig:
+    """The grouped kernels' tiles at `tokens` rows: the first row of the tuning's experts_grouped.tiles covering it.
+    The tiles are swept in bf16; for operands of `itemsize` bytes more than 2 (float32) the reduction step shrinks
+    in proportion, so that a pipeline stage holds the bytes it holds in bf16 (on an H100, float32 operands in the
+    widest bf16 tile asked for 272 KB of shared memory, past its 227 KB)."""
+    cfg = GroupedConfig(**(tune or tuning.current()).pick("experts_grouped", "tiles", tokens=tokens))
+    if itemsize > 2:
+        cfg = replace(cfg, block_k=max(16, cfg.block_k * 2 // itemsize))
+    return cfg
 
 
 def grouped_slots(pairs: int, experts: int, block_m: int) -> int:
