@@ -169,6 +169,38 @@ def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatc
     assert model.get_experts_implementation()[""] == "grouped_mm"
 
 
+def test_a_refill_out_of_memory_in_batched_mm_experts_says_why_and_what_to_change(monkeypatch):
+    """Where grouped_mm is not capturable (float32, a GPU before sm_90) a refill's prefill keeps the decode's
+    batched_mm experts; when that runs out of memory the error names the copy, refill_rows and bf16 on sm_90+."""
+    import contextlib
+    from gdtool.core import feed
+    model = gdtool.load_model("tiny-qwen3-moe", seed=0)
+    model.set_experts_implementation("grouped_mm")
+
+    @contextlib.contextmanager
+    def switch():   # what transformers does on a GPU
+        model.set_experts_implementation("batched_mm")
+        try:
+            yield
+        finally:
+            model.set_experts_implementation("grouped_mm")
+
+    monkeypatch.setattr(model, "_optimize_model_for_decode", switch)
+    module = feed.experts_modules(model)[0]
+
+    def heavy(hidden, *args, _forward=module.forward, **kwargs):
+        if hidden.shape[0] > 2:   # a prefill's tokens: the copy of their experts' weights does not fit
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 48.00 GiB.")
+        return _forward(hidden, *args, **kwargs)
+    monkeypatch.setattr(module, "forward", heavy)
+    with pytest.raises(torch.OutOfMemoryError, match=r"batched_mm experts, which copy every routed expert's weights.*"
+                                                     r"Lower refill_rows.*bfloat16 on a GPU of compute capability 9\.0"
+                                                     r".*Tried to allocate 48\.00 GiB"):
+        gdtool.rollout(model, _prompts(model, 5, seed=2), slots=2, max_new_tokens=4, refill="host", mode="eager",
+                       pad_token_id=0, eos_token_id=None)
+    assert model.get_experts_implementation()[""] == "grouped_mm"
+
+
 @pytest.mark.parametrize("name", ["tiny-qwen3-moe", "zoo:mixtral"])
 def test_moe_equals_generate_alone(name):
     """Mixture-of-experts families (routing per token, no capacity limit): each sequence is generate() on its

@@ -435,11 +435,22 @@ class Feed:
         fallback for the other dtypes reads its offsets on the host); elsewhere the prefill keeps batched_mm."""
         before = getattr(self, "_before_decoding", None)
         now = self.model.get_experts_implementation() if before is not None else None
-        switch = before is not None and now != before and grouped_mm_capturable(next(self.model.parameters()))
+        param = next(self.model.parameters())
+        switch = before is not None and now != before and grouped_mm_capturable(param)
         if switch:
             self.model.set_experts_implementation(before)
         try:
             yield
+        except torch.OutOfMemoryError as error:
+            if before is None or now == before or switch:
+                raise
+            raise torch.OutOfMemoryError(
+                f"a refill's prefill ran out of GPU memory in the batched_mm experts, which copy every routed "
+                f"expert's weights for each of its tokens (generate()'s decode-time implementation; grouped_mm, "
+                f"generate()'s prefill's, reads the host for {param.dtype} on {param.device} and no graph can hold "
+                "it). Lower refill_rows (fewer prompts a prefill), or run the model in bfloat16 on a GPU of compute "
+                f"capability 9.0 or newer, where refills prefill with grouped_mm. ({str(error).splitlines()[0]})"
+            ) from error
         finally:
             if switch:
                 self.model.set_experts_implementation(now)
