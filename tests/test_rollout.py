@@ -131,19 +131,14 @@ def test_host_equals_generate_alone(name):
     assert sorted(lengths["tail"])[-2:] == [N, N] and sorted(lengths["tail"])[-3] <= 3
 
 
-@pytest.mark.parametrize("capturable", [True, False], ids=["grouped-mm-capturable", "not-capturable"])
-def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatch):
-    """Inside the rollout's decode context (generate()'s switch of grouped_mm experts to batched_mm, which on a GPU
-    copies every routed expert's weights per token), a refill's prefill runs the model's own grouped_mm where
-    grouped_mm is capturable (bf16 on sm_90+; here said so), batched_mm elsewhere; the decode steps keep batched_mm,
-    and the model's implementation is as it was after the rollout."""
+def _moe_switched_for_decode(monkeypatch):
+    """tiny-qwen3-moe with grouped_mm experts, switched to batched_mm for decoding as transformers does on a GPU."""
     import contextlib
-    from gdtool.core import feed
     model = gdtool.load_model("tiny-qwen3-moe", seed=0)
     model.set_experts_implementation("grouped_mm")
 
     @contextlib.contextmanager
-    def switch():   # what transformers does on a GPU
+    def switch():
         model.set_experts_implementation("batched_mm")
         try:
             yield
@@ -151,6 +146,17 @@ def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatc
             model.set_experts_implementation("grouped_mm")
 
     monkeypatch.setattr(model, "_optimize_model_for_decode", switch)
+    return model
+
+
+@pytest.mark.parametrize("capturable", [True, False], ids=["grouped-mm-capturable", "not-capturable"])
+def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatch):
+    """Inside the rollout's decode context (generate()'s switch of grouped_mm experts to batched_mm, which on a GPU
+    copies every routed expert's weights per token), a refill's prefill runs the model's own grouped_mm where
+    grouped_mm is capturable (bf16 on sm_90+; here said so), batched_mm elsewhere; the decode steps keep batched_mm,
+    and the model's implementation is as it was after the rollout."""
+    from gdtool.core import feed
+    model = _moe_switched_for_decode(monkeypatch)
     monkeypatch.setattr(feed, "grouped_mm_capturable", lambda param: capturable)
     seen = []
     for module in feed.experts_modules(model):
@@ -172,20 +178,8 @@ def test_refills_prefill_the_experts_as_generates_prefill(capturable, monkeypatc
 def test_a_refill_out_of_memory_in_batched_mm_experts_says_why_and_what_to_change(monkeypatch):
     """Where grouped_mm is not capturable (float32, a GPU before sm_90) a refill's prefill keeps the decode's
     batched_mm experts; when that runs out of memory the error names the copy, refill_rows and bf16 on sm_90+."""
-    import contextlib
     from gdtool.core import feed
-    model = gdtool.load_model("tiny-qwen3-moe", seed=0)
-    model.set_experts_implementation("grouped_mm")
-
-    @contextlib.contextmanager
-    def switch():   # what transformers does on a GPU
-        model.set_experts_implementation("batched_mm")
-        try:
-            yield
-        finally:
-            model.set_experts_implementation("grouped_mm")
-
-    monkeypatch.setattr(model, "_optimize_model_for_decode", switch)
+    model = _moe_switched_for_decode(monkeypatch)
     module = feed.experts_modules(model)[0]
 
     def heavy(hidden, *args, _forward=module.forward, **kwargs):

@@ -155,18 +155,7 @@ def check_folded_add(m, k, dtype, device, gen, kind, n=96, config=None) -> list[
     add = (a, ga, 1e-6)
     h_apart = gemv.rms_add(a, ga, 1e-6, x, True)
     if kind == "qkv":
-        hq, hkv, d, cache_len = 4, 1, 32, 9
-        ws = [(torch.randn(hh * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for hh in (hq, hkv, hkv)]
-        norms = tuple(_norm_weight(d, dtype, device, gen, True) for _ in range(2)) + (1e-6,)
-        positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
-        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-        slot = torch.randint(0, cache_len, (), generator=gen, device=device)
-        caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
-        mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
-        args = (g, 1e-5, *ws, positions, inv_freq, 1.0)
-        q, h = gemv.qkv_rope(x, *args, *mine, slot, None, norms, True, config=config, add=add)
-        q_apart = gemv.qkv_rope(h_apart, *args, *theirs, slot, None, norms, True, config=config)
-        outs = [(q, q_apart), (mine[0], theirs[0]), (mine[1], theirs[1])]
+        h, outs = _qkv_folded_and_apart(x, h_apart, g, k, 1, dtype, device, gen, True, True, config, add=add)
     else:
         ws = [(torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
               for _ in range(2 if kind == "gate_up" else 1)]
@@ -180,10 +169,33 @@ def check_folded_add(m, k, dtype, device, gen, kind, n=96, config=None) -> list[
                                 act="gelu_tanh")
         outs = [(y, y_apart)]
     outs.append((h, h_apart))
+    return _bitwise(f"{kind} with rms_add folded in", f"{m}x{k}", dtype, outs, "rms_add, then the kernel")
+
+
+def _qkv_folded_and_apart(x, h_apart, g, k, hkv, dtype, device, gen, plus_one, qk_norm, config, **fold):
+    """qkv_rope with `fold` (add= or embed=) on x, and alone on h_apart (the folded input computed apart), with one
+    set of weights (4 query heads and hkv key/value heads of 32), rotary inputs and caches: (the folded call's h,
+    [(folded, apart) pairs of q and the caches])."""
+    m, hq, d, cache_len = h_apart.shape[0], 4, 32, 9
+    ws = [(torch.randn(hh * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for hh in (hq, hkv, hkv)]
+    norms = tuple(_norm_weight(d, dtype, device, gen, plus_one) for _ in range(2)) + (1e-6,) if qk_norm else None
+    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
+    slot = torch.randint(0, cache_len, (), generator=gen, device=device)
+    caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
+    mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
+    args = (g, 1e-5, *ws, positions, inv_freq, 1.0)
+    q, h = gemv.qkv_rope(x, *args, *mine, slot, None, norms, plus_one, config=config, **fold)
+    q_apart = gemv.qkv_rope(h_apart, *args, *theirs, slot, None, norms, plus_one, config=config)
+    return h, [(q, q_apart), (mine[0], theirs[0]), (mine[1], theirs[1])]
+
+
+def _bitwise(name, shape, dtype, outs, apart: str) -> list[Result]:
+    """One Result: every (folded, apart) pair in outs the same bits (its error: the largest relative difference)."""
     same = all(torch.equal(o, p) for o, p in outs)
     error = max(_rel(o, p.double()) if p.abs().sum() > 0 else 0.0 for o, p in outs)
-    return [Result(f"{kind} with rms_add folded in", f"{m}x{k}", str(dtype).replace("torch.", ""), error, 0.0, 0.0,
-                   same, "bit for bit rms_add, then the kernel" if same else "DIFFERS from rms_add, then the kernel")]
+    return [Result(name, shape, str(dtype).replace("torch.", ""), error, 0.0, 0.0, same,
+                   f"bit for bit {apart}" if same else f"DIFFERS from {apart}")]
 
 
 def check_folded_embedding(m, k, dtype, device, gen, scaled, qk_norm=False, config=None, vocab=50) -> list[Result]:
@@ -195,25 +207,13 @@ def check_folded_embedding(m, k, dtype, device, gen, scaled, qk_norm=False, conf
     table = torch.randn(vocab, k, generator=gen, device=device).to(dtype)
     tokens = torch.randint(0, vocab, (m, 1), generator=gen, device=device)[:, 0]   # a column's view, as the step's
     scale = torch.tensor(k ** 0.5, device=device) if scaled else None
-    hq, hkv, d, cache_len = 4, 2, 32, 9
     g = _norm_weight(k, dtype, device, gen, scaled)
-    ws = [(torch.randn(hh * d, k, generator=gen, device=device) / k ** 0.5).to(dtype) for hh in (hq, hkv, hkv)]
-    norms = tuple(_norm_weight(d, dtype, device, gen, scaled) for _ in range(2)) + (1e-6,) if qk_norm else None
-    positions = torch.randint(0, 5000, (m, 1), generator=gen, device=device)
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d))
-    slot = torch.randint(0, cache_len, (), generator=gen, device=device)
-    caches = [torch.randn(m, hkv, cache_len, d, generator=gen, device=device).to(dtype) for _ in range(2)]
-    mine, theirs = [c.clone() for c in caches], [c.clone() for c in caches]
-    args = (g, 1e-5, *ws, positions, inv_freq, 1.0)
-    q, h = gemv.qkv_rope(table, *args, *mine, slot, None, norms, scaled, config=config, embed=(tokens, scale))
     h_apart = gemv.embedding_reference(table, tokens, scale)
-    q_apart = gemv.qkv_rope(h_apart, *args, *theirs, slot, None, norms, scaled, config=config)
-    outs = [(q, q_apart), (mine[0], theirs[0]), (mine[1], theirs[1]), (h, h_apart)]
-    same = all(torch.equal(o, p) for o, p in outs)
-    error = max(_rel(o, p.double()) if p.abs().sum() > 0 else 0.0 for o, p in outs)
+    h, outs = _qkv_folded_and_apart(table, h_apart, g, k, 2, dtype, device, gen, scaled, qk_norm, config,
+                                    embed=(tokens, scale))
+    outs.append((h, h_apart))
     name = "qkv_rope with the" + (" scaled" if scaled else "") + " embedding folded in" + (" +qk_norm" if qk_norm else "")
-    return [Result(name, f"{m}x{k}", str(dtype).replace("torch.", ""), error, 0.0, 0.0, same,
-                   "bit for bit the lookup, then the kernel" if same else "DIFFERS from the lookup, then the kernel")]
+    return _bitwise(name, f"{m}x{k}", dtype, outs, "the lookup, then the kernel")
 
 
 def _rope_exact(t, cos, sin):
