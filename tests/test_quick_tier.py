@@ -26,6 +26,7 @@ LONG = {
     "tests/test_fast_kernels.py::test_fast_forward_triton_kernels_under_the_interpreter_match_the_references",
     "tests/test_fast_kernels.py::test_triton_kernels_under_the_interpreter",
     "tests/test_fast_kernels.py::test_fast_forward_triton_kernels_past_the_line_under_the_interpreter",
+    "tests/test_fast_kernels.py::test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_scores",
     "tests/test_fast_gemma3.py::test_fast_step_triton_kernels_under_the_interpreter_decode_hf_tokens",
     "tests/test_linear.py::test_linear_kernel_under_the_interpreter_decodes_hf_tokens",
     "tests/test_fast_attention.py::test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_under_the_interpreter",
