@@ -434,15 +434,18 @@ class Feed:
         host read, so that a graph can hold it: bf16 on a GPU of compute capability 9.0 or newer (transformers'
         fallback for the other dtypes reads its offsets on the host); elsewhere the prefill keeps batched_mm."""
         before = getattr(self, "_before_decoding", None)
-        now = self.model.get_experts_implementation() if before is not None else None
+        if before is None:   # no experts, or not inside decoding(): nothing was switched
+            yield
+            return
+        now = self.model.get_experts_implementation()
         param = next(self.model.parameters())
-        switch = before is not None and now != before and grouped_mm_capturable(param)
+        switch = now != before and grouped_mm_capturable(param)
         if switch:
             self.model.set_experts_implementation(before)
         try:
             yield
         except torch.OutOfMemoryError as error:
-            if before is None or now == before or switch:
+            if now == before or switch:
                 raise
             raise torch.OutOfMemoryError(
                 f"a refill's prefill ran out of GPU memory in the batched_mm experts, which copy every routed "
