@@ -12,8 +12,8 @@ runs six, over HF's own weights and HF's own static cache:
 
 then RMSNorm + lm_head (float32 logits, as the step reads them) and one update of the layers' cache counters:
 98 kernels for a 16-layer model. The embedding lookup is folded into the first layer's `qkv_rope` (its rows
-gathered from the table where the kernel reads its input; `gemv.fold_embedding`), else HF's module runs first. The RoPE angles are computed
-inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled RoPE included), as
+gathered from the table where the kernel reads its input; `gemv.fold_embedding`), else HF's module runs first.
+The RoPE angles are computed inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled RoPE included), as
 HF's rotary embedding computes them. The forward runs eagerly, outside torch.compile (its calls
 are kernels already); select and update around it stay compiled, and gdtool captures the whole
 step as usual.
@@ -30,8 +30,8 @@ residual adds), `FAMILIES`; what a family adds is read from its modules, not fro
     Gemma 3   the (1 + w) RMSNorm (a flag of every norm), norms after attention and after the MLP
               (residual + norm, folded into the next kernel that reads the residual: gate/up, then the
               next layer's qkv_rope or the lm_head's norm; no kernel of their own), GELU-tanh gate/up, the scaled
-              embedding (the scale in the folded lookup, rounded as HF's module rounds it), per-layer-type RoPE (local / global inv_freq), sliding
-              layers whose window rolls (`StaticSlidingWindowLayer`: below)
+              embedding (the scale in the folded lookup, rounded as HF's module rounds it), per-layer-type
+              RoPE (local / global inv_freq), sliding layers whose window rolls (`StaticSlidingWindowLayer`: below)
     Qwen3-MoE, Mixtral, Qwen2-MoE   Llama's sequence (Qwen3's q/k norm, Qwen2's biases) with a mixture of
               experts for the MLP in some or all layers: there the experts kernels (`experts.block_triton`:
               router, gate/up, down; Qwen2-MoE's shared expert), the RMSNorm before the block folded into the
