@@ -13,8 +13,8 @@ runs six, over HF's own weights and HF's own static cache:
 then RMSNorm + lm_head (float32 logits, as the step reads them) and one update of the layers' cache counters:
 98 kernels for a 16-layer model. The embedding lookup is folded into the first layer's `qkv_rope` (its rows
 gathered from the table where the kernel reads its input; `gemv.fold_embedding`), else HF's module runs first.
-The RoPE angles are computed inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled RoPE included), as
-HF's rotary embedding computes them. The forward runs eagerly, outside torch.compile (its calls
+The RoPE angles are computed inside `qkv_rope` from HF's own `inv_freq` buffer and scaling (Llama 3's scaled
+RoPE included), as HF's rotary embedding computes them. The forward runs eagerly, outside torch.compile (its calls
 are kernels already); select and update around it stay compiled, and gdtool captures the whole
 step as usual.
 
