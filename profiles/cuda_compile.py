@@ -21,8 +21,9 @@ NVIDIA backend lowers a kernel to PTX and the ptxas shipped with Triton assemble
 Workloads (`--workload`, several allowed): `checks`, gdtool.kernels.testing's kernel and experts checks on their
 small shapes, bf16 and fp16 (every kernel, its configs and switches); `decode`, a few greedy and sampled steps
 of `kernels="fast"` on each tiny family of tests/fastcases.py, gpt-oss and OLMoE (step-graph: the launches the
-fast forward and step make, batch 1 and 6), bf16. The interpreter's numbers are not checked here (the tests do that): only what
-each launch compiles to. Shapes are tiny, so the real presets' tile sizes are not among the launches.
+fast forward and step make, batch 1 and 6), bf16. The interpreter's numbers are not checked here (the tests do
+that): only what each launch compiles to, in the default tuning's tiles (a GPU's, `configs/defaults.json`, not the
+interpreter's larger ones). Shapes are tiny, so the real presets' tile sizes are not among the launches.
 
 It prints a line per compiled launch (kernel, constexprs, warps, stages, PDL; shared bytes, registers, stack)
 and the kernels of gdtool that no launch compiled; the last line is one JSON document. The exit status is 1
@@ -117,6 +118,8 @@ def record(workload: str, path: str) -> None:
     """Run `workload` (Python source) with every Triton launch recorded to `path` (pickle), the kernels
     interpreted. Called in a process whose TRITON_INTERPRET=1 was set before Triton was imported."""
     from triton.runtime.interpreter import InterpretedFunction
+
+    from gdtool.kernels import tuning
     launches: dict = {}
     run = InterpretedFunction.run
 
@@ -128,7 +131,9 @@ def record(workload: str, path: str) -> None:
 
     InterpretedFunction.run = recording
     try:
-        exec(compile(workload, "<workload>", "exec"), {"__name__": "__workload__"})
+        # a GPU's tiles, not the interpreter's larger ones (tuning.interpreter): the launches a GPU would make
+        with tuning.use(tuning.defaults()):
+            exec(compile(workload, "<workload>", "exec"), {"__name__": "__workload__"})
     finally:
         InterpretedFunction.run = run
         with open(path, "wb") as f:

@@ -364,7 +364,7 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
             "for i in range(12):\n"
             "    hkv, c = rng.choice((1, 2)), rng.randint(17, 130)\n"
             "    m, hq, d, live = rng.randint(1, 3), hkv * rng.choice((1, 4)), rng.choice((16, 32)), rng.randint(1, c)\n"
-            "    plan(programs_per_sm=m * hkv * (1, 2, 3, 8)[i % 4] / 132,  # 1, 2, 3 or 8 chunks a head (or fewer)\n"
+            "    plan(programs_per_sm=m * hkv * (1, 2, 3, 8)[i % 4] / tuning.current().multiprocessors,  # 1-8 chunks a head\n"
             "         early_elements=(16 * 16, default)[i // 4 % 2])\n"
             "    assert attention.target_programs() == m * hkv * (1, 2, 3, 8)[i % 4]\n"
             "    pad, sinks = rng.randint(0, 3), rng.random() < 0.3\n"

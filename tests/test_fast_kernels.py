@@ -88,8 +88,9 @@ def test_norm_weights_before_the_wait_under_the_interpreter_equal_the_late_loads
 def test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_scores():
     """`gemv.fold_embedding`: the embedding lookup folded into the first layer's qkv_rope (Gemma's scaled one too)
     decodes the tokens and scores of HF's embedding module run first, bit for bit, at one pass of rows and several
-    (the kernels' checks against the lookup alone: `testing.check_folded_embedding`)."""
-    code = ("import torch, gdtool\nfrom gdtool.kernels import gemv, step\n"
+    (the kernels' checks against the lookup alone: `testing.check_folded_embedding`). On Llama the interpreter's
+    larger GEMV tiles (`tuning.interpreter()`, which every interpreter test reads) decode the defaults' bits too."""
+    code = ("import torch, gdtool\nfrom gdtool.kernels import gemv, step, tuning\n"
             "for name, batch in (('tiny-llama', 2), ('tiny-gemma3', 6)):\n"
             "    model = gdtool.load_model(name, seed=0)\n"
             "    prompt = gdtool.random_prompts(model, batch=batch, lengths=(3, 7), seed=1)\n"
@@ -99,6 +100,12 @@ def test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_s
             "    for fold in (True, False):\n"
             "        gemv._FOLD_EMBEDDING = fold\n"
             "        outs.append(gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw))\n"
+            "    if name == 'tiny-llama':\n"
+            "        assert tuning.current().multiprocessors == 1\n"
+            "        with tuning.use(tuning.defaults()):   # 8-row GEMV tiles, 10x the interpreter's time\n"
+            "            outs.append(gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw))\n"
+            "        assert torch.equal(outs[0].tokens, outs[2].tokens), name\n"
+            "        assert torch.equal(torch.stack(outs[0].scores), torch.stack(outs[2].scores)), name\n"
             "    assert 'Triton kernels' in step.compiles(model).kernels.iloc[-1]\n"
             "    assert torch.equal(outs[0].tokens, outs[1].tokens), name\n"
             "    assert torch.equal(torch.stack(outs[0].scores), torch.stack(outs[1].scores)), name\n"

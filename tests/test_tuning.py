@@ -201,6 +201,30 @@ def test_a_cpu_reads_the_defaults_and_a_probe_passes_its_own_values():
     assert forward.gemv_rows(forward.line_paths(4096)) == 1
 
 
+def test_the_interpreter_reads_larger_gemv_tiles_with_the_defaults_reductions_and_splits(monkeypatch):
+    """Under Triton's interpreter a CPU reads `tuning.interpreter()`: one multiprocessor and GEMV tiles of up to 128
+    rows, so fewer, larger operations. Over a seeded sweep of shapes: GEMV tiles at least the defaults' rows (K is
+    whole in a tile either way, so each row's sum is the same), the defaults' q/k/v tiles and attention splits.
+    Without the interpreter, the defaults. (A decode under the interpreter gives the defaults' bits:
+    test_fast_kernels.py's folded-embedding interpreter test.)"""
+    import random
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    tune, base = tuning.current(torch.device("cpu")), tuning.defaults()
+    assert tune is tuning.interpreter() is tuning.current() and tune.multiprocessors == 1 and tune.why
+    assert gemv.gemv_config(1, 4096, 64, 1, tune)[0] == 128 > gemv.gemv_config(1, 4096, 64, 1, base)[0]  # an lm_head
+    rng = random.Random(0)
+    for _ in range(300):
+        m, n, k = rng.randint(1, 64), rng.choice([64, 96, 1152, 4096, 50257]), rng.randint(1, 8192)
+        tiles = rng.choice([1, 2])
+        ours, theirs = gemv.gemv_config(m, n, k, tiles, tune), gemv.gemv_config(m, n, k, tiles, base)
+        assert ours[0] >= theirs[0] and gemv.qkv_rope_config(k, 64, m, tune=tune) == gemv.qkv_rope_config(
+            k, 64, m, tune=base), (m, n, k, tiles)
+        batch, hkv, cache = rng.randint(1, 64), rng.choice([1, 2, 8]), rng.randint(1, 4096)
+        assert attention.split_plan(batch, hkv, cache, tune) == attention.split_plan(batch, hkv, cache, base)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert tuning.current(torch.device("cpu")) is base
+
+
 @pytest.mark.parametrize("change, message", [
     (lambda d: d["gemv"].update(tile_elements="8192"), r"x.json: gemv.tile_elements: expected a positive integer, got "
                                                        r"'8192'"),
