@@ -288,7 +288,7 @@ def defaults() -> Tuning:
 # it runs the programs one after another. Its tuning is the defaults but for one multiprocessor, so the GEMV's
 # tiles are not halved toward hundreds of programs, and tiles of up to 128 rows and 64K weights. K stays in one
 # tile (BLOCK_K, K's padding, as in the defaults' rule), so each row's sum is the same: the same bits, in fewer,
-# larger operations (tiny-llama's 4 steps at batch 2: 22 s in the defaults' 8-row tiles, 2.2 s in these). Attention's
+# larger operations (tiny-llama's 4 steps at batch 2: 21 s in the defaults' 8-row tiles, 3.2 s in these). Attention's
 # programs per multiprocessor grow as the count shrinks, so its split plan is the defaults' (the same coverage).
 INTERPRETER_MULTIPROCESSORS = 1
 INTERPRETER_GEMV = {"max_block_n": 128, "tile_elements": 65536}
