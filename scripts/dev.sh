@@ -8,7 +8,7 @@
 #   bash scripts/dev.sh plan run|test [--quick]
 #                                        what `run` or `test` would install, and about how big it is; installs nothing
 #   bash scripts/dev.sh test --quick [args...]
-#                                        the quick tier (3-4 minutes on 2 cores): GDTOOL_QUICK=1 makes
+#                                        the quick tier (5-6 minutes on 2 cores): GDTOOL_QUICK=1 makes
 #                                        tests/conftest.py leave out the tests marked slow (20 s or more) and
 #                                        keep the first case of each parametrized test function (among those
 #                                        -m/-k select), so every other test function runs once. No second
