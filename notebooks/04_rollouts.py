@@ -42,7 +42,7 @@ picture_prompts = 256
 other_lengths = ["geom:32:512", "uniform:1:256", "fixed:128"]   # predicted only
 slot_counts = [8, 16, 32, 64, 128, 256]
 prompts = 1024                   # prompts per predicted rollout
-refill_rows, refill_after = 1, 1  # the runs' gdtool.rollout refill_rows and refill_after
+refill_after = 1                 # the runs shown refill as soon as a slot is free (1 or 8 prompts a prefill)
 cpu = {}                         # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -56,6 +56,7 @@ import pandas as pd
 from IPython.display import display
 
 import gdtool
+from gdtool.core.rollout_step import default_refill_after
 from gdtool.frontends import notebook, plot
 from gdtool.measure import record, rollouts, workloads
 
@@ -63,15 +64,18 @@ p = notebook.setup(dict(results=results, model=model, lengths=lengths), cpu=cpu,
 root = Path(gdtool.__file__).resolve().parent.parent
 folder = root / "profiles" / results
 runs = [json.loads(f.read_text()) for f in sorted(folder.glob(f"{model}_rollout_*.json"))]
-runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get("kernels", "hf") == kernels
-        and (r["config"].get("refill_rows", 1), r["config"].get("refill_after", 1)) == (refill_rows, refill_after)]
 
 
-def shape(cfg, refill):
+def shape(cfg, refill="device"):
     """A run's refill_rows and refill_after, as gdtool.rollout and rollouts.schedule take them (runs from before
-    refill_rows refilled one prompt at a time)."""
+    refill_rows refilled one prompt at a time; refill_after None: the library's default for the slots)."""
+    after = cfg.get("refill_after", 1)
     return {} if refill == "off" else dict(refill_rows=cfg.get("refill_rows", 1),
-                                           refill_after=cfg.get("refill_after", 1))
+                                           refill_after=default_refill_after(cfg["slots"]) if after is None else after)
+
+
+runs = [r for r in runs if r["config"]["lengths"] == lengths and r["config"].get("kernels", "hf") == kernels
+        and shape(r["config"])["refill_after"] == refill_after]
 
 
 rows = [{**s, "prompts": r["config"]["prompts"], "seed": r["config"]["seed"]} for r in runs for s in r["summary"]]
@@ -107,7 +111,8 @@ ax.set_xlabel("slots (rows decoded at once)")
 ax.set_ylabel("useful tokens / s")
 ax.legend()
 plot.caption(fig, f"{where}. Prompts of 128 tokens, lengths {lengths}; 1,024 prompts at 64 slots, 256 at the "
-                  "others (the 128-slot run drains its queue after two batches' worth). eos-off: one static batch "
+                  "others (the 128-slot run drains its queue after two batches' worth); refills of one prompt a "
+                  "prefill, of up to 8 at 8 slots (the later default). eos-off: one static batch "
                   "with every row running to the cap (all its tokens counted).")
 plt.show()
 
