@@ -1,6 +1,7 @@
 """What the docs say that the code can check: their links and the repository paths they name exist, the README's
 mode table is `gdtool.MODES`, the kernels options the docs and docstrings name are `gdtool.core.modes.KERNELS`, the
-measured tables are what their result files give (`profiles/doc_tables.py`), no commit hash stands in the prose of a
+measured tables are what their result files give (`profiles/doc_tables.py`) and the README's figures at a glance
+are in them, no commit hash stands in the prose of a
 doc but the dated record's (`docs/history.md`), and docs/fast.md's environment switches are those the code reads.
 
 No model is loaded: the checks read README.md, docs/*.md, the docstrings and the committed result files.
@@ -320,3 +321,37 @@ def test_fast_md_lists_every_environment_switch_the_code_reads():
     stale = {name for name in documented if name.startswith("GDTOOL_")} - readers
     assert stale == set(), f"switches docs/fast.md lists that nothing reads any more: {stale}"
     assert "TRITON_INTERPRET" in documented
+
+
+_NUMBER = re.compile(r"(?<![\w.\-/])(\d[\d,]*(?:\.\d+)?)(x|%)?(?![\w\-])")
+
+
+def _rendered(text: str) -> str:
+    """The tables `profiles/doc_tables.py` renders into a doc (between its `rendered` markers)."""
+    return "\n".join(re.findall(r"<!-- rendered: [\w-]+ -->\n(.*?)<!-- end rendered -->", text, re.S))
+
+
+def test_the_readmes_figures_at_a_glance_are_in_the_tables_they_cite():
+    """Each figure in the "measured" column of the README's at-a-glance table is a figure of the rendered tables in
+    the doc its "where" column names, at the README's rounding (a share in % against the table's fraction): a
+    figure left there when its run was replaced (llama-1b's rollout row gave 18,673 tok/s after that run's file
+    was gone) fails."""
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("| at a glance |")
+    rows = list(itertools.takewhile(lambda line: line.startswith("|"), readme[start:].splitlines()[2:]))
+    assert rows, "no rows under the README's at-a-glance table"
+    checked = 0
+    for row in rows:
+        _, measured, where = (cell.strip() for cell in row.strip().strip("|").split("|"))
+        doc = ROOT / re.search(r"`(docs/[\w.]+\.md)`", where).group(1)
+        tables = _rendered(doc.read_text())
+        known = {float(n.replace(",", "")) for n, _ in _NUMBER.findall(tables)}
+        for text, unit in _NUMBER.findall(measured):
+            decimals = len(text.split(".")[1]) if "." in text else 0
+            value = float(text.replace(",", ""))
+            if unit == "%":
+                value, decimals = value / 100, decimals + 2
+            assert any(round(k, decimals) == round(value, decimals) for k in known), \
+                f"README at a glance: {text}{unit} ({row[:60]}...) is in none of {doc.name}'s rendered tables"
+            checked += 1
+    assert checked >= 10
