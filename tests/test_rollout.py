@@ -355,17 +355,17 @@ def test_host_mistral(window):
 
 
 def _generate_batches(model, prompts, slots, num_samples, seed, **settings):
-    """generate() on each static batch in turn (left-padded, rows repeated num_samples times), as a caller would
-    run them: the cache length generate() remembers on the model carries over, one seed before the first."""
+    """generate() on each static batch in turn (left-padded to the widest prompt of all, rows repeated num_samples
+    times), as a caller would run them: the cache length generate() remembers on the model carries over, one seed
+    before the first."""
     rows = [p for p in prompts for _ in range(num_samples)]
     if hasattr(model, "_previous_max_cache_length"):
         del model._previous_max_cache_length
     if seed is not None:
         torch.manual_seed(seed)
-    out = []
+    out, width = [], max(map(len, rows))
     for first in range(0, len(rows), slots):
         batch = rows[first:first + slots]
-        width = max(map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=N, cache_implementation="static",
@@ -404,6 +404,21 @@ def test_off_is_generate_on_each_batch(mode, case):
         needed = sum(used - 1 for _, _, used in refs)
         # eager checks EOS every step; step-graph polls every 16 steps, so it may run past the last EOS
         assert out.decode_steps == needed if mode == "eager" else out.decode_steps >= needed
+
+
+def test_off_builds_one_graph_for_ragged_batches(monkeypatch):
+    """refill="off" pads every batch to the rollout's widest prompt: batches of different widths share one
+    graph (on a GPU, one warm-up and capture; each batch at its own width cost 16 of them on an H100)."""
+    import gdtool.loops.decoder as decoder
+    model = gdtool.load_model("tiny-llama", seed=0)
+    prompts = [[5] * 2, [6] * 9, [7] * 4, [8] * 3, [9] * 6, [10]]   # batches of 2: widths 9, 4, 6 on their own
+    built = []
+    engine = decoder.Engine
+    monkeypatch.setattr(decoder, "Engine", lambda *a, **k: built.append(a[3].shape) or engine(*a, **k))
+    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=3, refill="off", mode="step-graph",
+                         eos_token_id=None, pad_token_id=0)
+    assert built == [torch.Size([2, 9])]
+    assert [s.batch for s in out.sequences] == [0, 0, 1, 1, 2, 2] and out.prefills == 3
 
 
 @pytest.mark.parametrize("slots", [1, 3, 4])

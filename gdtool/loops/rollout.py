@@ -10,7 +10,7 @@ the slots) and keeps `slots` rows decoding:
     out.useful_tokens, out.row_steps, out.row_step_share, out.tokens_per_s
     out.to_frame()                                         # one row per sequence
 
-refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded, through a
+refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded to the widest prompt, through a
                `Decoder` (any mode and kernels). Each sequence is bit for bit generate() on its batch.
 refill="host"  each slot holds one sequence at its own positions (`core/rollout_step.py`). After each
                decode step the host reads the flags and, while slots are free and the queue is not
@@ -357,7 +357,9 @@ def _finish_reason(tokens: list[int], settings) -> str:
 
 
 class _StaticRollout:
-    """refill="off": `slots` consecutive sequences at a time, left-padded, through one Decoder."""
+    """refill="off": `slots` consecutive sequences at a time through one Decoder, each batch left-padded to the
+    rollout's widest prompt: one shape, so the Decoder captures once, not once per batch width (ragged prompts
+    gave 16 widths in 16 batches, and 16 warm-ups and captures that cost more than the decode steps)."""
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, targets, decoder: Decoder):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
@@ -369,9 +371,9 @@ class _StaticRollout:
         pad = self.settings.pad_token_id if self.settings.pad_token_id is not None else 0
         results, figures = [], dict(useful=0, row_steps=0, steps=0, prefills=0, syncs=0, prefill_s=0.0, decode_s=0.0)
         try:
+            width = max(len(ids) for _, _, ids in self.sequences)
             for batch, first in enumerate(range(0, len(self.sequences), self.slots)):
                 members = self.sequences[first:first + self.slots]
-                width = max(len(ids) for _, _, ids in members)
                 ids = torch.full((len(members), width), pad, dtype=torch.long)
                 mask = torch.zeros((len(members), width), dtype=torch.long)
                 for row, (_, _, prompt) in enumerate(members):
