@@ -331,7 +331,7 @@ def rollout_bench() -> str:
     refill, HF's continuous batching where it ran, and the device runner's ratios, share and fraction of its ideal;
     the refill runners' decode step (host: its decode time over its steps) beside the EOS-off step, and the prefill
     time per prompt (host: its prefill time over the prompts). Runs from before refill_rows (no such config field)
-    refilled one prompt at a time: 1 / 1."""
+    refilled one prompt at a time: 1 / 1; runs from before refill_widths, at one width."""
     rows = []
     for path in sorted((PROFILES / "h100" / "rollout-bench").glob("*.json")):
         doc = json.loads(path.read_text())
@@ -342,9 +342,13 @@ def rollout_bench() -> str:
 
         static, host, dev = (by.get(r) for r in ("static", "host", "device"))
         after = cfg.get("refill_after", 1)   # None: the library's default for the slots
-        shape = (cfg.get("refill_rows", 1), default_refill_after(cfg["slots"]) if after is None else after)
-        rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], shape, [
-            cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", f"{shape[0]} / {shape[1]}",
+        shape = (cfg.get("refill_rows", 1), default_refill_after(cfg["slots"]) if after is None else after,
+                 cfg.get("refill_widths", 1))
+        lo = cfg.get("prompt_min") or cfg["prompt_len"]   # ragged prompts: LO-HI tokens
+        prompt = str(cfg["prompt_len"]) if lo == cfg["prompt_len"] else f"{lo}-{cfg['prompt_len']}"
+        rows.append((cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], cfg["prompts"], (lo != cfg["prompt_len"],) + shape, [
+            cfg["model"], cfg.get("kernels", "hf"), cfg["slots"], f"{cfg['prompts']:,}", prompt,
+            " / ".join(map(str, shape)),
             tok("static"), tok("host"),
             tok("device"), tok("hf-cb"), tok("eos-off"),
             fmt(dev["tok_s"] / static["tok_s"], ".2f") if dev and static else "-",
@@ -358,15 +362,38 @@ def rollout_bench() -> str:
             device(path), commit(path)]))
     kernels = {"hf": 0, "compiled": 1, "fast": 2}
     rows.sort(key=lambda r: (r[0], kernels.get(r[1], 9), r[2], r[3], r[4]))
-    return table(["model", "kernels", "slots", "prompts", "refill rows / after", "static", "host", "device", "HF CB",
+    return table(["model", "kernels", "slots", "prompts", "prompt tokens", "refill rows / after / widths", "static", "host", "device", "HF CB",
                   "EOS off", "device / static", "device / host", "share static / device", "device of ideal",
                   "host syncs host / device", "ms a step: refill (host) / EOS off", "ms of prefill a prompt (host)",
-                  "device", "commit"], [r[5] for r in rows], right=set(range(2, 17)))
+                  "device", "commit"], [r[5] for r in rows], right=set(range(2, 18)))
+
+
+# The embedding lookup apart and folded into the first qkv_rope (`gpu_run.sh OUT bench-fold`): MODEL-fold-F-rR.json,
+# the fast step at batch 1 in new processes, the two settings alternating, twice each.
+FOLD = PROFILES / "h100" / "bench-fold"
+
+
+def fast_fold() -> str:
+    """Per model: each setting's ms a step (its runs, in order) and the mean change folding makes."""
+    runs = {}
+    for path in sorted(FOLD.glob("*-fold-*-r*.json")):
+        model, fold, _ = re.fullmatch(r"(.+)-fold-([01])-r(\d+)\.json", path.name).groups()
+        row = json.loads(path.read_text())["summary"][0]
+        runs.setdefault(model, {}).setdefault(fold, []).append((row["ms_per_step"], row["floor_pct"], path))
+    rows = []
+    for model, by in runs.items():
+        apart, folded = ([ms for ms, _, _ in by[f]] for f in ("0", "1"))
+        change = 1e3 * (sum(folded) / len(folded) - sum(apart) / len(apart))
+        last = by["1"][-1][2]
+        rows.append([model, ", ".join(f"{ms:.4f}" for ms in apart), ", ".join(f"{ms:.4f}" for ms in folded),
+                     f"{change:+.1f}", f"{by['1'][-1][1]:.1f}", device(last), commit(last)])
+    return table(["model (batch 1)", "ms a step, lookup apart", "folded", "change µs (means)", "% of floor (folded)",
+                  "device", "commit"], rows, right={1, 2, 3, 4})
 
 
 TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
           "fast-line": fast_line, "fast-pdl": fast_pdl, "fast-experts": fast_experts, "fast-accuracy": fast_accuracy,
-          "fast-tiles": fast_tiles, "rollout-bench": rollout_bench}
+          "fast-tiles": fast_tiles, "fast-fold": fast_fold, "rollout-bench": rollout_bench}
 DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md", ROOT / "docs" / "rollout.md"]   # the docs that hold rendered tables
 
 

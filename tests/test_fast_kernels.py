@@ -442,6 +442,20 @@ def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
            "round at first use" in note, note
 
 
+def test_the_kernels_note_says_whether_the_embedding_lookup_is_folded(monkeypatch):
+    """The compiles table's note (what a bench records as `note`) names the embedding lookup folded into the first
+    qkv_rope where it is, and not where GDTOOL_FOLD_EMBEDDING=0 keeps HF's module: an A/B of the fold (gpu_run.sh's
+    bench-fold) is then told apart by its files, not only by their names."""
+    notes = {}
+    for fold in (True, False):
+        monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", fold)
+        model = gdtool.load_model("tiny-llama", seed=0)
+        _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
+        notes[fold] = fast.compiles(model).kernels.iloc[-1]
+    assert f"; {gemv.FOLD_EMBEDDING_PATH}; PDL" in notes[True], notes[True]
+    assert gemv.FOLD_EMBEDDING_PATH not in notes[False], notes[False]
+
+
 def test_tensor_core_products_follow_torchs_float32_matmul_precision():
     """`dot_precision`: float32 operands at float32 ("ieee") under torch's default "highest", TF32 where the user
     chose "high" or "medium" (as torch's own float32 matmuls then do); 16-bit operands at Triton's default."""

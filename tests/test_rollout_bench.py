@@ -194,6 +194,27 @@ def test_setup_in_parts_is_printed_and_kept(tmp_path, capsys, monkeypatch):
     assert json.loads(kept["device"]) == {"warmup_s": 0.25, "capture_s": 0.125} and kept["host"] == ""
 
 
+def test_refill_widths_are_printed_and_kept(tmp_path, capsys):
+    """Ragged prompts with --refill-widths 2: each refill runner's prefills per width are kept in the files (they
+    add up to its prefills) and printed where there is more than one; one width is kept, not printed."""
+    argv = BASE + ["--prompts", "12", "--prompt-len", "1,32", "--slots", "2", "--lengths", "uniform:1:6",
+                   "--repeats", "1", "--runners", "host,device", "--refill-widths", "1", "2", "--out", str(tmp_path)]
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0, table
+    kept = {}
+    for path in sorted(f for f in doc["files"] if f.endswith(".json")):
+        saved = json.loads(Path(path).read_text())
+        for r in saved["summary"]:
+            widths = json.loads(r["refill_widths"])
+            assert sum(widths.values()) == r["prefills"]
+            kept[saved["config"]["refill_widths"], r["runner"]] = widths
+    assert kept[1, "host"] == kept[1, "device"] and len(kept[1, "host"]) == 1
+    assert kept[2, "host"] == kept[2, "device"] and len(kept[2, "host"]) == 2, kept
+    printed = re.findall(r"refills by prefill width: (.*)", table)
+    assert len(printed) == 2 and all(p == ", ".join(f"{w} columns {n}" for w, n in kept[2, "host"].items())
+                                     for p in printed)
+
+
 def test_a_cut_run_keeps_the_runners_it_measured(tmp_path, capsys, monkeypatch):
     """A run stopped during a runner (a time limit, an interrupt) leaves NAME.partial.csv/.json with the runners
     measured before it; resuming measures the config again (a partial file is never skipped), and the whole

@@ -242,6 +242,7 @@ def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str =
                     prefill_s=out.prefill_s, decode_s=out.decode_s, setup_s=out.setup_s,
                     launches=out.launches, prefills=out.prefills,
                     refill_sizes=json.dumps(out.refill_sizes) if out.refill_sizes else "",
+                    refill_widths=json.dumps(out.refill_widths) if out.refill_widths else "",
                     setup_parts=json.dumps(out.setup_parts) if out.setup_parts else "")
 
     return once
@@ -513,7 +514,7 @@ def tidy_rows(cfg: RolloutConfig, work: Workload, results: list[RunnerResult], d
             row = {**base, "runner": r.runner, "label": r.label, "status": r.status, "note": r.note,
                    "warmup_s": r.warmup_s, "repeat": i if s else -1,
                    **{k: s.get(k, float("nan")) for k in FIGURES},
-                   "refill_sizes": s.get("refill_sizes", ""),
+                   "refill_sizes": s.get("refill_sizes", ""), "refill_widths": s.get("refill_widths", ""),
                    "setup_parts": s.get("setup_parts", "")}
             if r.runner in ROLLOUTS and s:   # what the lengths alone say the device counts (measure.rollouts)
                 plan = rollouts.schedule(work.targets, work.slots, ROLLOUTS[r.runner][0], refill_rows=cfg.refill_rows,
@@ -536,6 +537,7 @@ def summarize(df):
             row[column] = _median(g[column].tolist())
         row["tok_s"] = row["useful_tokens"] / row["wall_s"] if row["wall_s"] > 0 else float("nan")
         row["refill_sizes"] = g.refill_sizes.iloc[-1] if "refill_sizes" in g else ""   # the last call's {rows: refills}
+        row["refill_widths"] = g.refill_widths.iloc[-1] if "refill_widths" in g else ""  # ... {columns: refills}
         row["setup_parts"] = g.setup_parts.iloc[-1] if "setup_parts" in g else ""     # ... and its setup_s in parts
         rows.append(row)
     summary = pd.DataFrame(rows)
@@ -593,6 +595,11 @@ def format_table(summary) -> str:
     if "setup_parts" in summary:
         notes += [f"  {label}: setup_s in parts: " + ", ".join(f"{k} {v:.3f}" for k, v in json.loads(parts).items())
                   for label, parts in zip(summary.label, summary.setup_parts) if isinstance(parts, str) and parts]
+    if "refill_widths" in summary:   # the prefill widths the refills ran at, where a run had more than one
+        notes += [f"  {label}: refills by prefill width: " + ", ".join(f"{w} columns {n}" for w, n in
+                                                                       json.loads(widths).items())
+                  for label, widths in zip(summary.label, summary.refill_widths)
+                  if isinstance(widths, str) and widths and len(json.loads(widths)) > 1]
     return "\n".join([text, *notes])
 
 

@@ -362,4 +362,6 @@ def _kernels_note(step: CompiledStep) -> str:
         if step._one_kernel_tail() else "two-stage argmax; " if step._eager_argmax() else ""
     combine = "attention combined in the split kernel's last program where the cache is short; " \
         if attention.fused_combine(device) else ""
-    return f"fast: {step.fast_plan.reason}; {argmax}{combine}PDL {pdl} at first use"
+    embed = f"{gemv.FOLD_EMBEDDING_PATH}; " if gemv.fold_embedding(device) \
+        and getattr(step.model.get_input_embeddings(), "max_norm", None) is None else ""   # as forward.forward folds
+    return f"fast: {step.fast_plan.reason}; {argmax}{combine}{embed}PDL {pdl} at first use"
