@@ -354,18 +354,19 @@ def test_host_mistral(window):
         _assert_alone(model, prompts, out, **settings)
 
 
-def _generate_batches(model, prompts, slots, num_samples, seed, **settings):
-    """generate() on each static batch in turn (left-padded to the widest prompt of all, rows repeated num_samples
-    times), as a caller would run them: the cache length generate() remembers on the model carries over, one seed
-    before the first."""
+def _generate_batches(model, prompts, slots, num_samples, seed, bucket=0, **settings):
+    """generate() on each static batch in turn (left-padded to its widest prompt, or to `bucket` where wider; rows
+    repeated num_samples times), as a caller would run them: the cache length generate() remembers on the model
+    carries over, one seed before the first."""
     rows = [p for p in prompts for _ in range(num_samples)]
     if hasattr(model, "_previous_max_cache_length"):
         del model._previous_max_cache_length
     if seed is not None:
         torch.manual_seed(seed)
-    out, width = [], max(map(len, rows))
+    out = []
     for first in range(0, len(rows), slots):
         batch = rows[first:first + slots]
+        width = max(bucket, *map(len, batch))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=N, cache_implementation="static",
@@ -406,19 +407,39 @@ def test_off_is_generate_on_each_batch(mode, case):
         assert out.decode_steps == needed if mode == "eager" else out.decode_steps >= needed
 
 
-def test_off_builds_one_graph_for_ragged_batches(monkeypatch):
-    """refill="off" pads every batch to the rollout's widest prompt: batches of different widths share one
-    graph (on a GPU, one warm-up and capture; each batch at its own width cost 16 of them on an H100)."""
+@pytest.mark.parametrize("case", ["greedy", "sampling"])
+def test_off_with_one_bucket_builds_one_graph_and_is_generate_on_each_padded_batch(monkeypatch, case):
+    """refill="off" runs each batch at its widest prompt: ragged batches build a graph each (on an H100, 16 warm-ups
+    and captures in a rollout of 16 batches, more time than their decode steps). buckets=(W,), the static Decoder's
+    buckets, pads every batch to W: one graph for all, each sequence generate() on its batch as padded, bit for bit.
+    A Decoder's buckets carry over to rollout(decoder, refill="off")."""
     import gdtool.loops.decoder as decoder
-    model = gdtool.load_model("tiny-llama", seed=0)
+    model = _lively("tiny-llama", dtype=torch.float32)
     prompts = [[5] * 2, [6] * 9, [7] * 4, [8] * 3, [9] * 6, [10]]   # batches of 2: widths 9, 4, 6 on their own
+    settings = dict(pad_token_id=0, eos_token_id=_eos_cases(model, prompts, seed=4)["mixed"]["eos_token_id"])
+    if case == "sampling":
+        settings.update(do_sample=True, temperature=0.9, top_k=40)
     built = []
     engine = decoder.Engine
-    monkeypatch.setattr(decoder, "Engine", lambda *a, **k: built.append(a[3].shape) or engine(*a, **k))
-    out = gdtool.rollout(model, prompts, slots=2, max_new_tokens=3, refill="off", mode="step-graph",
-                         eos_token_id=None, pad_token_id=0)
-    assert built == [torch.Size([2, 9])]
-    assert [s.batch for s in out.sequences] == [0, 0, 1, 1, 2, 2] and out.prefills == 3
+    monkeypatch.setattr(decoder, "Engine", lambda *a, **k: built.append(tuple(a[3].shape)) or engine(*a, **k))
+    runs = {}
+    for name, buckets in (("own widths", None), ("one bucket", (9,))):
+        built.clear()
+        runs[name] = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="off", mode="step-graph",
+                                    seed=3, buckets=buckets, **settings)
+        assert built == ([(2, 9), (2, 4), (2, 6)] if buckets is None else [(2, 9)]), (name, built)
+    built.clear()
+    dec = gdtool.Decoder(model, "step-graph", buckets=(9,), max_new_tokens=N, return_logprobs=True, **settings)
+    runs["a Decoder's buckets"] = gdtool.rollout(dec, prompts, slots=2, refill="off", seed=3)
+    assert built == [(2, 9)]
+    for name, out in runs.items():
+        refs = _generate_batches(model, prompts, 2, 1, seed=3, bucket=0 if name == "own widths" else 9, **settings)
+        del model._previous_max_cache_length
+        assert [s.batch for s in out.sequences] == [0, 0, 1, 1, 2, 2] and out.prefills == 3
+        for i, seq in enumerate(out.sequences):
+            tokens, logprobs, _ = refs[i // 2]
+            assert torch.equal(seq.tokens, tokens[i % 2, :seq.length]), name
+            assert torch.equal(seq.logprobs, logprobs[i % 2, :seq.length]), name
 
 
 @pytest.mark.parametrize("slots", [1, 3, 4])
@@ -621,6 +642,8 @@ BAD_INPUT = [
     (dict(refill="off", on_group=print), "on_group, eos_poll_interval, steps_per_launch, refill_rows,"),
     (dict(refill="off", refill_rows=4), "refill_after and refill_widths are refill='host'/'device' options"),
     (dict(refill="off", refill_widths=2), "refill_widths are refill='host'/'device' options"),
+    (dict(refill="host", buckets=(8,)), r"buckets=\(8,\) pad refill='off''s static batches; .* use refill_widths"),
+    (dict(refill="off", buckets=(8, 4)), r"buckets=\(8, 4\) must be increasing positive ints"),
     (dict(refill="host", refill_widths=0), r"refill_widths=0 must be an int >= 1 \(the most widths a refill"),
     (dict(refill="host", refill_rows=0), r"refill_rows=0 must be an int >= 1 \(the most prompts one refill"),
     (dict(refill="device", refill_after="2"), r"refill_after='2' must be an int >= 1 \(refill once"),

@@ -172,6 +172,27 @@ def test_runners_subset_and_a_short_warm_up(tmp_path, capsys, monkeypatch):
     assert "device/static" in table and re.search(r"device/host -", table)
 
 
+def test_the_static_runner_pads_every_batch_to_the_widest_prompt(tmp_path, capsys, monkeypatch):
+    """Ragged prompts: the static runner's batches are all left-padded to the workload's widest prompt (rollout's
+    `buckets`), in the warm-up call and the timed one, so its Decoder builds one graph, not one per batch width."""
+    import gdtool.loops.decoder as decoder
+    seen, built = [], []
+    real, engine = rollout_bench.rollout, decoder.Engine
+
+    def recorded(model, prompts, **kwargs):
+        seen.append((kwargs.get("buckets"), max(map(len, prompts))))
+        return real(model, prompts, **kwargs)
+    monkeypatch.setattr(rollout_bench, "rollout", recorded)
+    monkeypatch.setattr(decoder, "Engine", lambda *a, **k: built.append(tuple(a[3].shape)) or engine(*a, **k))
+    argv = BASE + ["--prompts", "10", "--prompt-len", "2,24", "--slots", "2", "--lengths", "uniform:1:6",
+                   "--repeats", "1", "--runners", "static", "--out", str(tmp_path)]
+    rc, table, doc = run_cli(argv, capsys)
+    assert rc == 0, table
+    widest = max(w for _, w in seen)
+    assert len(seen) == 2 and all(b == (widest,) for b, _ in seen), seen
+    assert set(built) == {(2, widest)} and len(built) == 2, built   # one graph a call (the warm-up's, the timed one's)
+
+
 def test_setup_in_parts_is_printed_and_kept(tmp_path, capsys, monkeypatch):
     """A captured rollout's setup_s in parts (warm-up, capture, ...) is printed under the table and kept in the
     files; a CPU rollout captures nothing, so its parts are given here."""
@@ -275,7 +296,8 @@ def test_ragged_prompts_and_width_buckets(tmp_path, capsys, monkeypatch):
 @pytest.mark.parametrize("seed", range(6))
 def test_the_warm_up_builds_what_the_timed_call_builds(seed):
     """The warm-up call runs the first WARMUP_BATCHES x slots prompts only where they ask for the whole queue's
-    shapes (the refill plan: W, width buckets, refill graphs; the static batches' rows and widths); otherwise the
+    shapes (the refill plan: W, width buckets, refill graphs; the static batches' rows, all at the whole workload's
+    widest prompt); otherwise the
     timed call would compile and capture its own (at ragged prompts, on a GPU, most of its wall time). Seeded
     draws of equal and ragged prompts."""
     import random
@@ -290,10 +312,8 @@ def test_the_warm_up_builds_what_the_timed_call_builds(seed):
         part = rollout_bench.warmup_part(work, rows, widths)
         plan = refill_plan(lengths, slots, rows, widths)
         assert refill_plan([len(p) for p in part.prompts], slots, rows, widths) == plan
-        batches = [(len(part.prompts[i:i + slots]), max(map(len, part.prompts[i:i + slots])))
-                   for i in range(0, len(part.prompts), slots)]
-        assert set(batches) == {(len(lengths[i:i + slots]), max(lengths[i:i + slots]))
-                                for i in range(0, n, slots)}
+        batches = [len(part.prompts[i:i + slots]) for i in range(0, len(part.prompts), slots)]
+        assert set(batches) == {len(lengths[i:i + slots]) for i in range(0, n, slots)}
         assert part.prompts == work.prompts[:len(part.prompts)] and part.targets == work.targets[:len(part.prompts)]
         if seed % 2:   # equal prompts in full batches: the short warm-up
             assert len(part.prompts) == min(n, rollout_bench.WARMUP_BATCHES * slots)

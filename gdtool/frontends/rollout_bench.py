@@ -6,7 +6,8 @@ different lengths. This workload measures, on one model in one process, how fast
 the tokens someone keeps:
 
     static    gdtool.rollout(refill="off", mode="device-loop"): static batches of `slots` prompts, each running
-              until its longest row ends (the device loop, EOS checked on the device)
+              until its longest row ends (the device loop, EOS checked on the device), each left-padded to the
+              workload's widest prompt (`buckets`: one graph for all batches)
     host      gdtool.rollout(refill="host", mode="step-graph"): a finished slot is refilled from the host between
               captured steps
     device    gdtool.rollout(refill="device", mode="device-loop"): the refills run inside the device loop
@@ -195,13 +196,13 @@ def warmup_part(work: Workload, refill_rows: int = REFILL_ROWS, refill_widths: i
     the whole workload would only double the run. Where those prompts ask for other shapes than the whole queue,
     the whole workload: a part would leave the timed call to compile its programs (a ragged llama-1b run on an
     H100 spent 111 s of its 116 s there). The shapes: the refill runners' plan (W, width buckets, refill
-    shapes), and the static runner's batches (each left-padded to its longest prompt: one shape per batch)."""
+    shapes), and the static runner's batch sizes (each batch left-padded to the whole workload's widest prompt)."""
     k = min(len(work.prompts), WARMUP_BATCHES * work.slots)
     part = dataclasses.replace(work, prompts=work.prompts[:k], targets=work.targets[:k])
 
     def shapes(w: Workload) -> tuple:
         lengths = [len(p) for p in w.prompts]
-        batches = {(len(lengths[i:i + w.slots]), max(lengths[i:i + w.slots])) for i in range(0, len(lengths), w.slots)}
+        batches = {len(lengths[i:i + w.slots]) for i in range(0, len(lengths), w.slots)}
         return refill_plan(lengths, w.slots, refill_rows, refill_widths), batches
     return part if shapes(part) == shapes(work) else work
 
@@ -223,10 +224,12 @@ def label(runner: str, kernels: str) -> str:
 
 def rollout_runner(model, work: Workload, refill: str, mode: str, kernels: str = "hf", refill_rows: int = REFILL_ROWS,
                    refill_after: int | None = None, refill_widths: int = REFILL_WIDTHS):
-    """One gdtool.rollout call over the whole workload."""
+    """One gdtool.rollout call over the whole workload. Static batches are left-padded to the workload's widest prompt
+    (`buckets`): one graph for every batch, as the refill runners prefill at the queue's width, not a capture per
+    batch width (16 of them, more time than the decode steps, with ragged prompts on an H100)."""
     device = next(model.parameters()).device
-    shape = {} if refill == "off" else dict(refill_rows=refill_rows, refill_after=refill_after,
-                                            refill_widths=refill_widths)
+    shape = dict(buckets=(max(map(len, work.prompts)),)) if refill == "off" else \
+        dict(refill_rows=refill_rows, refill_after=refill_after, refill_widths=refill_widths)
 
     def once(part: Workload | None = None) -> dict:
         w = part or work

@@ -10,8 +10,10 @@ the slots) and keeps `slots` rows decoding:
     out.useful_tokens, out.row_steps, out.row_step_share, out.tokens_per_s
     out.to_frame()                                         # one row per sequence
 
-refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded to the widest prompt, through a
-               `Decoder` (any mode and kernels). Each sequence is bit for bit generate() on its batch.
+refill="off"   today's static batches: `slots` consecutive sequences at a time, left-padded, through a
+               `Decoder` (any mode and kernels). Each sequence is bit for bit generate() on its batch. Each
+               batch is as wide as its widest prompt, so ragged prompts capture a graph per width;
+               `buckets=(W,)` pads every batch to W (the Decoder's buckets): one graph for them all.
 refill="host"  each slot holds one sequence at its own positions (`core/rollout_step.py`). After each
                decode step the host reads the flags and, while slots are free and the queue is not
                empty, runs a refill: the next sequences (input order) start in the first free slots,
@@ -138,7 +140,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
             refill_rows: int | None = None, refill_after: int | None = None, refill_widths: int | None = None,
             seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
-            steps_per_launch: int | None = None, target_lengths=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
+            steps_per_launch: int | None = None, target_lengths=None, buckets=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
             top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
             **unsupported) -> RolloutOutput:
     """Decode every prompt of `prompts` (token id lists, ragged) `num_samples` times through `slots` rows.
@@ -160,6 +162,8 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     generate() samples from), "temperature" under softmax(logits / temperature) alone (what PPO/GRPO ratios
     compare a trainer's recomputed log-probabilities against), False none. Everything is checked before any work:
     a bad input or a setting the refill cannot honour ends in one ValueError that says why and what to use instead.
+    `buckets` (refill="off"): the static Decoder's prompt widths (`Decoder`): each batch left-padded to the smallest
+    that holds its widest prompt, so batches of ragged prompts share graphs; generate() on the batch as padded.
     """
     if isinstance(model, Decoder):
         return rollout(**_from_decoder(model, prompts, slots=slots, max_new_tokens=max_new_tokens,
@@ -168,7 +172,8 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
                                        return_logprobs=return_logprobs, mode=mode, kernels=kernels, capture=capture,
                                        on_finished=on_finished, on_group=on_group,
                                        eos_poll_interval=eos_poll_interval, steps_per_launch=steps_per_launch,
-                                       target_lengths=target_lengths, do_sample=do_sample, temperature=temperature,
+                                       target_lengths=target_lengths, buckets=buckets, do_sample=do_sample,
+                                       temperature=temperature,
                                        top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
                                        eos_token_id=eos_token_id, pad_token_id=pad_token_id, **unsupported))
     t_start = time.perf_counter()
@@ -194,6 +199,9 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
     if refill != "off":
         seed = _check_rows_policy(refill, mode, kernels, settings, seed, eos_poll_interval, steps_per_launch)
         refill_rows, refill_after, refill_widths = _check_refill_shape(refill_rows, refill_after, refill_widths)
+        if buckets is not None:
+            raise ValueError(f"buckets={buckets!r} pad refill='off''s static batches; refill={refill!r} prefills each "
+                             "refill at its own width buckets: use refill_widths=J instead (or refill='off')")
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
     targets = _check_targets(target_lengths, len(sequences), settings, refill)
@@ -210,7 +218,7 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
                              "refill_widths are refill='host'/'device' options; refill='off' decodes through a "
                              "Decoder: leave them unset")
         run = _StaticRollout(model, settings, sequences, slots, return_logprobs, on_finished, targets,
-                             Decoder(model, mode=mode, max_new_tokens=settings.max_new_tokens,
+                             Decoder(model, mode=mode, buckets=buckets, max_new_tokens=settings.max_new_tokens,
                                      return_logprobs=return_logprobs, kernels=kernels, capture=capture,
                                      **given, **unsupported))
     if seed is not None and refill == "off":
@@ -222,12 +230,13 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
 
 
 _ROLLOUT_DEFAULTS = dict(max_new_tokens=None, num_samples=1, return_logprobs=True, mode="eager", kernels="hf",
-                         capture=None, eos_poll_interval=None)
+                         capture=None, eos_poll_interval=None, buckets=None)
 
 
 def _from_decoder(decoder: Decoder, prompts, **given) -> dict:
     """rollout(decoder, ...): the Decoder's model, mode, kernels, capture and settings (`configure`'s), with what
-    the call names explicitly on top. refill="off" still decodes through a Decoder of its own; the refill
+    the call names explicitly on top. refill="off" still decodes through a Decoder of its own (with this one's
+    buckets, unless the call names others); the refill
     policies capture their graphs per call (the queue and the prompt width shape them), so weights updated in
     place between rollouts are always seen."""
     options = decoder._options
@@ -236,6 +245,8 @@ def _from_decoder(decoder: Decoder, prompts, **given) -> dict:
                 return_logprobs=options["return_logprobs"], num_samples=options["num_samples"])
     if given.get("refill") == "device" and decoder.mode == "step-graph":
         args["eos_poll_interval"] = options["eos_poll_interval"]
+    if given.get("refill", "off") == "off" and decoder.buckets:   # its static batches padded as the Decoder pads
+        args["buckets"] = decoder.buckets
     for name, value in given.items():
         if value is UNSET or (name in _ROLLOUT_DEFAULTS and value == _ROLLOUT_DEFAULTS[name]
                               and name in args):
@@ -357,9 +368,8 @@ def _finish_reason(tokens: list[int], settings) -> str:
 
 
 class _StaticRollout:
-    """refill="off": `slots` consecutive sequences at a time through one Decoder, each batch left-padded to the
-    rollout's widest prompt: one shape, so the Decoder captures once, not once per batch width (ragged prompts
-    gave 16 widths in 16 batches, and 16 warm-ups and captures that cost more than the decode steps)."""
+    """refill="off": `slots` consecutive sequences at a time, left-padded, through one Decoder (whose buckets pad
+    further)."""
 
     def __init__(self, model, settings, sequences, slots, return_logprobs, on_finished, targets, decoder: Decoder):
         self.model, self.settings, self.sequences, self.slots = model, settings, sequences, slots
@@ -371,9 +381,9 @@ class _StaticRollout:
         pad = self.settings.pad_token_id if self.settings.pad_token_id is not None else 0
         results, figures = [], dict(useful=0, row_steps=0, steps=0, prefills=0, syncs=0, prefill_s=0.0, decode_s=0.0)
         try:
-            width = max(len(ids) for _, _, ids in self.sequences)
             for batch, first in enumerate(range(0, len(self.sequences), self.slots)):
                 members = self.sequences[first:first + self.slots]
+                width = max(len(ids) for _, _, ids in members)
                 ids = torch.full((len(members), width), pad, dtype=torch.long)
                 mask = torch.zeros((len(members), width), dtype=torch.long)
                 for row, (_, _, prompt) in enumerate(members):
