@@ -642,7 +642,7 @@ BAD_INPUT = [
     (dict(refill="off", on_group=print), "on_group, eos_poll_interval, steps_per_launch, refill_rows,"),
     (dict(refill="off", refill_rows=4), "refill_after and refill_widths are refill='host'/'device' options"),
     (dict(refill="off", refill_widths=2), "refill_widths are refill='host'/'device' options"),
-    (dict(refill="host", buckets=(8,)), r"buckets=\(8,\) pad refill='off''s static batches; .* use refill_widths"),
+    (dict(refill="host", buckets=(8,)), r"buckets=\(8,\) pads the static batches of refill='off'; .* use refill_widths"),
     (dict(refill="off", buckets=(8, 4)), r"buckets=\(8, 4\) must be increasing positive ints"),
     (dict(refill="host", refill_widths=0), r"refill_widths=0 must be an int >= 1 \(the most widths a refill"),
     (dict(refill="host", refill_rows=0), r"refill_rows=0 must be an int >= 1 \(the most prompts one refill"),

@@ -140,8 +140,9 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
             refill_rows: int | None = None, refill_after: int | None = None, refill_widths: int | None = None,
             seed: int | None = None, return_logprobs: bool | str = True, mode: str = "eager", kernels: str = "hf",
             capture: bool | None = None, on_finished=None, on_group=None, eos_poll_interval: int | None = None,
-            steps_per_launch: int | None = None, target_lengths=None, buckets=None, do_sample=UNSET, temperature=UNSET, top_k=UNSET,
-            top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET, pad_token_id=UNSET,
+            steps_per_launch: int | None = None, target_lengths=None, buckets=None, do_sample=UNSET,
+            temperature=UNSET, top_k=UNSET, top_p=UNSET, repetition_penalty=UNSET, eos_token_id=UNSET,
+            pad_token_id=UNSET,
             **unsupported) -> RolloutOutput:
     """Decode every prompt of `prompts` (token id lists, ragged) `num_samples` times through `slots` rows.
 
@@ -200,8 +201,9 @@ def rollout(model, prompts, *, slots: int, max_new_tokens: int | None = None, nu
         seed = _check_rows_policy(refill, mode, kernels, settings, seed, eos_poll_interval, steps_per_launch)
         refill_rows, refill_after, refill_widths = _check_refill_shape(refill_rows, refill_after, refill_widths)
         if buckets is not None:
-            raise ValueError(f"buckets={buckets!r} pad refill='off''s static batches; refill={refill!r} prefills each "
-                             "refill at its own width buckets: use refill_widths=J instead (or refill='off')")
+            raise ValueError(f"buckets={buckets!r} pads the static batches of refill='off'; refill={refill!r} "
+                             "prefills each refill at its own width buckets: use refill_widths=J instead (or "
+                             "refill='off')")
     texts = _check_prompts(model, prompts, settings.max_new_tokens)
     sequences = [(p, k, ids) for p, ids in enumerate(texts) for k in range(num_samples)]
     targets = _check_targets(target_lengths, len(sequences), settings, refill)
