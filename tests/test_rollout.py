@@ -354,13 +354,18 @@ def test_host_mistral(window):
         _assert_alone(model, prompts, out, **settings)
 
 
+def _forget_cache_length(model) -> None:
+    """The static cache length generate() (and gdtool, as it does) keeps on the model, forgotten."""
+    if hasattr(model, "_previous_max_cache_length"):
+        del model._previous_max_cache_length
+
+
 def _generate_batches(model, prompts, slots, num_samples, seed, bucket=0, **settings):
     """generate() on each static batch in turn (left-padded to its widest prompt, or to `bucket` where wider; rows
     repeated num_samples times), as a caller would run them: the cache length generate() remembers on the model
     carries over, one seed before the first."""
     rows = [p for p in prompts for _ in range(num_samples)]
-    if hasattr(model, "_previous_max_cache_length"):
-        del model._previous_max_cache_length
+    _forget_cache_length(model)
     if seed is not None:
         torch.manual_seed(seed)
     out = []
@@ -407,39 +412,54 @@ def test_off_is_generate_on_each_batch(mode, case):
         assert out.decode_steps == needed if mode == "eager" else out.decode_steps >= needed
 
 
-@pytest.mark.parametrize("case", ["greedy", "sampling"])
-def test_off_with_one_bucket_builds_one_graph_and_is_generate_on_each_padded_batch(monkeypatch, case):
-    """refill="off" runs each batch at its widest prompt: ragged batches build a graph each (on an H100, 16 warm-ups
-    and captures in a rollout of 16 batches, more time than their decode steps). buckets=(W,), the static Decoder's
-    buckets, pads every batch to W: one graph for all, each sequence generate() on its batch as padded, bit for bit.
-    A Decoder's buckets carry over to rollout(decoder, refill="off")."""
+@pytest.mark.parametrize("seed", range(6))
+def test_off_with_one_bucket_builds_one_graph_and_is_generate_on_each_padded_batch(monkeypatch, seed):
+    """refill="off" runs each batch at its widest prompt: ragged batches build a graph per (rows, width) (on an H100,
+    16 warm-ups and captures in a rollout of 16 batches, more time than their decode steps). buckets=(W,), the static
+    Decoder's buckets, pads every batch to W: one graph per batch size, each sequence generate() on its batch as
+    padded, bit for bit. A Decoder's buckets carry over to rollout(decoder, refill="off"). Seeded: family (sliding
+    windows among them), prompt count and widths, slots, W at or past the widest prompt, greedy and sampling."""
     import gdtool.loops.decoder as decoder
-    model = _lively("tiny-llama", dtype=torch.float32)
-    prompts = [[5] * 2, [6] * 9, [7] * 4, [8] * 3, [9] * 6, [10]]   # batches of 2: widths 9, 4, 6 on their own
-    settings = dict(pad_token_id=0, eos_token_id=_eos_cases(model, prompts, seed=4)["mixed"]["eos_token_id"])
-    if case == "sampling":
+    rng = random.Random(seed)
+    model = _lively((FAMILIES + ["tiny-gemma3"])[seed % 4], dtype=torch.float32)
+    prompts = _prompts(model, rng.randint(3, 8), seed=100 + seed, lengths=(1, 12))
+    slots = rng.randint(1, 4)
+    bucket = max(map(len, prompts)) + rng.choice([0, 0, 3])
+    settings = dict(pad_token_id=0, eos_token_id=_eos_cases(model, prompts, seed=seed)["mixed"]["eos_token_id"])
+    if seed % 2:
         settings.update(do_sample=True, temperature=0.9, top_k=40)
     built = []
     engine = decoder.Engine
     monkeypatch.setattr(decoder, "Engine", lambda *a, **k: built.append(tuple(a[3].shape)) or engine(*a, **k))
+    batches = [prompts[i:i + slots] for i in range(0, len(prompts), slots)]
     runs = {}
-    for name, buckets in (("own widths", None), ("one bucket", (9,))):
+    for name, buckets in (("own widths", None), ("one bucket", (bucket,))):
         built.clear()
-        runs[name] = gdtool.rollout(model, prompts, slots=2, max_new_tokens=N, refill="off", mode="step-graph",
+        _forget_cache_length(model)   # each run starts as its reference does (generate() remembers the longest)
+        runs[name] = gdtool.rollout(model, prompts, slots=slots, max_new_tokens=N, refill="off", mode="step-graph",
                                     seed=3, buckets=buckets, **settings)
-        assert built == ([(2, 9), (2, 4), (2, 6)] if buckets is None else [(2, 9)]), (name, built)
+        # a graph per (rows, width, cache length) in order of first use; the cache length, as generate()'s, never
+        # shrinks below the longest so far (so a width seen before builds again once a wider batch grew it)
+        keys, longest = [], -1
+        for b in batches:
+            width = bucket if buckets else max(map(len, b))
+            longest = max(longest, width + N - 1)
+            keys.append((len(b), width, longest))
+        assert built == [k[:2] for k in dict.fromkeys(keys)], (name, built)
     built.clear()
-    dec = gdtool.Decoder(model, "step-graph", buckets=(9,), max_new_tokens=N, return_logprobs=True, **settings)
-    runs["a Decoder's buckets"] = gdtool.rollout(dec, prompts, slots=2, refill="off", seed=3)
-    assert built == [(2, 9)]
+    _forget_cache_length(model)
+    dec = gdtool.Decoder(model, "step-graph", buckets=(bucket,), max_new_tokens=N, return_logprobs=True, **settings)
+    runs["a Decoder's buckets"] = gdtool.rollout(dec, prompts, slots=slots, refill="off", seed=3)
+    assert built == list(dict.fromkeys((len(b), bucket) for b in batches))
     for name, out in runs.items():
-        refs = _generate_batches(model, prompts, 2, 1, seed=3, bucket=0 if name == "own widths" else 9, **settings)
-        del model._previous_max_cache_length
-        assert [s.batch for s in out.sequences] == [0, 0, 1, 1, 2, 2] and out.prefills == 3
+        refs = _generate_batches(model, prompts, slots, 1, seed=3, bucket=0 if name == "own widths" else bucket,
+                                 **settings)
+        assert [s.batch for s in out.sequences] == [i // slots for i in range(len(prompts))]
+        assert out.prefills == len(batches)
         for i, seq in enumerate(out.sequences):
-            tokens, logprobs, _ = refs[i // 2]
-            assert torch.equal(seq.tokens, tokens[i % 2, :seq.length]), name
-            assert torch.equal(seq.logprobs, logprobs[i % 2, :seq.length]), name
+            tokens, logprobs, _ = refs[i // slots]
+            assert torch.equal(seq.tokens, tokens[i % slots, :seq.length]), name
+            assert torch.equal(seq.logprobs, logprobs[i % slots, :seq.length]), name
 
 
 @pytest.mark.parametrize("slots", [1, 3, 4])
