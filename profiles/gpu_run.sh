@@ -32,7 +32,8 @@
 #   nsys-fast      NSYS_MODEL (gemma-3-1b) at NSYS_BATCH (1) and NSYS_PROMPT (128; set, the folder ends -p<it>),
 #                  step-graph, node trace with each of NSYS_KERNELS
 #                  ("fast compiled"), and each one's kernel breakdown (profiles/kernel_breakdown.py): the per-kernel
-#                  account an issue asks for where a target is missed (GDTOOL_UNTESTED_KERNELS=1, as the bench parts:
+#                  account an issue asks for where a target is missed, each kernel against its own floor at the copy
+#                  bandwidth measured first in the same part (copy_gb_s.txt beside the export) (GDTOOL_UNTESTED_KERNELS=1, as the bench parts:
 #                  the paths the bench runs, CUDA_TESTED or not; at c6bba88 without it qwen3-30b-a3b's batch-64 trace
 #                  was HF's experts, its grouped path then untested)
 #   tests-zoo-kernels  the zoo with the kernel options, captured: every sliding-window architecture with
@@ -196,11 +197,14 @@ for p in "$@"; do
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
     nsys-fast) part nsys-fast ${NSYS_FAST_SECONDS:-300} bash -c "m=${NSYS_MODEL:-gemma-3-1b}; b=${NSYS_BATCH:-1}; \
-           p=${NSYS_PROMPT:-128}; for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b${NSYS_PROMPT:+-p\$p}/\$k; \
+           p=${NSYS_PROMPT:-128}; gbs=\$($py -c 'import torch; from gdtool.measure.roofline import copy_bandwidth; \
+           print(round(copy_bandwidth(torch.device(\"cuda\")) / 1e9, 1))') || exit 1; \
+           for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b${NSYS_PROMPT:+-p\$p}/\$k; \
            GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool profile --nsys --model \$m --batch \$b --prompt-len \$p --trace node \
            --modes step-graph --set kernels=\$k \
-           --max-new-tokens 48 --no-eos --no-progress --out \$d && $py profiles/kernel_breakdown.py \
-           \$d/*.sqlite.gz --model \$m --out \$d/breakdown.md || exit 1; done" ;;
+           --max-new-tokens 48 --no-eos --no-progress --out \$d && echo \$gbs > \$d/copy_gb_s.txt && \
+           $py profiles/kernel_breakdown.py \$d/*.sqlite.gz --model \$m --copy-gb-s \$gbs --prompt-len \$p \
+           --new-tokens 48 --out \$d/breakdown.md || exit 1; done" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     profile) part profile 150 bash -c "$py -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 \
            --no-eos --modes eager,forward-graph,step-graph,device-loop --no-progress --out $work/profile && \

@@ -161,6 +161,120 @@ def attention_by_layer_type(kernels: pd.DataFrame, launches: int, types: list[st
     return table
 
 
+# the weights each call of gdtool's fast products reads, in launch order (gdtool/kernels/forward.py): per layer
+# one qkv_rope (q, k, v), then rms_gemv for o and, with a dense MLP, for gate/up and for down; the lm_head last
+QKV, RMS = "_qkv_rope_gemv_kernel", "_rms_gemv_kernel"
+
+
+def _nbytes(*linears) -> int:
+    return sum(p.numel() * 2 for lin in linears for p in (lin.weight, lin.bias) if p is not None)   # bfloat16
+
+
+def fast_calls(model: str) -> dict[str, list[tuple[str, int]]]:
+    """Preset `model`'s fast product kernels: for each kernel name, (role, bytes read) of its calls in a step's
+    launch order. An MoE block's experts run in their own kernels (`experts_by_kernel`), not here."""
+    m = _meta_model(model)
+    calls = {QKV: [], RMS: []}
+    for block in m.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        calls[QKV].append(("q/k/v + RoPE", _nbytes(attn.q_proj, attn.k_proj, attn.v_proj)))
+        calls[RMS].append(("o", _nbytes(attn.o_proj)))
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            calls[RMS] += [("gate/up", _nbytes(mlp.gate_proj, mlp.up_proj)), ("down", _nbytes(mlp.down_proj))]
+    calls[RMS].append(("lm_head", _nbytes(m.lm_head)))
+    return calls
+
+
+def attention_bytes(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
+    """Key/value bytes (bf16) the attention of each kind of layer reads per step, summed over its layers, on average
+    over a decode of `new_tokens` after a `prompt_len` prompt: step j (1..new_tokens-1) reads prompt_len + j slots, a
+    sliding layer at most its window (as `roofline.step_bytes` counts the cache, windows apart)."""
+    from gdtool.core.models import preset_config
+    cfg = preset_config(model).get_text_config()
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    types = getattr(cfg, "layer_types", None) or ["full_attention"] * cfg.num_hidden_layers
+    steps = range(1, max(2, new_tokens))
+    out: dict[str, float] = {}
+    for kind in types:
+        window = getattr(cfg, "sliding_window", None) if kind == "sliding_attention" else None
+        live = sum(min(window or prompt_len + j, prompt_len + j) for j in steps) / len(steps)
+        out[kind] = out.get(kind, 0.0) + 2 * kv_heads * head_dim * live * batch * 2
+    return out
+
+
+def floor_account(kernels: pd.DataFrame, launches: int, model: str, batch: int, copy_gb_s: float,
+                  prompt_len: int | None = None, new_tokens: int = 48) -> pd.DataFrame:
+    """Each kernel's own time per step against its own floor: the bytes it must read (weights once, the live
+    cache for attention, of the experts those a step hits on average) over the copy bandwidth. One row a role:
+    the fast products by the weight each call reads (`fast_calls`; where a launch's calls of a kernel do not
+    match the plan, that kernel is one row without bytes), attention by the kind of layer (with `prompt_len`),
+    the experts kernels by name, every other kernel by name without bytes. Columns: calls, own (µs per step),
+    mb (per step), floor (µs), over (own - floor); sorted by own time, largest first."""
+    kernels = kernels.sort_values(["corr", "start"])
+    role = kernels["name"].fillna("?").astype(object).copy()
+    mb = pd.Series(float("nan"), index=kernels.index)
+    for name, plan in fast_calls(model).items():
+        mine = kernels[kernels["name"] == name]
+        if mine.empty or not (mine.groupby("corr").size() == len(plan)).all():
+            continue
+        index = mine.groupby("corr").cumcount().to_numpy()
+        role[mine.index] = [plan[i][0] for i in index]
+        mb[mine.index] = [plan[i][1] / 1e6 for i in index]
+    attn = kernels[kernels["class"] == "attention"]
+    types = layer_types(model)
+    counts = attn.groupby("corr").size()
+    if not attn.empty and counts.nunique() == 1:
+        kinds = types or ["full_attention"]
+        if counts.iloc[0] % len(kinds) == 0 or not types:
+            per_layer = counts.iloc[0] // len(kinds) if types else counts.iloc[0]
+            which = (attn.groupby("corr").cumcount() // per_layer).to_numpy() if types else [0] * len(attn)
+            names = [kinds[i] for i in which]
+            role[attn.index] = [f"attention, {k.replace('_attention', '')} layers" for k in names]
+            if prompt_len is not None:
+                total = attention_bytes(model, batch, prompt_len, new_tokens)
+                calls = pd.Series(names).value_counts() / launches   # kernels per step serving each kind
+                mb[attn.index] = [total[k] / 1e6 / calls[k] for k in names]
+    experts = kernels[kernels["class"] == "experts"]
+    if not experts.empty:
+        table = experts_by_kernel(kernels, launches, model, batch)
+        if table is not None:
+            mb[experts.index] = experts["name"].map(table["mb_per_call"]).to_numpy()
+    # a role that is still the kernel's own name is shown as code
+    role = role.where(role != kernels["name"].fillna("?"), "`" + role.str.slice(0, 60) + "`")
+    frame = pd.DataFrame({"role": role, "own": kernels["own_us"], "mb": mb})
+    table = frame.groupby("role", sort=False).agg(calls=("own", "size"), own=("own", "sum"),
+                                                  mb=("mb", lambda v: v.sum(min_count=len(v))))
+    table[["calls", "own", "mb"]] = table[["calls", "own", "mb"]].div(launches)
+    table["floor"] = table["mb"] / copy_gb_s * 1e3   # MB / (GB/s) = ms; in µs
+    table["over"] = table["own"] - table["floor"].fillna(0.0)
+    return table.sort_values("own", ascending=False)
+
+
+def floor_lines(table: pd.DataFrame, copy_gb_s: float, top: int) -> list[str]:
+    def fmt(value) -> str:
+        return "-" if pd.isna(value) else f"{value:.1f}"
+
+    own, floor = table["own"].sum(), table["floor"].sum()
+    lines = ["", f"Each kernel against its own floor (its bytes over the copy bandwidth, {copy_gb_s:.0f} GB/s): the "
+                 f"step's kernels run {own:.1f} µs where their floors sum to {floor:.1f}: {floor / own:.1%} of the floor. "
+                 f"'over' (own minus floor) says where the {own - floor:.1f} µs above it go:", "",
+             "| kernel's role | calls per launch | own µs per launch | MB per launch | floor µs | of its floor | "
+             "over µs |", "|---|---:|---:|---:|---:|---:|---:|"]
+    shown = table.head(top)
+    for role, row in shown.iterrows():
+        known = not pd.isna(row["floor"])
+        lines.append(f"| {role} | {row['calls']:.0f} | {row['own']:.1f} | "
+                     f"{row['mb']:.1f} | {row['floor']:.1f} | {row['floor'] / row['own']:.0%} | {row['over']:.1f} |"
+                     if known else
+                     f"| {role} | {row['calls']:.0f} | {row['own']:.1f} | - | - | - | {row['over']:.1f} |")
+    rest = table.iloc[top:]
+    if len(rest):
+        lines.append(f"| {len(rest)} more, each under {rest['own'].max():.1f} µs | {rest['calls'].sum():.0f} | "
+                     f"{rest['own'].sum():.1f} | - | {fmt(rest['floor'].sum(min_count=1))} | - | {rest['over'].sum():.1f} |")
+    return lines
+
+
 def export_batch(path) -> int | None:
     """The batch in a `gdtool profile --nsys` export's name (`<model>_b<batch>_<mode>_...`), or None."""
     import re
@@ -168,7 +282,8 @@ def export_batch(path) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def breakdown(path, model: str | None = None, top: int = 12) -> str:
+def breakdown(path, model: str | None = None, top: int = 12, copy_gb_s: float | None = None,
+              prompt_len: int | None = None, new_tokens: int = 48) -> str:
     kernels, launches = launch_kernels(path)
     per_step = kernels.groupby("class")["us"].agg(["sum", "count"]) / launches
     per_step["own"] = kernels.groupby("class")["own_us"].sum() / launches
@@ -216,6 +331,9 @@ def breakdown(path, model: str | None = None, top: int = 12) -> str:
                       "| layers | count | own µs per launch | per layer |", "|---|---:|---:|---:|"]
             for kind, row in table.iterrows():
                 lines.append(f"| {kind} | {row['layers']:.0f} | {row['own']:.1f} | {row['per_layer']:.2f} |")
+        if batch is not None and copy_gb_s:
+            lines += floor_lines(floor_account(kernels, launches, model, batch, copy_gb_s, prompt_len, new_tokens),
+                                 copy_gb_s, top)
     by_name = kernels.groupby(["class", "name"]).agg(sum=("own_us", "sum"), count=("us", "count"),
                                                      mean=("us", "mean")).reset_index()
     by_name["sum"] /= launches
@@ -232,9 +350,18 @@ def main(argv=None) -> int:
     p.add_argument("exports", nargs="+")
     p.add_argument("--model", help="preset whose linear weights the matmuls read (for the bandwidth line)")
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--copy-gb-s", type=float, help="the device's copy bandwidth in GB/s, read + written, measured in "
+                   "the same session (`gdtool.measure.roofline.copy_bandwidth`): with --model, each kernel against "
+                   "its own floor")
+    p.add_argument("--prompt-len", type=int, help="the profiled prompt's length: the attention's floor (the live "
+                   "cache it reads)")
+    p.add_argument("--new-tokens", type=int, default=48, help="tokens the profiled decode made (default 48)")
     p.add_argument("--out", help="also write the markdown here")
     args = p.parse_args(argv)
-    text = "\n".join(breakdown(path, args.model, args.top) for path in args.exports)
+    if args.copy_gb_s and not args.model:
+        p.error("--copy-gb-s needs --model: the floors come from the preset's shapes")
+    text = "\n".join(breakdown(path, args.model, args.top, args.copy_gb_s, args.prompt_len, args.new_tokens)
+                     for path in args.exports)
     print(text)
     if args.out:
         Path(args.out).write_text(text)

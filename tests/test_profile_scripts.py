@@ -121,6 +121,114 @@ def test_the_gemma_breakdown_says_what_its_sliding_and_full_layers_cost():
     assert "| full_attention | 4 |" in text and "| sliding_attention | 22 |" in text
 
 
+@pytest.mark.parametrize("model", ["llama-1b", "gemma-3-1b", "qwen3-8b"])
+def test_the_fast_calls_read_every_linear_weight_once(model):
+    """The fast products' calls (one qkv_rope a layer; o, gate/up and down a layer; the lm_head) read the preset's
+    linear weights, each once: their bytes sum to the matmul class's count."""
+    calls = kernel_breakdown.fast_calls(model)
+    layers = len(kernel_breakdown._meta_model(model).model.layers)
+    assert len(calls["_qkv_rope_gemv_kernel"]) == layers and len(calls["_rms_gemv_kernel"]) == 3 * layers + 1
+    assert [r for r, _ in calls["_rms_gemv_kernel"][:4]] == ["o", "gate/up", "down", "o"]
+    assert calls["_rms_gemv_kernel"][-1][0] == "lm_head"
+    assert sum(b for plan in calls.values() for _, b in plan) == kernel_breakdown.linear_weight_bytes(model)
+
+
+def test_attention_bytes_read_the_live_cache_and_a_sliding_layer_at_most_its_window():
+    """Step j of a decode after a P-token prompt reads P + j slots of K and V a layer (bf16), a sliding layer at most
+    its window: llama-1b's 16 layers x 8 heads x 64 at the mean P + N/2; Gemma 3's 22 sliding layers at 512 once
+    the prompt fills the window, its 4 full ones past it."""
+    llama = kernel_breakdown.attention_bytes("llama-1b", 2, 100, 48)
+    assert llama == {"full_attention": pytest.approx(16 * 2 * 8 * 64 * (100 + 24) * 2 * 2)}
+    from gdtool.measure.roofline import step_bytes
+    assert llama["full_attention"] == pytest.approx(step_bytes(kernel_breakdown._meta_model("llama-1b"), 2, 100,
+                                                               48)["kv_bytes"], rel=1e-6)
+    gemma = kernel_breakdown.attention_bytes("gemma-3-1b", 1, 1024, 48)
+    per_slot = 2 * 1 * 256 * 2
+    assert gemma["sliding_attention"] == pytest.approx(22 * per_slot * 512)
+    assert gemma["full_attention"] == pytest.approx(4 * per_slot * (1024 + 24))
+    short = kernel_breakdown.attention_bytes("gemma-3-1b", 1, 8, 48)   # windows not yet full: as full layers
+    assert short["sliding_attention"] / 22 == pytest.approx(short["full_attention"] / 4)
+
+
+def _fast_launches(model: str, launches: int, rms_calls: int | None = None):
+    """Synthetic node-trace kernels of `launches` fast steps: per layer qkv_rope (3 µs), two attention kernels
+    (1 µs each), the rms_gemv calls (2 µs each, the lm_head 10), and one other kernel (0.5 µs)."""
+    import pandas as pd
+    layers = len(kernel_breakdown._meta_model(model).model.layers)
+    rows = []
+    for corr in range(launches):
+        t = 0
+        rms = iter(kernel_breakdown.fast_calls(model)["_rms_gemv_kernel"])
+        for _ in range(layers):
+            names = [("_qkv_rope_gemv_kernel", "matmul", 3.0), ("_attention_split_kernel", "attention", 1.0),
+                     ("_attention_combine_kernel", "attention", 1.0)]
+            names += [("_rms_gemv_kernel", "matmul", 2.0)] * (3 if rms_calls is None else rms_calls)
+            for name, cls, own in names:
+                if name == "_rms_gemv_kernel":
+                    next(rms)
+                rows.append(dict(corr=corr, start=t, name=name, us=own, own_us=own, **{"class": cls}))
+                t += 10
+        rows.append(dict(corr=corr, start=t, name="_rms_gemv_kernel", us=10.0, own_us=10.0, **{"class": "matmul"}))
+        rows.append(dict(corr=corr, start=t + 10, name="_argmax_blocks", us=0.5, own_us=0.5, **{"class": "other"}))
+    return pd.DataFrame(rows).sample(frac=1, random_state=1)   # the order comes from the start times
+
+
+def test_each_kernel_is_held_to_its_own_floor():
+    """Each call is matched to the weight it reads by its place in the launch; a role's floor is its bytes over the
+    copy bandwidth, 'over' its own time less that; attention is split by the kind of layer (Gemma 3) with the live
+    cache for its bytes; a kernel reading no weights has no floor; the table sums to the step."""
+    kernels = _fast_launches("gemma-3-1b", 3)
+    table = kernel_breakdown.floor_account(kernels, 3, "gemma-3-1b", 1, 2000.0, prompt_len=1024)
+    calls = kernel_breakdown.fast_calls("gemma-3-1b")
+    assert table.loc["lm_head", "own"] == 10.0 and table.loc["lm_head", "calls"] == 1
+    assert table.loc["lm_head", "mb"] == pytest.approx(calls["_rms_gemv_kernel"][-1][1] / 1e6)
+    assert table.loc["gate/up", "calls"] == 26 and table.loc["gate/up", "own"] == 52.0
+    assert table.loc["gate/up", "floor"] == pytest.approx(table.loc["gate/up", "mb"] / 2000.0 * 1e3)
+    assert table.loc["gate/up", "over"] == pytest.approx(52.0 - table.loc["gate/up", "floor"])
+    kv = kernel_breakdown.attention_bytes("gemma-3-1b", 1, 1024, 48)
+    assert table.loc["attention, sliding layers", "calls"] == 44
+    assert table.loc["attention, sliding layers", "mb"] == pytest.approx(kv["sliding_attention"] / 1e6)
+    assert table.loc["attention, full layers", "mb"] == pytest.approx(kv["full_attention"] / 1e6)
+    assert pd_isna(table.loc["`_argmax_blocks`", "floor"]) and table.loc["`_argmax_blocks`", "over"] == 0.5
+    assert table["own"].sum() == pytest.approx(kernels["own_us"].sum() / 3)
+    assert table["mb"].sum() == pytest.approx(sum(b for p in calls.values() for _, b in p) / 1e6
+                                              + sum(kv.values()) / 1e6)
+    text = "\n".join(kernel_breakdown.floor_lines(table, 2000.0, 12))
+    assert "| lm_head | 1 | 10.0 |" in text and "| `_argmax_blocks` | 1 | 0.5 | - |" in text and "more" not in text
+    text = "\n".join(kernel_breakdown.floor_lines(table, 2000.0, 4))   # the rest in one row
+    assert f"| {len(table) - 4} more, each under" in text and "lm_head" not in text
+    # without the prompt's length the attention has no floor; calls that do not match the plan keep their name
+    table = kernel_breakdown.floor_account(_fast_launches("llama-1b", 2, rms_calls=2), 2, "llama-1b", 1, 2000.0)
+    assert pd_isna(table.loc["attention, full layers", "floor"])
+    assert "lm_head" not in table.index and pd_isna(table.loc["`_rms_gemv_kernel`", "mb"])
+    assert table.loc["q/k/v + RoPE", "calls"] == 16
+
+
+def pd_isna(value) -> bool:
+    import pandas as pd
+    return bool(pd.isna(value))
+
+
+def test_the_committed_llama_trace_is_held_to_its_floors(tmp_path, capsys):
+    """llama-1b's fast step on the H200 (e4c1eba): every product and the attention get a floor, the products read
+    all 2.47 GB of linear weights, and the command line prints the account."""
+    export = ROOT / "profiles" / "h200" / "nsys-fast" / "llama-1b-b1-e4c1eba" / "fast" / \
+        "llama-1b_b1_step-graph_node_noeos_kernelsfast.sqlite.gz"
+    kernels, launches = kernel_breakdown.launch_kernels(export)
+    table = kernel_breakdown.floor_account(kernels, launches, "llama-1b", 1, 4200.0, prompt_len=128)
+    assert {"q/k/v + RoPE", "o", "gate/up", "down", "lm_head", "attention, full layers"} <= set(table.index)
+    products = table.loc[["q/k/v + RoPE", "o", "gate/up", "down", "lm_head"], "mb"].sum()
+    assert products == pytest.approx(kernel_breakdown.linear_weight_bytes("llama-1b") / 1e6)
+    assert table["own"].sum() == pytest.approx(kernels["own_us"].sum() / launches)
+    out = tmp_path / "b.md"
+    assert kernel_breakdown.main([str(export), "--model", "llama-1b", "--copy-gb-s", "4200", "--prompt-len", "128",
+                                  "--out", str(out)]) == 0
+    assert "Each kernel against its own floor (its bytes over the copy bandwidth, 4200 GB/s)" in out.read_text()
+    with pytest.raises(SystemExit):
+        kernel_breakdown.main([str(export), "--copy-gb-s", "4200"])
+    assert "--copy-gb-s needs --model" in capsys.readouterr().err
+
+
 def test_breakdown_refuses_a_graph_level_trace():
     graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
     with pytest.raises(ValueError, match="--cuda-graph-trace=node"):
