@@ -40,9 +40,15 @@ model = "llama-1b"
 bench_presets = ["llama-1b", "llama-1b/pdl-auto", "llama-8b", "qwen3-8b", "gemma-3-1b",
                  "gemma-3-1b/fused-combine/pdl-auto-peers", "gemma-3-1b/fused-projections", "qwen3-30b-a3b",
                  "gpt-oss-20b", "gpt-oss-20b/fused-projections"]
-# mixture-of-experts presets whose node traces (profiles/h200/nsys-fast/<preset>-b<batch>-<commit>/fast/) the last
+# the GPUs whose committed bench runs (profiles/<gpu>/bench/<preset>/) and node traces (profiles/<gpu>/nsys-fast/)
+# the last sections read, side by side
+gpus = ["h200", "h100"]
+# mixture-of-experts presets whose node traces (profiles/<gpu>/nsys-fast/<preset>-b<batch>-<commit>/fast/) the MoE
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
+# node traces (folders under profiles/ holding fast/) held kernel by kernel to their floors: the newest of llama-1b
+# and qwen3-30b-a3b at batch 1 on the H200
+floor_traces = ["h200/nsys-fast/llama-1b-b1-e4c1eba", "h200/nsys-fast/qwen3-30b-a3b-b1-4d5ca74"]
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -58,8 +64,8 @@ import gdtool
 from gdtool.frontends import notebook, plot
 from gdtool.measure import record
 
-notebook.setup(dict(results=results, model=model, bench_presets=bench_presets, moe_presets=moe_presets), cpu=cpu,
-               cpu_fallback=cpu_fallback)
+notebook.setup(dict(results=results, model=model, bench_presets=bench_presets, gpus=gpus, moe_presets=moe_presets,
+                    floor_traces=floor_traces), cpu=cpu, cpu_fallback=cpu_fallback)
 root = Path(gdtool.__file__).resolve().parent.parent
 sys.path.insert(0, str(root / "profiles"))
 import decode_kernels_tables as tables  # noqa: E402
@@ -172,24 +178,30 @@ print("TB/s per projection as the best step runs them:", mine.round(2).to_dict()
 # %% [markdown]
 # ## Every preset beside its floor
 # `python -m gdtool bench` (prompt 128, 256 new tokens, greedy, EOS off) against its peers in the same
-# process, read from the committed runs under `profiles/h200/bench/<preset>/` (`profiles/bench_table.py`).
-# The floor is the bytes a step must read (weights once, the live KV cache) over the copy bandwidth measured
-# in the same run. Per preset and batch: gdtool's fastest runner, the fastest peer measured in the same run
-# (none where that run had no peer), and the floor.
+# process, read from the committed runs under `profiles/<gpu>/bench/<preset>/` for each of `gpus`
+# (`profiles/bench_table.py`). The floor is the bytes a step must read (weights once, the live KV cache) over the
+# copy bandwidth measured in the same run. Per preset, batch and GPU: gdtool's fastest runner, the fastest peer
+# measured in the same run (none where that run had no peer), and the floor; a preset run on two GPUs has a row
+# for each, side by side.
 
 # %%
+import json  # noqa: E402
+
 import bench_table  # noqa: E402
 
-paths = sorted(p for preset in bench_presets for p in (root / "profiles" / "h200" / "bench" / preset).glob("*.json"))
-runs = bench_table.frame(paths)
+paths = sorted(p for gpu in gpus for preset in bench_presets
+               for p in (root / "profiles" / gpu / "bench" / preset).glob("*.json"))
+runs = bench_table.frame(paths).assign(gpu=lambda d: d["gpu"].fillna("?"))
 summary = bench_table.fastest(runs)   # the peer of the same run (JSON file) as gdtool's fastest runner
 display(summary.round(3))
-shown = runs.merge(summary.reset_index(), left_on=["model", "batch", "runner", "ms_per_step"],
-                   right_on=["model", "batch", "gdtool, fastest", "ms/step"])   # the files of the bars drawn
+shown = runs.merge(summary.reset_index(), left_on=["model", "batch", "gpu", "runner", "ms_per_step"],
+                   right_on=["model", "batch", "gpu", "gdtool, fastest", "ms/step"])   # the files of the bars drawn
 bench_where = plot.where([record.read_sidecar(f) for f in dict.fromkeys(shown["file"])],
                          list(dict.fromkeys(summary.index.get_level_values("model"))))
+print("GPUs with committed bench runs:", ", ".join(summary.index.get_level_values("gpu").unique()),
+      f"(of the folders {', '.join(gpus)})")
 fig, ax = plt.subplots(figsize=(8, 0.55 * len(summary) + 1.2), layout="constrained")
-names = [f"{m}, batch {b} ({c})" for (m, b), c in zip(summary.index, summary["commit"])]
+names = [f"{m}, batch {b}, {g.replace('NVIDIA ', '')} ({c})" for (m, b, g), c in zip(summary.index, summary["commit"])]
 y = range(len(summary))
 ax.barh([i - 0.2 for i in y], summary["ms/step"], height=0.4, color="tab:blue", label="gdtool, fastest runner")
 ax.barh([i + 0.2 for i in y], summary["peer ms/step"], height=0.4, color="tab:gray",
@@ -200,7 +212,7 @@ ax.invert_yaxis()
 ax.set_xscale("log")
 ax.set_xlabel("ms per decode step (log scale)")
 ax.legend(loc="lower right", fontsize="small")
-plot.caption(fig, f"{bench_where}. Per preset and batch size, from the committed bench runs (commit in the label): "
+plot.caption(fig, f"{bench_where}. Per preset, batch size and GPU, from the committed bench runs (commit in the label): "
                   "blue, gdtool's fastest runner (mode and kernels in the table); grey, the fastest peer measured in "
                   "the same process (generate() with a static cache and torch.compile, or the gpt-fast-style step); "
                   "red tick, the bytes-over-bandwidth floor of that step. Lower is faster.")
@@ -239,6 +251,65 @@ plt.show()
 print(f"{int(curves.cliff.sum())} cliff(s) in {len(curves)} points")
 
 # %% [markdown]
+# ## Each kernel against its own floor
+# A node trace of the fast step, kernel by kernel (`profiles/kernel_breakdown.py`'s `floor_account`): each product
+# matched to the weights it reads by its place in the launch, attention by the kind of layer with the live cache it
+# reads, the experts kernels with the experts a step hits. A kernel's floor is its bytes over the copy bandwidth;
+# what it takes above that ("over") is where the step's distance from its own floor goes. The bandwidth is the one
+# measured beside the trace (`copy_gb_s.txt`, written by `gpu_run.sh OUT nsys-fast`) or, for a trace older than
+# that, the one the bench run of the same preset, batch and GPU above measured (its floor tick).
+
+# %%
+import re  # noqa: E402
+
+import kernel_breakdown  # noqa: E402
+
+bench_file = {(r.model, r.batch, r.gpu): r.file for r in shown.itertuples()}
+accounts, floor_env = [], []
+for trace in floor_traces:
+    folder = root / "profiles" / trace / "fast"
+    export = next(folder.glob("*.sqlite.gz"))
+    found = re.fullmatch(r"(.+)-b(\d+)(?:-p(\d+))?-([0-9a-f]{7})", folder.parent.name)
+    preset, batch, prompt = found.group(1), int(found.group(2)), int(found.group(3) or 128)
+    floor_env.append(record.read_sidecar(folder / "env.json"))
+    gpu = floor_env[-1]["environment"]["device_name"]
+    if (folder / "copy_gb_s.txt").exists():
+        copy, source = float((folder / "copy_gb_s.txt").read_text()), "beside the trace"
+    else:
+        bench = Path(bench_file[(preset, batch, gpu)])
+        copy = json.loads(bench.read_text())["environment"]["copy_gb_s"]
+        source = f"the bench run {bench.relative_to(root / 'profiles')}"
+    kernels, launches = kernel_breakdown.launch_kernels(export)
+    account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
+    print(f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')}, commit {found.group(4)}: copy bandwidth "
+          f"{copy:.0f} GB/s ({source}); kernels {account['own'].sum():.1f} µs a step, their floors "
+          f"{account['floor'].sum():.1f} µs ({account['floor'].sum() / account['own'].sum():.0%})")
+    accounts.append(account.assign(trace=f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')} "
+                                         f"({found.group(4)})"))
+if accounts:
+    every = pd.concat(accounts).reset_index().set_index(["trace", "role"])
+    display(every[["calls", "own", "mb", "floor", "over"]].round(1))
+    fig, axes = plt.subplots(1, len(accounts), figsize=(5.5 * len(accounts), 4.2), layout="constrained",
+                             squeeze=False)
+    for ax, account in zip(axes[0], accounts):
+        top = account.head(8).iloc[::-1]
+        ax.barh(top.index, top["floor"].fillna(0.0), color="tab:green", label="floor")
+        ax.barh(top.index, top["over"].clip(lower=0), left=top["floor"].fillna(0.0), color="tab:orange",
+                label="above the floor")
+        ax.set_title(account["trace"].iloc[0], fontsize="small")
+        ax.set_xlabel("µs per decode step (own time)")
+        ax.tick_params(axis="y", labelsize="small")
+    axes[0][0].legend(loc="lower right", fontsize="small")
+    plot.caption(fig, f"{plot.where(floor_env, [a['trace'].iloc[0].split(',')[0] for a in accounts])}. The eight "
+                      "largest kernel roles of each traced step (node-level nsys trace, own time: each kernel from "
+                      "where the ones before it ended): green, the role's floor (its bytes over the copy bandwidth); "
+                      "orange, its time above that floor. A role without bytes (norms, sampling, bookkeeping) is all "
+                      "orange.")
+    plt.show()
+else:
+    print("no node traces listed in floor_traces")
+
+# %% [markdown]
 # ## Mixture of experts: where the step goes, per kernel class
 # The fast step of each MoE preset, traced node by node (`gpu_run.sh OUT nsys-fast` with `NSYS_MODEL`,
 # `NSYS_BATCH`), read through `profiles/kernel_breakdown.py`. With PDL a kernel starts, and waits, while the one
@@ -247,28 +318,29 @@ print(f"{int(curves.cliff.sum())} cliff(s) in {len(curves)} points")
 # and batch above (the bytes the step must read: of the experts, those its tokens hit on average).
 
 # %%
-import kernel_breakdown  # noqa: E402
-
 traced, per_kernel, moe_env = [], [], []
 for preset in moe_presets:
-    for export in sorted((root / "profiles" / "h200" / "nsys-fast").glob(f"{preset}-b*-*/fast/*.sqlite.gz")):
+    for export in sorted(e for gpu in gpus
+                         for e in (root / "profiles" / gpu / "nsys-fast").glob(f"{preset}-b*-*/fast/*.sqlite.gz")):
         moe_env.append(record.read_sidecar(export.parent / "env.json"))
+        gpu = moe_env[-1].get("environment", {}).get("device_name", "?")
         kernels, launches = kernel_breakdown.launch_kernels(export)
         batch = kernel_breakdown.export_batch(export)
         experts_table = kernel_breakdown.experts_by_kernel(kernels, launches, preset, batch)
         commit = export.parent.parent.name.rsplit("-", 1)[-1]
         if experts_table is not None:
-            per_kernel.append(experts_table.assign(preset=preset, batch=batch, commit=commit).set_index(
-                ["preset", "batch", "commit"], append=True))
+            per_kernel.append(experts_table.assign(preset=preset, batch=batch, gpu=gpu.replace("NVIDIA ", ""),
+                                                   commit=commit).set_index(["preset", "batch", "gpu", "commit"],
+                                                                            append=True))
         own = kernels.groupby("class")["own_us"].sum() / launches
-        floor = summary["floor ms/step"].get((preset, batch), float("nan")) * 1e3
-        traced.append(dict(preset=preset, batch=batch, commit=commit,
+        floor = summary["floor ms/step"].get((preset, batch, gpu), float("nan")) * 1e3
+        traced.append(dict(preset=preset, batch=batch, gpu=gpu.replace("NVIDIA ", ""), commit=commit,
                            floor_us=floor, **{f"{cls} µs": us for cls, us in own.items()}))
 moe = pd.DataFrame(traced)
 if moe.empty:
-    print("no MoE node traces committed under profiles/h200/nsys-fast/")
+    print(f"no MoE node traces committed under profiles/<gpu>/nsys-fast/ for the GPUs {', '.join(gpus)}")
 else:
-    moe = moe.set_index(["preset", "batch"]).fillna(0.0)
+    moe = moe.set_index(["preset", "batch", "gpu"]).fillna(0.0)
     classes = [c for c in moe.columns if c.endswith(" µs")]
     moe["step µs"] = moe[classes].sum(axis=1)
     moe["x floor"] = moe["step µs"] / moe["floor_us"]
@@ -279,12 +351,12 @@ else:
         ax.barh(range(len(moe)), moe[cls], left=left, label=cls.removesuffix(" µs"))
         left = [a + b for a, b in zip(left, moe[cls])]
     ax.scatter(moe["floor_us"], range(len(moe)), color="black", marker="|", s=400, zorder=3, label="floor")
-    ax.set_yticks(range(len(moe)), [f"{p}, batch {b} ({c})" for (p, b), c in zip(moe.index, moe["commit"])])
+    ax.set_yticks(range(len(moe)), [f"{p}, batch {b}, {g} ({c})" for (p, b, g), c in zip(moe.index, moe["commit"])])
     ax.invert_yaxis()
     ax.set_xlabel("µs per decode step (own time per kernel class)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")
     plot.caption(fig, f"{plot.where(moe_env, list(moe.index.get_level_values('preset').unique()))}. "
-                      "Per MoE preset and batch, the fast step's GPU time by kernel class from a node-level nsys trace "
+                      "Per MoE preset, batch and GPU, the fast step's GPU time by kernel class from a node-level nsys trace "
                       "(commit in the label): each kernel from where the ones before it ended, so the bars sum to the "
                       "time some kernel runs. Black tick: the bytes-over-bandwidth floor of that preset's bench run.")
     plt.show()
@@ -296,7 +368,7 @@ else:
 
 # %%
 if per_kernel:
-    display(pd.concat(per_kernel).reorder_levels(["preset", "batch", "commit", "name"])
+    display(pd.concat(per_kernel).reorder_levels(["preset", "batch", "gpu", "commit", "name"])
             [["calls", "own", "us_per_call", "mb_per_call", "tb_s"]].round(2))
 
 # %% [markdown]
@@ -340,11 +412,8 @@ else:
 # full layer); since 8104acb it reads them a block of chunks at a time, 64 outputs a program (12ffb80).
 
 # %%
-import re  # noqa: E402
-
-h200 = root / "profiles" / "h200"
-exports = sorted(h200.glob("nsys-gemma-fast-*/fast/*.sqlite.gz")) + sorted(
-    h200.glob("nsys-fast/gemma-3-1b-b*-*/fast/*.sqlite.gz"))
+exports = [e for gpu in gpus for e in sorted((root / "profiles" / gpu).glob("nsys-gemma-fast-*/fast/*.sqlite.gz"))
+           + sorted((root / "profiles" / gpu).glob("nsys-fast/gemma-3-1b-b*-*/fast/*.sqlite.gz"))]
 types = kernel_breakdown.layer_types("gemma-3-1b")
 per_kind, window_env = [], []
 for export in exports:
@@ -357,16 +426,18 @@ for export in exports:
     prompt = re.search(r"-p(\d+)-", folder)
     sliding = int((pd.Series(types) == "sliding_attention").sum())
     roll = kernels.loc[kernels["name"].fillna("").str.contains("roll_left"), "own_us"].sum() / launches
-    per_kind.append(dict(batch=kernel_breakdown.export_batch(export), prompt=int(prompt.group(1)) if prompt else 128,
+    gpu = window_env[-1].get("environment", {}).get("device_name", "?").replace("NVIDIA ", "")
+    per_kind.append(dict(gpu=gpu, batch=kernel_breakdown.export_batch(export),
+                         prompt=int(prompt.group(1)) if prompt else 128,
                          commit=folder.rsplit("-", 1)[-1] + (", fused combine" if "fused-combine" in folder else ""),
                          step_us=kernels["own_us"].sum() / launches,
                          **{f"{kind} µs/layer": row["per_layer"] for kind, row in table.iterrows()},
                          **{"roll µs/sliding layer": roll / sliding}))
 windows = pd.DataFrame(per_kind)
 if windows.empty:
-    print("no Gemma 3 node traces committed under profiles/h200/")
+    print(f"no Gemma 3 node traces committed under profiles/<gpu>/ for the GPUs {', '.join(gpus)}")
 else:
-    windows = windows.set_index(["batch", "prompt", "commit"]).sort_index()
+    windows = windows.set_index(["gpu", "batch", "prompt", "commit"]).sort_index()
     display(windows.round(2))
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(windows) + 1.5), layout="constrained")
     kinds = [c for c in windows.columns if c.endswith("attention µs/layer")]
@@ -376,7 +447,7 @@ else:
         if kind.startswith("sliding"):  # the roll stacked on the sliding layers' attention
             ax.barh([i + 0.4 * j - 0.2 for i in y], windows["roll µs/sliding layer"], left=windows[kind], height=0.4,
                     color="tab:red", label="roll of a full window")
-    ax.set_yticks(list(y), [f"batch {b}, prompt {p} ({c})" for b, p, c in windows.index])
+    ax.set_yticks(list(y), [f"{g}, batch {b}, prompt {p} ({c})" for g, b, p, c in windows.index])
     ax.invert_yaxis()
     ax.set_xlabel("attention µs per layer (own time)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small")

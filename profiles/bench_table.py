@@ -77,23 +77,27 @@ def _expand(args):
 
 
 def fastest(runs):
-    """Per model and batch of `frame(...)`'s rows that ran: gdtool's fastest runner, and the fastest peer of
+    """Per model, batch and GPU of `frame(...)`'s rows that ran: gdtool's fastest runner, and the fastest peer of
     the same run (the same JSON file: ratios only between what one process measured), with the floor and the
-    commit. Peers of other runs are not compared; a run without a peer shows none."""
+    commit. Peers of other runs are not compared; a run without a peer shows none. Indexed by (model, batch, gpu):
+    runs on an H100 and an H200 side by side, never one GPU's runner against the other's."""
     import pandas as pd
     ok = runs[runs.status == "ok"].sort_values("ms_per_step")
+    if "gpu" not in ok.columns:
+        ok = ok.assign(gpu=None)
+    ok = ok.assign(gpu=ok["gpu"].fillna("?"))
     out = []
-    for (name, batch), group in ok.groupby(["model", "batch"], sort=False):
+    for (name, batch, gpu), group in ok.groupby(["model", "batch", "gpu"], sort=False):
         mine = group[group.family == "gdtool"]
         if not len(mine):
             continue
         best = mine.iloc[0]
         peers = group[(group.family == "peer") & (group.file == best.file)]
-        out.append({"model": name, "batch": batch, "gdtool, fastest": best.runner, "ms/step": best.ms_per_step,
-                    "peer, fastest": peers.runner.iloc[0] if len(peers) else None,
+        out.append({"model": name, "batch": batch, "gpu": gpu, "gdtool, fastest": best.runner,
+                    "ms/step": best.ms_per_step, "peer, fastest": peers.runner.iloc[0] if len(peers) else None,
                     "peer ms/step": peers.ms_per_step.iloc[0] if len(peers) else float("nan"),
                     "floor ms/step": best.floor_ms, "commit": str(best.commit)[:7]})
-    summary = pd.DataFrame(out).sort_values(["model", "batch"]).set_index(["model", "batch"])
+    summary = pd.DataFrame(out).sort_values(["model", "batch", "gpu"]).set_index(["model", "batch", "gpu"])
     summary["% of floor"] = 100 * summary["floor ms/step"] / summary["ms/step"]
     return summary
 

@@ -74,7 +74,7 @@ def device(path: Path) -> str:
 
 
 def commit(path: Path) -> str:
-    relative = path.relative_to(ROOT).as_posix()
+    relative = path.relative_to(ROOT).as_posix() if path.is_relative_to(ROOT) else path.as_posix()
     for prefix, value in COMMITS.items():
         if relative.startswith(prefix):
             return value
@@ -161,28 +161,31 @@ def peers_compiled() -> str:
                  right={1, 2, 3, 6})
 
 
-# `kernels="fast"` per preset and batch: the latest bench of each, with the peer that ran in the same process.
+# `kernels="fast"` per preset and batch: the latest bench of each, with the peer that ran in the same process; a
+# path under each GPU's bench folder (BENCHES), a row for each GPU that has the file, side by side.
 BENCH = H200 / "bench"
+BENCHES = [BENCH, PROFILES / "h100" / "bench"]
 PEERS_FAST = [
-    BENCH / "llama-1b" / "llama-1b_b1_p128_n256_kfast.json",
-    BENCH / "llama-1b" / "llama-1b_b64_p128_n256_kfast_fused.json",
-    BENCH / "llama-8b" / "llama-8b_b1_p128_n256_kfast.json",
-    BENCH / "llama-8b" / "llama-8b_b64_p128_n256_kfast_fused.json",
-    BENCH / "qwen3-8b" / "qwen3-8b_b1_p128_n256_kfast.json",
-    BENCH / "qwen3-8b" / "qwen3-8b_b64_p128_n256_kfast_fused.json",
-    BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b1_p128_n256_kcompiled+fast_fused.json",
-    BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b64_p128_n256_kcompiled+fast_fused.json",
-    BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b1_p128_n256_kfast.json",
-    BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b64_p128_n256_kfast.json",
-    BENCH / "gpt-oss-20b" / "fused-projections" / "gpt-oss-20b_b1_p128_n256_kfast_fused.json",
-    BENCH / "gpt-oss-20b" / "gpt-oss-20b_b64_p128_n256_kfast.json",
+    "llama-1b/llama-1b_b1_p128_n256_kfast.json",
+    "llama-1b/llama-1b_b64_p128_n256_kfast_fused.json",
+    "llama-8b/llama-8b_b1_p128_n256_kfast.json",
+    "llama-8b/llama-8b_b64_p128_n256_kfast_fused.json",
+    "qwen3-8b/qwen3-8b_b1_p128_n256_kfast.json",
+    "qwen3-8b/qwen3-8b_b64_p128_n256_kfast_fused.json",
+    "gemma-3-1b/fused-projections/gemma-3-1b_b1_p128_n256_kcompiled+fast_fused.json",
+    "gemma-3-1b/fused-projections/gemma-3-1b_b64_p128_n256_kcompiled+fast_fused.json",
+    "qwen3-30b-a3b/qwen3-30b-a3b_b1_p128_n256_kfast.json",
+    "qwen3-30b-a3b/qwen3-30b-a3b_b64_p128_n256_kfast.json",
+    "gpt-oss-20b/fused-projections/gpt-oss-20b_b1_p128_n256_kfast_fused.json",
+    "gpt-oss-20b/gpt-oss-20b_b64_p128_n256_kfast.json",
 ]
 
 
 def peers_fast() -> str:
-    """`kernels="fast"` (step-graph) per preset and batch, beside the fastest peer of the same run."""
+    """`kernels="fast"` (step-graph) per preset and batch, beside the fastest peer of the same run; one row per GPU
+    whose bench folder holds the run."""
     rows = []
-    for path in PEERS_FAST:
+    for path in (bench / name for name in PEERS_FAST for bench in BENCHES if (bench / name).exists()):
         runs = _bench(path)
         ours = _runner(runs, "gdtool step-graph+fast")
         peer = _fastest_peer(runs)

@@ -250,6 +250,32 @@ def test_the_rendered_tables_are_what_their_files_give():
     assert not stale, f"rendered tables that differ from their files in {stale}: python profiles/doc_tables.py --write"
 
 
+def test_the_fast_peers_table_puts_an_h100_run_beside_the_h200_one(tmp_path, monkeypatch):
+    """A bench file at the same place under the H100's bench folder gets its own row, right after the H200's, with
+    its own device and commit; without it the table is the H200's alone."""
+    import json
+    doc_tables = _doc_tables()
+    before = doc_tables.peers_fast().splitlines()
+    name = doc_tables.PEERS_FAST[0]
+    doc = json.loads((doc_tables.BENCH / name).read_text())
+    doc["environment"].update(device_name="NVIDIA H100 80GB HBM3", git_commit="abc1234",
+                              git_commit_source="GDTOOL_COMMIT")
+    for row in doc["summary"]:
+        if row.get("ms_per_step"):
+            row["ms_per_step"] *= 1.25
+            row["tok_s"] /= 1.25
+    h100 = tmp_path / "h100" / "bench"
+    (h100 / name).parent.mkdir(parents=True)
+    (h100 / name).write_text(json.dumps(doc))
+    monkeypatch.setattr(doc_tables, "BENCHES", [doc_tables.BENCH, h100])
+    after = doc_tables.peers_fast().splitlines()
+    assert len(after) == len(before) + 1 and after[:3] == before[:3] and after[4:] == before[3:]
+    cells = [c.strip() for c in after[3].split("|")[1:-1]]
+    h200 = [c.strip() for c in before[2].split("|")[1:-1]]
+    assert cells[:3] == h200[:3] and cells[-2:] == ["H100 80GB HBM3", "abc1234"]
+    assert float(cells[4]) == pytest.approx(1.25 * float(h200[4]), abs=1e-3)
+
+
 def test_every_rendered_block_is_a_table_the_script_makes_in_a_doc_it_writes():
     doc_tables = _doc_tables()
     holding = {}

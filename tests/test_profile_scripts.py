@@ -416,9 +416,19 @@ def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     runs = pd.DataFrame([dict(model=m, batch=b, runner=r, family=f, status="ok", ms_per_step=ms, floor_ms=fl, commit=c,
                               file=path) for m, b, r, f, ms, fl, c, path in rows])
     summary = bench_table.fastest(runs)
-    one, two = summary.loc[("m", 1)], summary.loc[("m", 2)]
+    one, two = summary.loc[("m", 1, "?")], summary.loc[("m", 2, "?")]   # no GPU recorded: "?"
     assert (one["gdtool, fastest"], one["ms/step"], one["peer ms/step"], one["commit"]) == ("gdtool b", 1.0, 3.0, "c2")
     assert one["% of floor"] == 40.0 and pd.isna(two["peer, fastest"]) and pd.isna(two["peer ms/step"])
+    # the same preset on two GPUs: one row each, side by side; the faster GPU's runner never stands for the other's
+    runs = runs.assign(gpu="NVIDIA H200")
+    h100 = runs[runs.file == "new.json"].assign(gpu="NVIDIA H100 80GB HBM3", file="h100.json",
+                                                 ms_per_step=lambda d: d.ms_per_step * 1.3)
+    summary = bench_table.fastest(pd.concat([runs, h100]))
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert list(summary.index) == [("m", 1, h100), ("m", 1, h200), ("m", 2, h100), ("m", 2, h200)]
+    assert summary.loc[("m", 1, h100), "ms/step"] == pytest.approx(1.3)
+    assert summary.loc[("m", 1, h100), "peer ms/step"] == pytest.approx(3.9)
+    assert summary.loc[("m", 1, h200), "ms/step"] == 1.0
 
 
 def test_bench_curve_flags_a_batch_that_decodes_fewer_tokens_a_second():
