@@ -58,16 +58,15 @@ MAX_SHARED = {80: 166912, 86: 101376, 89: 101376, 90: 232448, 100: 232448, 120: 
 WORKLOADS = {
     "checks": """
 import torch, test_fast_tail
-from gdtool.kernels import attention, testing
+from gdtool.kernels import testing, triton as fast_triton
 gen = torch.Generator().manual_seed(0)
 for dtype in (torch.bfloat16, torch.float16):
     testing.check_all("cpu", dtype)
     testing.check_experts_all("cpu", dtype)
     testing.check_experts_all("cpu", dtype, routed=True)
-    attention._FUSED_COMBINE = False   # the combine in a kernel of its own (GDTOOL_FUSED_COMBINE=0)
-    for sinks in (False, True):
-        testing.check_attention(3, 8, 2, 32, 90, 70, dtype, "cpu", gen, 5, sinks=sinks)
-    attention._FUSED_COMBINE = True
+    with fast_triton.switches(fused_combine=False):   # the combine in a kernel of its own (GDTOOL_FUSED_COMBINE=0)
+        for sinks in (False, True):
+            testing.check_attention(3, 8, 2, 32, 90, 70, dtype, "cpu", gen, 5, sinks=sinks)
 test_fast_tail.check(range(4))   # the greedy tail (its buffers are integers)
 """,
     "decode": """

@@ -232,7 +232,7 @@ def part_gemv(args, rows):
 def _attention_plans(args, rows, gen):
     """--attention-targets: llama-1b's attention at one row (32/8 x 64 over 384 slots, the live lengths of a decode)
     with split_plan's target programs set to each target (passed as a tuning, `tuning.use`) (fewer, longer chunks: fewer programs and a shorter
-    combine), the combine in its own kernel and in the split kernel's last program (GDTOOL_FUSED_COMBINE), PDL on.
+    combine), the combine in its own kernel and in the split kernel's last program (`triton.switches(fused_combine=...)`), PDL on.
     At 175 live slots the default plan (264) cuts 11 chunks of 16 and the step spends ~8 us a layer on attention
     (nsys, a7748ba) for ~0.36 MB of cache: the question is which plan the latency favours."""
     if not args.attention_targets:
@@ -243,32 +243,27 @@ def _attention_plans(args, rows, gen):
     q = torch.randn(m, hq, d, device=DEVICE, generator=gen).to(DTYPE)
     caches = [(torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE),
                torch.randn(m, hkv, cache, d, device=DEVICE, generator=gen).to(DTYPE)) for _ in range(copies)]
-    default_fused = fast_attention._FUSED_COMBINE
     tune = tuning.current(torch.device(DEVICE))
-    try:
-        for live in lives:
-            mask = torch.zeros(m, cache, dtype=torch.long, device=DEVICE)
-            mask[:, :live] = 1
-            slot = torch.tensor(live - 1, device=DEVICE)
-            for target in args.attention_targets:
-                for fused in (False, True):
-                    if time.perf_counter() - START > args.budget_s:
-                        return
-                    fast_attention._FUSED_COMBINE = fused
-                    plan = tune.with_values("attention", programs_per_sm=target / tune.multiprocessors)
-                    try:
-                        with fast_triton.pdl(True), tuning.use(plan):
-                            us = time_calls([lambda kc=kc, vc=vc: fast_attention.split_kv(
-                                q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches], args.reps)
-                        rows.append(dict(rows=m, heads=f"{hq}/{hkv}x{d}", cache=cache, live=live,
-                                         kernel="split-kv, combine fused" if fused else "split-kv", pdl=True, us=us,
-                                         target=target, chunks=str(fast_attention.split_plan(m, hkv, cache, plan))))
-                    except Exception as error:
-                        rows.append(dict(rows=m, cache=cache, live=live, target=target, fused=fused,
-                                         error=repr(error)[:300]))
-                    log(rows[-1])
-    finally:
-        fast_attention._FUSED_COMBINE = default_fused
+    for live in lives:
+        mask = torch.zeros(m, cache, dtype=torch.long, device=DEVICE)
+        mask[:, :live] = 1
+        slot = torch.tensor(live - 1, device=DEVICE)
+        for target in args.attention_targets:
+            for fused in (False, True):
+                if time.perf_counter() - START > args.budget_s:
+                    return
+                plan = tune.with_values("attention", programs_per_sm=target / tune.multiprocessors)
+                try:
+                    with fast_triton.pdl(True), tuning.use(plan), fast_triton.switches(fused_combine=fused):
+                        us = time_calls([lambda kc=kc, vc=vc: fast_attention.split_kv(
+                            q, kc, vc, mask, slot, d ** -0.5) for kc, vc in caches], args.reps)
+                    rows.append(dict(rows=m, heads=f"{hq}/{hkv}x{d}", cache=cache, live=live,
+                                     kernel="split-kv, combine fused" if fused else "split-kv", pdl=True, us=us,
+                                     target=target, chunks=str(fast_attention.split_plan(m, hkv, cache, plan))))
+                except Exception as error:
+                    rows.append(dict(rows=m, cache=cache, live=live, target=target, fused=fused,
+                                     error=repr(error)[:300]))
+                log(rows[-1])
 
 
 def part_attention(args, rows):

@@ -3,7 +3,7 @@ which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, 
 GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round) and
 GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), and the largest
 batch the matrix-vector kernels take (`forward.batch_line`: one line for every shape), passed as a tuning
-(`tuning.use`), for an A/B of plans in the step.
+(`tuning.use`) and switches (`triton.switches`), for an A/B of plans in the step.
 
     python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
         [--fold-embedding 0|1] [--gemv-rows N] -- --model llama-1b ...
@@ -19,7 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdtool import __main__ as cli  # noqa: E402
-from gdtool.kernels import attention, forward, gemv, tail, tuning  # noqa: E402
+from gdtool.kernels import attention, forward, gemv, tuning  # noqa: E402
+from gdtool.kernels import triton as fast_triton  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -54,23 +55,18 @@ def main(argv=None) -> int:
             parser.error(str(e))
     if args.target is not None:
         tune = tune.with_values("attention", programs_per_sm=args.target / tune.multiprocessors)
-    if args.fused is not None:
-        attention._FUSED_COMBINE = bool(args.fused)
-    if args.early_norm is not None:
-        gemv._EARLY_NORM = bool(args.early_norm)
-    if args.tail is not None:
-        tail._ON = bool(args.tail)
-    if args.late_trigger is not None:
-        gemv._LATE_TRIGGER = bool(args.late_trigger)
-    if args.fold_embedding is not None:
-        gemv._FOLD_EMBEDDING = bool(args.fold_embedding)
-    print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, fused combine "
-          f"{'on' if attention._FUSED_COMBINE else 'off'}, early norm {'on' if gemv._EARLY_NORM else 'off'}, "
-          f"one-kernel tail {'on' if tail._ON else 'off'}, PDL trigger {'late' if gemv._LATE_TRIGGER else 'early'}, "
-          f"embedding {'folded' if gemv._FOLD_EMBEDDING else 'apart'}, "
-          f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}", flush=True)
-    with tuning.use(tune):   # every kernel of the bench reads these values, the device's others unchanged
-        return cli.main(["bench", *bench])
+    given = {"fused_combine": args.fused, "early_norm": args.early_norm, "one_kernel_tail": args.tail,
+             "late_trigger": args.late_trigger, "fold_embedding": args.fold_embedding}
+    with fast_triton.switches(**{name: bool(v) for name, v in given.items() if v is not None}):
+        on = {name: fast_triton.asked(name) for name in given}
+        print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, fused combine "
+              f"{'on' if on['fused_combine'] else 'off'}, early norm {'on' if on['early_norm'] else 'off'}, "
+              f"one-kernel tail {'on' if on['one_kernel_tail'] else 'off'}, "
+              f"PDL trigger {'late' if on['late_trigger'] else 'early'}, "
+              f"embedding {'folded' if on['fold_embedding'] else 'apart'}, "
+              f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}", flush=True)
+        with tuning.use(tune):   # every kernel of the bench reads these values, the device's others unchanged
+            return cli.main(["bench", *bench])
 
 
 if __name__ == "__main__":

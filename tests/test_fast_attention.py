@@ -331,10 +331,10 @@ def test_fused_combine_under_the_interpreter_equals_the_combine_kernel():
             "for m, hq, hkv, d, c, live, pad, sinks in cases:\n"
             "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
             "    assert attention.fused_plan(m, hkv, hq // hkv, c, d) == attention.split_plan(m, hkv, c)\n"
-            "    attention._FUSED_COMBINE = False\n"
-            "    two = attention.split_kv(*args)\n"
-            "    attention._FUSED_COMBINE = True\n"
-            "    one, again = attention.split_kv(*args), attention.split_kv(*args)\n"
+            "    with fast_triton.switches(fused_combine=False):\n"
+            "        two = attention.split_kv(*args)\n"
+            "    with fast_triton.switches(fused_combine=True):\n"
+            "        one, again = attention.split_kv(*args), attention.split_kv(*args)\n"
             "    assert torch.equal(one, two) and torch.equal(again, two), (m, hq, hkv, live, (one - two).abs().max())\n"
             "    assert not fast_triton._COUNTS[('attention', 'cpu')].any()  # every count set back to 0\n"
             "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
@@ -397,13 +397,15 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
     the result differs from the one-block plan (one read of the partials) by rounding only, by nothing where
     the live chunks fit one block."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, testing\nimport test_fast_attention as t\n"
-            "from gdtool.kernels import tuning\n"
+            "from gdtool.kernels import triton as fast_triton, tuning\n"
             "def plan(**values):  # the attention's tuning, passed as a probe passes it\n"
             "    tuning._override[:] = [tuning.current().with_values('attention', **values)]\n"
             "gen = torch.Generator().manual_seed(1)\n"
             "rng = random.Random(1)\n"
             "assert attention.combine_plan(259, 256) == (64, 64) and attention.combine_plan(24, 64) == (64, 32)\n"
-            "attention._FUSED_COMBINE = False  # the combine kernel's blocks; the fused form is compared below\n"
+            "def two_kernels(*args):  # the combine kernel's blocks; the fused form is compared below\n"
+            "    with fast_triton.switches(fused_combine=False):\n"
+            "        return attention.split_kv(*args)\n"
             "one_block = 0\n"
             "cases = [(1, 4, 1, 32, 96, 96, 0, False), (2, 8, 2, 16, 80, 3, 1, True)]\n"
             "for _ in range(6):\n"
@@ -413,22 +415,23 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
             "for i, (m, hq, hkv, d, c, live, pad, sinks) in enumerate(cases):\n"
             "    args = t.split_kv_args(gen, m, hq, hkv, d, c, live, pad, sinks)\n"
             "    plan(combine_d=64, combine_elements=4096)\n"
-            "    whole = attention.split_kv(*args)\n"
+            "    whole = two_kernels(*args)\n"
             "    chunk, splits = attention.split_plan(m, hkv, c)\n"
             "    combine_d = d // (2, 4)[i % 2]\n"
             "    plan(combine_d=combine_d, combine_elements=combine_d * (4 if splits > 4 and i % 3 == 0 else 2))\n"
             "    block_d, block_splits = attention.combine_plan(splits, d)\n"
             "    assert block_d < d and block_splits < splits, (d, splits, block_d, block_splits)\n"
-            "    two = attention.split_kv(*args)\n"
+            "    two = two_kernels(*args)\n"
             "    torch.testing.assert_close(two, whole, rtol=2e-3, atol=2e-3)\n"
             "    if -(-live // chunk) <= block_splits:  # the live chunks in one block: the same sums as one pass\n"
             "        assert torch.equal(two, whole), (m, hq, hkv, live, (two - whole).abs().max())\n"
             "        one_block += 1\n"
-            "    attention._FUSED_COMBINE = True\n"
-            "    one = attention.split_kv(*args)\n"
-            "    attention._FUSED_COMBINE = False\n"
+            "    with fast_triton.switches(fused_combine=True):\n"
+            "        one = attention.split_kv(*args)\n"
             "    assert torch.equal(one, two), (m, hq, hkv, live, (one - two).abs().max())\n"
-            "    r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad, sinks=sinks)\n"
+            "    with fast_triton.switches(fused_combine=False):\n"
+            "        r = testing.check_attention(m, hq, hkv, d, c, live, torch.float16, 'cpu', gen, pad=pad,\n"
+            "                                    sinks=sinks)\n"
             "    assert r.ok, r\n"
             "assert one_block, 'no case had its live chunks in one block'\n"
             "print('ok')\n")
@@ -437,7 +440,7 @@ def test_combine_in_blocks_of_chunks_and_outputs_under_the_interpreter():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
-def test_fused_combine_on_cuda(monkeypatch, pdl):
+def test_fused_combine_on_cuda(pdl):
     """GDTOOL_FUSED_COMBINE on the GPU, where the programs of one launch run at once: the float64 checks at
     real shapes (Gemma-3-1B's 4/1 x 256 heads, Llama's 32/8 x 64 and Qwen3-30B-A3B's 32/4 x 128 at 384 slots, the
     fused plan; 8 rows, sinks) and a seeded sweep, each twice (the counts reset), and tiny-llama's fast step
@@ -455,9 +458,10 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
                        rng.randint(1, c), rng.randint(0, 5), rng.random() < 0.3))
     with fast_triton.pdl(pdl):
         for m, hq, hkv, d, c, live, pad, sinks in shapes:
-            monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", True)
             for _ in range(2):
-                r = testing.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad, sinks=sinks)
+                with fast_triton.switches(fused_combine=True):
+                    r = testing.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad,
+                                                sinks=sinks)
                 assert r.ok, r
         model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
         prompt = gdtool.random_prompts(model, batch=2, lengths=(5, 12), seed=0)   # tiny-llama's line: 2 rows
@@ -465,9 +469,9 @@ def test_fused_combine_on_cuda(monkeypatch, pdl):
                   mode="step-graph", return_scores=True)
         runs = []
         for fused in (True, False):
-            monkeypatch.setattr(fast_attention, "_FUSED_COMBINE", fused)
-            runs.append((gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw),
-                         gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)))
+            with fast_triton.switches(fused_combine=fused):
+                runs.append((gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw),
+                             gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)))
     for captured, direct in runs:
         assert torch.equal(captured.tokens, direct.tokens) and torch.equal(torch.stack(captured.scores), torch.stack(direct.scores))
 

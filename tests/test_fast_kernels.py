@@ -22,6 +22,7 @@ import gdtool
 import gdtool.loops.devloop
 import fastcases
 from gdtool.kernels import step as fast, testing, forward as fast_decoder, gemv, triton as fast_triton, tuning
+from gdtool.kernels import attention as fast_attention
 from gdtool.measure import accuracy
 from interpreter import run_interpreted
 
@@ -90,7 +91,7 @@ def test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_s
     decodes the tokens and scores of HF's embedding module run first, bit for bit, at one pass of rows and several
     (the kernels' checks against the lookup alone: `testing.check_folded_embedding`). On Llama the interpreter's
     larger GEMV tiles (`tuning.interpreter()`, which every interpreter test reads) decode the defaults' bits too."""
-    code = ("import torch, gdtool\nfrom gdtool.kernels import gemv, step, tuning\n"
+    code = ("import torch, gdtool\nfrom gdtool.kernels import step, triton, tuning\n"
             "for name, batch in (('tiny-llama', 2), ('tiny-gemma3', 6)):\n"
             "    model = gdtool.load_model(name, seed=0)\n"
             "    prompt = gdtool.random_prompts(model, batch=batch, lengths=(3, 7), seed=1)\n"
@@ -98,8 +99,8 @@ def test_folded_embedding_under_the_interpreter_decodes_the_lookups_tokens_and_s
             "              return_scores=True)\n"
             "    outs = []\n"
             "    for fold in (True, False):\n"
-            "        gemv._FOLD_EMBEDDING = fold\n"
-            "        outs.append(gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw))\n"
+            "        with triton.switches(fold_embedding=fold):\n"
+            "            outs.append(gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw))\n"
             "    if name == 'tiny-llama':\n"
             "        assert tuning.current().multiprocessors == 1\n"
             "        with tuning.use(tuning.defaults()):   # 8-row GEMV tiles, 10x the interpreter's time\n"
@@ -119,15 +120,16 @@ def test_folded_embedding_runs_on_cuda_only_where_tested(monkeypatch):
     cuda, cpu = torch.device("cuda"), torch.device("cpu")   # device types only: nothing is allocated on them
     monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
     monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))
-    monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", True)
-    assert gemv.fold_embedding(cpu)
-    assert gemv.fold_embedding(cuda) == (gemv.FOLD_EMBEDDING_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"])
-    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((8, 0), "3.6"))   # no cuda test ran there
-    assert not gemv.fold_embedding(cuda)
-    monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
-    assert gemv.fold_embedding(cuda)
-    monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", False)
-    assert not gemv.fold_embedding(cpu) and not gemv.fold_embedding(cuda)
+    assert fast_triton.SWITCHES["fold_embedding"] == ("GDTOOL_FOLD_EMBEDDING", True)   # on by default
+    with fast_triton.switches(fold_embedding=True):
+        assert gemv.fold_embedding(cpu)
+        assert gemv.fold_embedding(cuda) == (gemv.FOLD_EMBEDDING_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"])
+        monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((8, 0), "3.6"))   # no cuda test ran there
+        assert not gemv.fold_embedding(cuda)
+        monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+        assert gemv.fold_embedding(cuda)
+    with fast_triton.switches(fold_embedding=False):
+        assert not gemv.fold_embedding(cpu) and not gemv.fold_embedding(cuda)
 
 
 def _decode(model, prompt, **kw):
@@ -413,6 +415,31 @@ def test_pdl_setting_off_on_or_auto_by_the_weights_a_kernel_reads(monkeypatch):
         fast_triton.env_flag("GDTOOL_FUSED_COMBINE")
 
 
+def test_switches_set_for_a_block_over_the_environment(monkeypatch):
+    """`triton.switches(...)`: inside the block each named switch is what it says whatever its environment variable,
+    nested blocks innermost first, the others keep theirs; a switch that does not exist is refused with the list,
+    not ignored; and what each module reads is `asked` (attention's fused combine, the folded embedding)."""
+    monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
+    before = {name: fast_triton.asked(name) for name in fast_triton.SWITCHES}
+    cpu = torch.device("cpu")
+    with fast_triton.switches(fused_combine=False, fold_embedding=False):
+        assert not fast_triton.asked("fused_combine") and not fast_triton.asked("fold_embedding")
+        assert not fast_attention.fused_combine(cpu) and not gemv.fold_embedding(cpu)
+        assert fast_triton.asked("early_norm") == before["early_norm"]
+        with fast_triton.switches(fused_combine=True):
+            assert fast_triton.asked("fused_combine") and fast_attention.fused_combine(cpu)
+            assert not fast_triton.asked("fold_embedding")
+        assert not fast_triton.asked("fused_combine")
+    assert {name: fast_triton.asked(name) for name in fast_triton.SWITCHES} == before
+    with pytest.raises(ValueError, match=r"unknown switch\(es\) of gdtool's kernels \['fused_combin'\]: they are "
+                                         "fused_combine, early_norm"):
+        with fast_triton.switches(fused_combin=False):
+            pass
+    with pytest.raises(ValueError, match="'tail' is not a switch of gdtool's kernels"):
+        fast_triton.asked("tail")
+    assert {name: fast_triton.asked(name) for name in fast_triton.SWITCHES} == before   # nothing left set
+
+
 def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
     """GDTOOL_LATE_TRIGGER=1 (`gemv.late_trigger`: the products let the next kernel launch in their last tile round):
     off by default; asked for on CUDA before its cuda tests passed there, refused with the reason and the override
@@ -420,23 +447,24 @@ def test_late_pdl_trigger_runs_only_where_tested_and_says_so(monkeypatch):
     against the early trigger: the captured cuda test below."""
     cuda = torch.device("cuda")   # a device type only: nothing is allocated on it
     monkeypatch.delenv("GDTOOL_UNTESTED_KERNELS", raising=False)
-    monkeypatch.setattr(gemv, "_LATE_TRIGGER", False)
-    assert not gemv.late_trigger(cuda) and not gemv.late_trigger(torch.device("cpu"))
-    monkeypatch.setattr(gemv, "_LATE_TRIGGER", True)
-    assert gemv.late_trigger(torch.device("cpu"))
-    monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))   # an H100's or an H200's
-    if gemv.LATE_TRIGGER_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"]:
+    assert fast_triton.SWITCHES["late_trigger"] == ("GDTOOL_LATE_TRIGGER", False)   # off by default
+    with fast_triton.switches(late_trigger=False):
+        assert not gemv.late_trigger(cuda) and not gemv.late_trigger(torch.device("cpu"))
+    with fast_triton.switches(late_trigger=True):
+        assert gemv.late_trigger(torch.device("cpu"))
+        monkeypatch.setattr(fast_triton, "kernel_key", lambda device: ((9, 0), "3.6"))   # an H100's or an H200's
+        if gemv.LATE_TRIGGER_PATH in fast_triton.CUDA_TESTED[(9, 0), "3.6"]:
+            assert gemv.late_trigger(cuda)
+        else:
+            with pytest.raises(RuntimeError, match="GDTOOL_LATE_TRIGGER=1: gdtool's kernels for PDL trigger in the "
+                                                   "last tile round have not passed .* GDTOOL_UNTESTED_KERNELS=1 runs"):
+                gemv.late_trigger(cuda)
+        monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
         assert gemv.late_trigger(cuda)
-    else:
-        with pytest.raises(RuntimeError, match="GDTOOL_LATE_TRIGGER=1: gdtool's kernels for PDL trigger in the last "
-                                               "tile round have not passed .* GDTOOL_UNTESTED_KERNELS=1 runs them"):
-            gemv.late_trigger(cuda)
-    monkeypatch.setenv("GDTOOL_UNTESTED_KERNELS", "1")
-    assert gemv.late_trigger(cuda)
-    monkeypatch.setattr(fast_triton, "pdl_supported", lambda device: True)  # the note as it reads on a Hopper GPU
-    model = gdtool.load_model("tiny-llama", seed=0)
-    with fast_triton.pdl("auto"):
-        _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
+        monkeypatch.setattr(fast_triton, "pdl_supported", lambda device: True)  # the note as it reads on a Hopper GPU
+        model = gdtool.load_model("tiny-llama", seed=0)
+        with fast_triton.pdl("auto"):
+            _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
     note = fast.compiles(model).kernels.iloc[-1]
     assert "; PDL on kernels reading <= 64 MB of weights, the products triggering the next kernel in their last tile " \
            "round at first use" in note, note
@@ -448,9 +476,9 @@ def test_the_kernels_note_says_whether_the_embedding_lookup_is_folded(monkeypatc
     bench-fold) is then told apart by its files, not only by their names."""
     notes = {}
     for fold in (True, False):
-        monkeypatch.setattr(gemv, "_FOLD_EMBEDDING", fold)
         model = gdtool.load_model("tiny-llama", seed=0)
-        _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
+        with fast_triton.switches(fold_embedding=fold):
+            _decode(model, gdtool.random_prompts(model, batch=2, lengths=(4, 9), seed=0), kernels="fast")
         notes[fold] = fast.compiles(model).kernels.iloc[-1]
     assert f"; {gemv.FOLD_EMBEDDING_PATH}; PDL" in notes[True], notes[True]
     assert gemv.FOLD_EMBEDDING_PATH not in notes[False], notes[False]
@@ -540,17 +568,15 @@ def test_fast_step_on_cuda_captured_equals_uncaptured(name, batch, monkeypatch):
         plain = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     with fast_triton.pdl("auto"):
         auto = _decode(model, prompt, kernels="fast", max_new_tokens=24)
-    with fast_triton.pdl(True), monkeypatch.context() as late_trigger:  # every product, triggering in its last round
-        late_trigger.setattr(gemv, "_LATE_TRIGGER", True)
-        late_trigger.setenv("GDTOOL_UNTESTED_KERNELS", "1")
+    with fast_triton.pdl(True), fast_triton.switches(late_trigger=True), monkeypatch.context() as late_trigger:
+        late_trigger.setenv("GDTOOL_UNTESTED_KERNELS", "1")   # every product, triggering in its last round
         late = _decode(model, prompt, kernels="fast", max_new_tokens=24)
     # greedy: the forward and the tail (argmax, update, counters) in gdtool's kernels, nothing compiled
     table = fast.compiles(model)
     assert len(table) == 1 and table.compiles.sum() == 0, table
     assert table.kernels.iloc[0].startswith("fast: fast decode forward"), table
     assert "argmax, update and counters in one kernel" in table.kernels.iloc[0], table
-    with monkeypatch.context() as unfolded:   # HF's embedding module first, not the lookup in the first qkv_rope
-        unfolded.setattr(gemv, "_FOLD_EMBEDDING", False)
+    with fast_triton.switches(fold_embedding=False):   # HF's embedding module first, not the lookup in qkv_rope
         apart = _decode(model, prompt, kernels="fast", max_new_tokens=24, return_scores=True)
     folded = _decode(model, prompt, kernels="fast", max_new_tokens=24, return_scores=True)
     assert captured.replays == captured.steps > 0

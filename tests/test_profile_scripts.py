@@ -405,6 +405,30 @@ def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_pa
     assert "--cuda-outcomes" in capsys.readouterr().err
 
 
+def test_plan_bench_passes_its_switches_to_the_bench_for_the_run_only(tmp_path, capsys):
+    """plan_bench's switches (`triton.switches`, not patched module globals): the settings line says them, the bench
+    in the same process runs them (with the embedding lookup apart its kernels note names no fold, with it folded it
+    does), and after the run every switch is back to what it was."""
+    import json
+    import plan_bench
+    from gdtool.kernels import gemv, triton as fast_triton
+    before = {name: fast_triton.asked(name) for name in fast_triton.SWITCHES}
+    notes = {}
+    for fold in (0, 1):
+        out = tmp_path / f"fold-{fold}"
+        bench = ["--model", "tiny-llama", "--batch", "1", "--prompt-len", "4", "--max-new-tokens", "4", "--repeats",
+                 "1", "--device", "cpu", "--modes", "step-graph", "--kernels", "fast", "--peers", "none",
+                 "--out", str(out)]
+        assert plan_bench.main(["--fused", "0", "--tail", "0", "--fold-embedding", str(fold), "--", *bench]) == 0
+        said = capsys.readouterr().out
+        assert "fused combine off" in said and "one-kernel tail off" in said, said
+        assert ("embedding folded" if fold else "embedding apart") in said, said
+        doc = json.loads(next(out.glob("*.json")).read_text())
+        notes[fold] = " ".join(str(r.get("note")) for r in doc["summary"] if r["family"] == "gdtool")
+    assert gemv.FOLD_EMBEDDING_PATH in notes[1] and gemv.FOLD_EMBEDDING_PATH not in notes[0], notes
+    assert {name: fast_triton.asked(name) for name in fast_triton.SWITCHES} == before
+
+
 def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     """bench_table.fastest: gdtool's fastest runner per model and batch, beside the fastest peer of its own run
     (a faster peer measured in another run is not its ratio), with that run's floor and commit."""

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from . import tuning
-from .triton import (HAVE_TRITON, cdiv, dot_precision, env_flag, launch_options, next_pow2, tl, triton,
+from .triton import (HAVE_TRITON, asked, cdiv, dot_precision, launch_options, next_pow2, tl, triton,
                      untested_on_cuda, usable, zero_counts)
 
 # The split-KV plan's parameters are the device's tuning (`tuning.py`, section "attention"):
@@ -619,10 +619,7 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
 # split kernel at llama-1b's batch 1 (nsys, H200, a7748ba), where its own work is one load from L2. On unless
 # GDTOOL_FUSED_COMBINE=0; on CUDA only while the path is in CUDA_TESTED (else two kernels).
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
-_FUSED_COMBINE = env_flag("GDTOOL_FUSED_COMBINE", default=True)
-
-
 def fused_combine(device) -> bool:
     """Whether split_kv may combine inside its split kernel on `device` (where `fused_plan` applies): asked for
     (GDTOOL_FUSED_COMBINE, on by default) and, on CUDA, tested there."""
-    return _FUSED_COMBINE and not untested_on_cuda(FUSED_COMBINE_PATH, device)
+    return asked("fused_combine") and not untested_on_cuda(FUSED_COMBINE_PATH, device)

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from . import tuning
-from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda
+from .triton import HAVE_TRITON, asked, launch_options, next_pow2, tl, triton, untested_on_cuda
 
 MAX_ROWS = 16        # batch rows the kernels handle (forward.line_paths says which batches use them)
 ROWS_PER_PASS = 4    # rows multiplied against a weight tile at once (the register budget of 4 rows)
@@ -586,13 +586,10 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1, tune: tuning.Tuning | No
 # layer's norm weights are evicted between steps). The same values, the same bits. On CUDA only while the path is in
 # CUDA_TESTED (else the loads stay after the wait). GDTOOL_EARLY_NORM=0: after the wait everywhere.
 EARLY_NORM_PATH = "norm weights before the PDL wait"
-_EARLY_NORM = env_flag("GDTOOL_EARLY_NORM", default=True)
-
-
 def early_norm(device) -> bool:
     """Whether the kernels load their norms' weights before the PDL wait on `device`: asked for (GDTOOL_EARLY_NORM,
     on by default) and, on CUDA, tested there."""
-    return _EARLY_NORM and not untested_on_cuda(EARLY_NORM_PATH, device)
+    return asked("early_norm") and not untested_on_cuda(EARLY_NORM_PATH, device)
 
 
 # The embedding lookup folded into the first layer's qkv_rope (its `embed=`): the rows gathered from the table where
@@ -601,13 +598,10 @@ def early_norm(device) -> bool:
 # The same rows, the same bits. On CUDA only while the path is in CUDA_TESTED; GDTOOL_FOLD_EMBEDDING=0: HF's module
 # everywhere (the before of an A/B).
 FOLD_EMBEDDING_PATH = "embedding lookup in the first qkv_rope"
-_FOLD_EMBEDDING = env_flag("GDTOOL_FOLD_EMBEDDING", default=True)
-
-
 def fold_embedding(device) -> bool:
     """Whether the fast forward folds the embedding lookup into the first layer's qkv_rope on `device`: asked for
     (GDTOOL_FOLD_EMBEDDING, on by default) and, on CUDA, tested there."""
-    return _FOLD_EMBEDDING and not untested_on_cuda(FOLD_EMBEDDING_PATH, device)
+    return asked("fold_embedding") and not untested_on_cuda(FOLD_EMBEDDING_PATH, device)
 
 
 # Where the matrix-vector products (`_rms_gemv_kernel`: o, gate/up, down, the lm_head) let the next kernel launch
@@ -617,14 +611,11 @@ def fold_embedding(device) -> bool:
 # programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
 # either way (the next kernel still waits for this one to finish).
 LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
-_LATE_TRIGGER = env_flag("GDTOOL_LATE_TRIGGER", default=False)
-
-
 def late_trigger(device) -> bool:
     """Whether the matrix-vector products trigger the next kernel's launch in their last tile round on `device`:
     asked for (GDTOOL_LATE_TRIGGER, off by default) and, on CUDA, tested there or GDTOOL_UNTESTED_KERNELS=1. Asked
     for and untested is refused with the reason, not ignored: an A/B must not time the default twice."""
-    if not _LATE_TRIGGER:
+    if not asked("late_trigger"):
         return False
     refused = untested_on_cuda(LATE_TRIGGER_PATH, device)
     if refused:

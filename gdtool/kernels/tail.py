@@ -25,15 +25,14 @@ from __future__ import annotations
 import torch
 
 from . import sampling
-from .triton import HAVE_TRITON, env_flag, launch_options, next_pow2, tl, triton, untested_on_cuda
+from .triton import HAVE_TRITON, asked, launch_options, next_pow2, tl, triton, untested_on_cuda
 
 PATH = "greedy tail in one kernel"  # its kernel path's name (triton.CUDA_TESTED)
-_ON = env_flag("GDTOOL_ONE_KERNEL_TAIL", default=True)
 
 
 def refusal(state, device) -> str:
     """'' where `update` can run the tail of this state's step on `device`, else why not (as `experts.refusal`)."""
-    if not _ON:
+    if not asked("one_kernel_tail"):
         return "GDTOOL_ONE_KERNEL_TAIL=0"
     if state.targets is not None:
         return "forced lengths (targets)"

@@ -53,6 +53,43 @@ def env_flag(name: str, default: bool = False) -> bool:
     raise ValueError(f"{name}={os.environ[name]!r}: give 1 (on) or 0 (off)")
 
 
+# The kernels' on/off switches: each read from its environment variable when gdtool is imported (its default where
+# unset), and set for a block by `switches(...)` (a probe's A/B, a test), as `pdl(...)` sets PDL and `tuning.use`
+# the tuning, never by patching a module's globals. What each switches is said where it is read:
+# `attention.fused_combine`, `gemv.early_norm`, `gemv.fold_embedding`, `gemv.late_trigger`, `tail.refusal`. On CUDA
+# a switched-on path still runs only once it passed its cuda tests there (`untested_on_cuda`).
+SWITCHES = {"fused_combine": ("GDTOOL_FUSED_COMBINE", True), "early_norm": ("GDTOOL_EARLY_NORM", True),
+            "fold_embedding": ("GDTOOL_FOLD_EMBEDDING", True), "late_trigger": ("GDTOOL_LATE_TRIGGER", False),
+            "one_kernel_tail": ("GDTOOL_ONE_KERNEL_TAIL", True)}
+_FROM_ENV = {name: env_flag(variable, default) for name, (variable, default) in SWITCHES.items()}   # at import
+_switched: list[dict] = []
+
+
+def asked(name: str) -> bool:
+    """Whether switch `name` (a key of SWITCHES) is on: the innermost `switches(...)` block that sets it, else its
+    environment variable, else its default."""
+    if name not in SWITCHES:
+        raise ValueError(f"{name!r} is not a switch of gdtool's kernels; they are: {', '.join(SWITCHES)}")
+    for block in reversed(_switched):
+        if name in block:
+            return block[name]
+    return _FROM_ENV[name]
+
+
+@contextmanager
+def switches(**values: bool):
+    """Inside the block each named switch is on or off as given (`switches(fused_combine=False)`), whatever its
+    environment variable says; the others keep theirs."""
+    unknown = sorted(set(values) - set(SWITCHES))
+    if unknown:
+        raise ValueError(f"unknown switch(es) of gdtool's kernels {unknown}: they are {', '.join(SWITCHES)}")
+    _switched.append({name: bool(value) for name, value in values.items()})
+    try:
+        yield
+    finally:
+        _switched.pop()
+
+
 def _pdl_mode(value) -> bool | str:
     text = str(value).strip().lower()
     if text in _OFF:
