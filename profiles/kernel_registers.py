@@ -127,7 +127,7 @@ def main(argv=None) -> int:
         sys.path.insert(0, args.triton)
     os.environ.pop("TRITON_INTERPRET", None)
     cuda_compile.use_target(90)
-    from gdtool.kernels import attention, experts, gemv, triton as fast_triton
+    from gdtool.kernels import triton as fast_triton
     fast_triton.pdl_supported = lambda device: True   # the kernels as they run on an H200: PDL on
     if args.rows:
         print("case | kernel | tiles | registers | stack | local | shared | warps")
@@ -142,13 +142,13 @@ def main(argv=None) -> int:
     print("case | kernel | early norm | fused combine | registers | stack | local | shared | warps")
     for early in pick[args.early_norm]:
         for fused in pick[args.fused]:
-            gemv.early_norm = experts.router.early_norm = (lambda device, on=early: on)
-            attention.fused_combine = (lambda device, on=fused: on)
-            for name, call in cases():
-                for fn, a, kw in launches(call):
-                    u = _usage(fn, list(a), kw)
-                    print(f"{name} | {fn.__name__} | {'on' if early else 'off'} | {'on' if fused else 'off'} | "
-                          f"{u['registers']} | {u['stack']} | {u['local']} | {u['shared']} | {u['warps']}", flush=True)
+            with fast_triton.switches(early_norm=early, fused_combine=fused):   # the launches are on the CPU
+                for name, call in cases():
+                    for fn, a, kw in launches(call):
+                        u = _usage(fn, list(a), kw)
+                        print(f"{name} | {fn.__name__} | {'on' if early else 'off'} | {'on' if fused else 'off'} | "
+                              f"{u['registers']} | {u['stack']} | {u['local']} | {u['shared']} | {u['warps']}",
+                              flush=True)
     return 0
 
 
