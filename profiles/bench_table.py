@@ -40,6 +40,16 @@ def frame(paths):
     return pd.DataFrame(out)
 
 
+def command(config: dict, out: str) -> list[str]:
+    """The `python -m gdtool bench` arguments that measure `config` (a bench JSON's "config") again into `out`: the same
+    runners, peers, kernels and sizes, so the same file name (another GPU's run of a committed one)."""
+    args = ["--model", config["model"], "--batch", str(config["batch"]), "--prompt-len", str(config["prompt_len"]),
+            "--max-new-tokens", str(config["max_new_tokens"]), "--repeats", str(config["repeats"]),
+            "--modes", *(config["modes"] or ["none"]), "--peers", *(config["peers"] or ["none"]),
+            "--kernels", *config["kernels"], "--seed", str(config["seed"])]
+    return args + (["--fuse-projections"] if config.get("fused_projections") else []) + ["--out", out]
+
+
 def listed(path) -> dict:
     """{preset: [bench JSON paths]} from a list file of "preset<TAB>glob" lines (globs relative to the file's folder,
     '#' lines skipped; e.g. profiles/h200/bench/batches/default-line.txt), each glob's matches sorted, in file order."""

@@ -199,6 +199,20 @@ def peers_fast() -> str:
                  right={1, 3, 4, 6})
 
 
+def rerun(gpu: str, into: str = "profiles") -> list[str]:
+    """The bench command lines (`bench_table.command`) that measure each PEERS_FAST run again into INTO/GPU/bench/,
+    under the same name, for the runs profiles/GPU/bench/ lacks: another GPU's rows of the fast peers table."""
+    import shlex
+    lines = []
+    for name in PEERS_FAST:
+        if (PROFILES / gpu / "bench" / name).exists():
+            continue
+        config = json.loads((BENCH / name).read_text())["config"]
+        out = (Path(into) / gpu / "bench" / name).parent.as_posix()
+        lines.append(shlex.join(["python", "-m", "gdtool", "bench", *bench_table.command(config, out)]))
+    return lines
+
+
 # -- docs/fast.md ----------------------------------------------------------------------------------------------
 
 # The fast step at 1-4 rows, step-graph, fused projections, each run apart: the matrix-vector kernels (the fast
@@ -439,7 +453,16 @@ def main(argv=None) -> int:
     p.add_argument("names", nargs="*", help=f"tables to print (default: all): {', '.join(TABLES)}")
     p.add_argument("--write", action="store_true", help="render the tables into the docs that hold their markers")
     p.add_argument("--check", action="store_true", help="exit 1 where a doc's tables are not what their files give")
+    p.add_argument("--rerun", metavar="GPU", help="print the bench commands that measure every run of the fast peers "
+                   "table again for profiles/GPU/bench/ (e.g. h100), where that GPU's row is missing, one a line")
+    p.add_argument("--into", default="profiles", metavar="DIR",
+                   help="with --rerun: the commands write under DIR/GPU/bench/ (a GPU machine's output folder; "
+                        "default profiles)")
     args = p.parse_args(argv)
+    if args.rerun:
+        print("\n".join(rerun(args.rerun, args.into)) or
+              f"every run of the fast peers table is in profiles/{args.rerun}/bench/")
+        return 0
     if args.check:
         out = stale()
         print("\n".join(f"{doc}: its rendered tables differ from their files (python profiles/doc_tables.py --write)"

@@ -276,6 +276,32 @@ def test_the_fast_peers_table_puts_an_h100_run_beside_the_h200_one(tmp_path, mon
     assert float(cells[4]) == pytest.approx(1.25 * float(h200[4]), abs=1e-3)
 
 
+def test_rerun_commands_measure_each_fast_peers_run_under_its_own_name(tmp_path):
+    """`doc_tables.py --rerun GPU`: for each run of the fast peers table, a bench command whose arguments, read as the
+    bench reads them, make the run's own config (the same file name: same runners, peers, kernels, sizes) in
+    DIR/GPU/bench/<its folder>; a run the GPU's folder holds already gets none."""
+    import json
+    import shlex
+    from gdtool.frontends import bench, options
+    doc_tables = _doc_tables()
+    lines = doc_tables.rerun("nogpu", str(tmp_path))
+    assert len(lines) == len(doc_tables.PEERS_FAST)
+    for line, name in zip(lines, doc_tables.PEERS_FAST):
+        argv = shlex.split(line)
+        assert argv[:4] == ["python", "-m", "gdtool", "bench"]
+        args = bench.parser().parse_args(argv[4:])
+        config = bench.BenchConfig(model=args.model[0], batch=args.batch[0], prompt_len=args.prompt_len,
+                                   max_new_tokens=args.max_new_tokens, repeats=args.repeats,
+                                   modes=tuple(options.expand_modes(bench._none_or_list(args.mode))),
+                                   peers=bench._none_or_list(args.peers), kernels=tuple(dict.fromkeys(args.kernels)),
+                                   seed=args.seed, fused_projections=args.fuse_projections)
+        assert f"{config.name}.json" == name.rsplit("/", 1)[-1], line
+        committed = json.loads((doc_tables.BENCH / name).read_text())["config"]
+        assert list(config.modes) == committed["modes"] and list(config.peers) == committed["peers"], line
+        assert args.out == str(tmp_path / "nogpu" / "bench" / name.rsplit("/", 1)[0])
+    assert doc_tables.rerun("h200") == []   # the H200's folder holds every one
+
+
 def test_every_rendered_block_is_a_table_the_script_makes_in_a_doc_it_writes():
     doc_tables = _doc_tables()
     holding = {}
