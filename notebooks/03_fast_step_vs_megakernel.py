@@ -283,7 +283,9 @@ for trace in floor_traces:
     account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
     print(f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')}, commit {found.group(4)}: copy bandwidth "
           f"{copy:.0f} GB/s ({source}); kernels {account['own'].sum():.1f} µs a step, their floors "
-          f"{account['floor'].sum():.1f} µs ({account['floor'].sum() / account['own'].sum():.0%})")
+          f"{account['floor'].sum():.1f} µs ({account['floor'].sum() / account['own'].sum():.0%}); most above their "
+          "floors: " + ", ".join(f"{str(role).strip('`')} {over:.0f} µs"
+                                 for role, over in account["over"].nlargest(3).items()))
     accounts.append(account.assign(trace=f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')} "
                                          f"({found.group(4)})"))
 if accounts:
