@@ -46,9 +46,10 @@ gpus = ["h200", "h100"]
 # mixture-of-experts presets whose node traces (profiles/<gpu>/nsys-fast/<preset>-b<batch>-<commit>/fast/) the MoE
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
-# node traces (folders under profiles/ holding fast/) held kernel by kernel to their floors: the newest of llama-1b
-# and qwen3-30b-a3b at batch 1 on the H200
-floor_traces = ["h200/nsys-fast/llama-1b-b1-e4c1eba", "h200/nsys-fast/qwen3-30b-a3b-b1-4d5ca74"]
+# node traces (folders under profiles/ holding fast/) held kernel by kernel to their floors: the newest of llama-1b,
+# gemma-3-1b (prompt 4096: every window full) and qwen3-30b-a3b at batch 1 on the H200
+floor_traces = ["h200/nsys-fast/llama-1b-b1-e4c1eba", "h200/nsys-fast/gemma-3-1b-b1-p4096-a7748ba",
+                "h200/nsys-fast/qwen3-30b-a3b-b1-4d5ca74"]
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
