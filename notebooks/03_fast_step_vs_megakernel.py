@@ -270,8 +270,7 @@ accounts, floor_env = [], []
 for trace in floor_traces:
     folder = root / "profiles" / trace / "fast"
     export = next(folder.glob("*.sqlite.gz"))
-    found = re.fullmatch(r"(.+)-b(\d+)(?:-p(\d+))?-([0-9a-f]{7})", folder.parent.name)
-    preset, batch, prompt = found.group(1), int(found.group(2)), int(found.group(3) or 128)
+    preset, batch, prompt, commit = kernel_breakdown.trace_folder(folder.parent)
     floor_env.append(record.read_sidecar(folder / "env.json"))
     gpu = floor_env[-1]["environment"]["device_name"]
     if (folder / "copy_gb_s.txt").exists():
@@ -282,13 +281,12 @@ for trace in floor_traces:
         source = f"the bench run {bench.relative_to(root / 'profiles')}"
     kernels, launches = kernel_breakdown.launch_kernels(export)
     account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
-    print(f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')}, commit {found.group(4)}: copy bandwidth "
+    print(f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')}, commit {commit}: copy bandwidth "
           f"{copy:.0f} GB/s ({source}); kernels {account['own'].sum():.1f} µs a step, their floors "
           f"{account['floor'].sum():.1f} µs ({account['floor'].sum() / account['own'].sum():.0%}); most above their "
           "floors: " + ", ".join(f"{str(role).strip('`')} {over:.0f} µs"
                                  for role, over in account["over"].nlargest(3).items()))
-    accounts.append(account.assign(trace=f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')} "
-                                         f"({found.group(4)})"))
+    accounts.append(account.assign(trace=f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')} ({commit})"))
 if accounts:
     every = pd.concat(accounts).reset_index().set_index(["trace", "role"])
     display(every[["calls", "own", "mb", "floor", "over"]].round(1))

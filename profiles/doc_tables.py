@@ -408,9 +408,43 @@ def fast_fold() -> str:
                   "device", "commit"], rows, right={1, 2, 3, 4})
 
 
+# Each kernel of the fast step against its own floor (`kernel_breakdown.floor_account`), per node trace: its bytes over
+# the copy bandwidth measured beside the trace (copy_gb_s.txt, which nsys-fast writes), else by the bench run named
+# here (the same preset, batch and GPU).
+FLOOR_TRACES = [
+    (H200 / "nsys-fast" / "llama-1b-b1-e4c1eba", BENCH / "llama-1b" / "llama-1b_b1_p128_n256_kfast.json"),
+    (H200 / "nsys-fast" / "gemma-3-1b-b1-p4096-a7748ba",
+     BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b1_p128_n256_kcompiled+fast_fused.json"),
+    (H200 / "nsys-fast" / "qwen3-30b-a3b-b1-4d5ca74", BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b1_p128_n256_kfast.json"),
+]
+
+
+def fast_floors() -> str:
+    """Per traced step: its kernels' own time, the sum of their floors, and the roles furthest above theirs."""
+    import kernel_breakdown
+    rows = []
+    for folder, bench in FLOOR_TRACES:
+        export = next((folder / "fast").glob("*.sqlite.gz"))
+        preset, batch, prompt, _ = kernel_breakdown.trace_folder(folder)
+        beside = folder / "fast" / "copy_gb_s.txt"
+        if beside.exists():
+            copy, source = float(beside.read_text()), "the trace's part"
+        else:
+            copy, source = json.loads(bench.read_text())["environment"]["copy_gb_s"], f"bench, {commit(bench)}"
+        kernels, launches = kernel_breakdown.launch_kernels(export)
+        account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
+        own, floor = account["own"].sum(), account["floor"].sum()
+        above = "; ".join(f"{str(role).strip('`')} {over:.0f}" for role, over in account["over"].nlargest(4).items())
+        rows.append([preset, batch, prompt, f"{own:.1f}", f"{floor:.1f}", f"{100 * floor / own:.0f}", above,
+                     f"{copy:.0f} ({source})", device(export), commit(export)])
+    return table(["model", "batch", "prompt", "kernels µs a step", "their floors µs", "% of floor",
+                  "furthest above their floors (µs)", "copy GB/s (measured by)", "device", "commit"], rows,
+                 right={1, 2, 3, 4, 5})
+
+
 TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
           "fast-line": fast_line, "fast-pdl": fast_pdl, "fast-experts": fast_experts, "fast-accuracy": fast_accuracy,
-          "fast-tiles": fast_tiles, "fast-fold": fast_fold, "rollout-bench": rollout_bench}
+          "fast-tiles": fast_tiles, "fast-fold": fast_fold, "fast-floors": fast_floors, "rollout-bench": rollout_bench}
 DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md", ROOT / "docs" / "rollout.md"]   # the docs that hold rendered tables
 
 

@@ -229,6 +229,14 @@ def test_the_committed_llama_trace_is_held_to_its_floors(tmp_path, capsys):
     assert "--copy-gb-s needs --model" in capsys.readouterr().err
 
 
+def test_trace_folder_names_say_preset_batch_prompt_and_commit():
+    assert kernel_breakdown.trace_folder("profiles/h200/nsys-fast/gemma-3-1b-b1-p4096-a7748ba") == \
+        ("gemma-3-1b", 1, 4096, "a7748ba")
+    assert kernel_breakdown.trace_folder("qwen3-30b-a3b-b64-41fab16") == ("qwen3-30b-a3b", 64, 128, "41fab16")
+    with pytest.raises(ValueError, match="not an nsys-fast folder's name"):
+        kernel_breakdown.trace_folder("nsys-gemma-fast-cb883e2")
+
+
 def test_breakdown_refuses_a_graph_level_trace():
     graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
     with pytest.raises(ValueError, match="--cuda-graph-trace=node"):
