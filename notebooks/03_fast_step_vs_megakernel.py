@@ -186,8 +186,6 @@ print("TB/s per projection as the best step runs them:", mine.round(2).to_dict()
 # for each, side by side.
 
 # %%
-import json  # noqa: E402
-
 import bench_table  # noqa: E402
 
 paths = sorted(p for gpu in gpus for preset in bench_presets
@@ -273,12 +271,8 @@ for trace in floor_traces:
     preset, batch, prompt, commit = kernel_breakdown.trace_folder(folder.parent)
     floor_env.append(record.read_sidecar(folder / "env.json"))
     gpu = floor_env[-1]["environment"]["device_name"]
-    if (folder / "copy_gb_s.txt").exists():
-        copy, source = float((folder / "copy_gb_s.txt").read_text()), "beside the trace"
-    else:
-        bench = Path(bench_file[(preset, batch, gpu)])
-        copy = json.loads(bench.read_text())["environment"]["copy_gb_s"]
-        source = f"the bench run {bench.relative_to(root / 'profiles')}"
+    copy, bench = kernel_breakdown.trace_copy_gb_s(folder, bench_file.get((preset, batch, gpu)))
+    source = f"the bench run {Path(bench).relative_to(root / 'profiles')}" if bench else "beside the trace"
     kernels, launches = kernel_breakdown.launch_kernels(export)
     account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
     print(f"{preset}, batch {batch}, {gpu.replace('NVIDIA ', '')}, commit {commit}: copy bandwidth "

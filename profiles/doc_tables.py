@@ -426,11 +426,8 @@ def fast_floors() -> str:
     for folder, bench in FLOOR_TRACES:
         export = next((folder / "fast").glob("*.sqlite.gz"))
         preset, batch, prompt, _ = kernel_breakdown.trace_folder(folder)
-        beside = folder / "fast" / "copy_gb_s.txt"
-        if beside.exists():
-            copy, source = float(beside.read_text()), "the trace's part"
-        else:
-            copy, source = json.loads(bench.read_text())["environment"]["copy_gb_s"], f"bench, {commit(bench)}"
+        copy, source = kernel_breakdown.trace_copy_gb_s(folder / "fast", bench)
+        source = f"bench, {commit(bench)}" if source else "the trace's part"
         kernels, launches = kernel_breakdown.launch_kernels(export)
         account = kernel_breakdown.floor_account(kernels, launches, preset, batch, copy, prompt_len=prompt)
         own, floor = account["own"].sum(), account["floor"].sum()

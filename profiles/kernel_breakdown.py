@@ -286,6 +286,20 @@ def trace_folder(folder) -> tuple[str, int, int, str]:
     return found.group(1), int(found.group(2)), int(found.group(3) or 128), found.group(4)
 
 
+def trace_copy_gb_s(folder, bench=None) -> tuple[float, str | None]:
+    """The copy bandwidth (GB/s) to hold the kernels of the export in `folder` to, and the bench JSON it came from:
+    copy_gb_s.txt beside the export (nsys-fast measures it in the same part; None for the file), else `bench`'s, a
+    bench run of the same preset, batch and GPU."""
+    beside = Path(folder) / "copy_gb_s.txt"
+    if beside.exists():
+        return float(beside.read_text()), None
+    if bench is None:
+        raise ValueError(f"{folder}: no copy_gb_s.txt beside the trace; name a bench run of the same preset, batch and "
+                         "GPU for its copy bandwidth")
+    import json
+    return float(json.loads(Path(bench).read_text())["environment"]["copy_gb_s"]), str(bench)
+
+
 def export_batch(path) -> int | None:
     """The batch in a `gdtool profile --nsys` export's name (`<model>_b<batch>_<mode>_...`), or None."""
     import re

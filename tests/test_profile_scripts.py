@@ -237,6 +237,17 @@ def test_trace_folder_names_say_preset_batch_prompt_and_commit():
         kernel_breakdown.trace_folder("nsys-gemma-fast-cb883e2")
 
 
+def test_a_trace_is_held_to_the_copy_bandwidth_measured_beside_it_else_its_bench_runs(tmp_path):
+    import json
+    bench = tmp_path / "bench.json"
+    bench.write_text(json.dumps({"environment": {"copy_gb_s": 4100.5}}))
+    assert kernel_breakdown.trace_copy_gb_s(tmp_path, bench) == (4100.5, str(bench))
+    with pytest.raises(ValueError, match="no copy_gb_s.txt beside the trace; name a bench run"):
+        kernel_breakdown.trace_copy_gb_s(tmp_path)
+    (tmp_path / "copy_gb_s.txt").write_text("3010.2\n")   # nsys-fast's, measured in the same part: it wins
+    assert kernel_breakdown.trace_copy_gb_s(tmp_path, bench) == (3010.2, None)
+
+
 def test_breakdown_refuses_a_graph_level_trace():
     graph_level = ROOT / "profiles" / "h200" / "nsys-compiled" / "llama-1b_b1_step-graph_graph_noeos_kernelscompiled.sqlite.gz"
     with pytest.raises(ValueError, match="--cuda-graph-trace=node"):
