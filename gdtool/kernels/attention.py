@@ -619,6 +619,8 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
 # split kernel at llama-1b's batch 1 (nsys, H200, a7748ba), where its own work is one load from L2. On unless
 # GDTOOL_FUSED_COMBINE=0; on CUDA only while the path is in CUDA_TESTED (else two kernels).
 FUSED_COMBINE_PATH = "split-KV attention, combine in the last program"
+
+
 def fused_combine(device) -> bool:
     """Whether split_kv may combine inside its split kernel on `device` (where `fused_plan` applies): asked for
     (GDTOOL_FUSED_COMBINE, on by default) and, on CUDA, tested there."""

@@ -586,6 +586,8 @@ def gemv_config(m: int, n: int, k: int, tiles: int = 1, tune: tuning.Tuning | No
 # layer's norm weights are evicted between steps). The same values, the same bits. On CUDA only while the path is in
 # CUDA_TESTED (else the loads stay after the wait). GDTOOL_EARLY_NORM=0: after the wait everywhere.
 EARLY_NORM_PATH = "norm weights before the PDL wait"
+
+
 def early_norm(device) -> bool:
     """Whether the kernels load their norms' weights before the PDL wait on `device`: asked for (GDTOOL_EARLY_NORM,
     on by default) and, on CUDA, tested there."""
@@ -598,6 +600,8 @@ def early_norm(device) -> bool:
 # The same rows, the same bits. On CUDA only while the path is in CUDA_TESTED; GDTOOL_FOLD_EMBEDDING=0: HF's module
 # everywhere (the before of an A/B).
 FOLD_EMBEDDING_PATH = "embedding lookup in the first qkv_rope"
+
+
 def fold_embedding(device) -> bool:
     """Whether the fast forward folds the embedding lookup into the first layer's qkv_rope on `device`: asked for
     (GDTOOL_FOLD_EMBEDDING, on by default) and, on CUDA, tested there."""
@@ -611,6 +615,8 @@ def fold_embedding(device) -> bool:
 # programs take SM slots and stream their first tiles through the whole product instead of its tail. The same bits
 # either way (the next kernel still waits for this one to finish).
 LATE_TRIGGER_PATH = "PDL trigger in the last tile round"
+
+
 def late_trigger(device) -> bool:
     """Whether the matrix-vector products trigger the next kernel's launch in their last tile round on `device`:
     asked for (GDTOOL_LATE_TRIGGER, off by default) and, on CUDA, tested there or GDTOOL_UNTESTED_KERNELS=1. Asked
