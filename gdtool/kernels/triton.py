@@ -55,7 +55,7 @@ def env_flag(name: str, default: bool = False) -> bool:
 
 # The kernels' on/off switches: each read from its environment variable when gdtool is imported (its default where
 # unset), and set for a block by `switches(...)` (a probe's A/B, a test), as `pdl(...)` sets PDL and `tuning.use`
-# the tuning, never by patching a module's globals. What each switches is said where it is read:
+# the tuning, never by patching a module's globals. What each one does is said where it is read:
 # `attention.fused_combine`, `gemv.early_norm`, `gemv.fold_embedding`, `gemv.late_trigger`, `tail.refusal`. On CUDA
 # a switched-on path still runs only once it passed its cuda tests there (`untested_on_cuda`).
 SWITCHES = {"fused_combine": ("GDTOOL_FUSED_COMBINE", True), "early_norm": ("GDTOOL_EARLY_NORM", True),
