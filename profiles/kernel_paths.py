@@ -6,7 +6,9 @@ GDTOOL_KERNEL_PATHS=FILE (tests/conftest.py), one per test with its outcome and 
 
 A path passed when at least one test ran it and every test that ran it passed; those are the names that
 may go into `gdtool.kernels.triton.CUDA_TESTED`. Prints the passed paths as a Python set, then each
-failed path with its failing tests.
+failed path with its failing tests, then each failed test (kernel path or none) with why it failed, as the test
+session recorded it: a run stopped by its time limit prints no pytest summary, and this is where the reasons are.
+Exits 1 when any test failed.
 """
 from __future__ import annotations
 
@@ -30,6 +32,12 @@ def read(lines) -> tuple[list[str], dict[str, list[str]]]:
     return passed, dict(failing)
 
 
+def failed_tests(lines) -> dict[str, str]:
+    """{failed test: why} (the failure's last lines as tests/conftest.py kept them; '' from older files)."""
+    records = (json.loads(line) for line in lines if line.strip())
+    return {rec["test"]: rec.get("why", "") for rec in records if rec["outcome"] == "failed"}
+
+
 def main(argv=None) -> int:
     files = (argv if argv is not None else sys.argv[1:]) or ["-"]
     lines = []
@@ -44,7 +52,10 @@ def main(argv=None) -> int:
     print("passed: {" + "".join(f"\n    {p!r}," for p in passed) + "\n}")
     for path, tests in sorted(failing.items()):
         print(f"FAILED {path!r}: {', '.join(tests)}")
-    return 1 if failing else 0
+    failed = failed_tests(lines)
+    for test, why in failed.items():
+        print(f"\nFAILED {test}" + "".join(f"\n    {line}" for line in (why or "(no reason recorded)").splitlines()))
+    return 1 if failing or failed else 0
 
 
 if __name__ == "__main__":

@@ -22,8 +22,10 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """With GDTOOL_KERNEL_PATHS=FILE (on a GPU): one JSON line per test, its outcome and the kernel paths
-    it asked for on CUDA; profiles/kernel_paths.py reads which paths passed every test that ran them."""
+    """With GDTOOL_KERNEL_PATHS=FILE (on a GPU): one JSON line per test, its outcome, the kernel paths it
+    asked for on CUDA and, where it failed, why (the failure's last lines: a run its time limit stops prints no
+    summary, so the file is where the reason survives); profiles/kernel_paths.py reads which paths passed every
+    test that ran them."""
     report = (yield).get_result()
     target = os.environ.get("GDTOOL_KERNEL_PATHS")
     if not target or not torch.cuda.is_available():
@@ -33,13 +35,24 @@ def pytest_runtest_makereport(item, call):
         fast_triton.asked_on_cuda.clear()
         item.gdtool_outcomes = []
     item.gdtool_outcomes.append(report.outcome)
+    if report.failed:
+        item.gdtool_why = failure_lines(report.longreprtext)
     if call.when == "teardown":
         import json
         outcome = "failed" if "failed" in item.gdtool_outcomes else \
             "skipped" if "skipped" in item.gdtool_outcomes else "passed"
+        line = {"test": item.nodeid, "outcome": outcome, "paths": sorted(fast_triton.asked_on_cuda)}
+        if outcome == "failed":
+            line["why"] = getattr(item, "gdtool_why", "")
         with open(target, "a") as f:
-            f.write(json.dumps({"test": item.nodeid, "outcome": outcome,
-                                "paths": sorted(fast_triton.asked_on_cuda)}) + "\n")
+            f.write(json.dumps(line) + "\n")
+
+
+def failure_lines(text: str, lines: int = 12, width: int = 4000) -> str:
+    """The last `lines` non-blank lines of a failure's report (the assertion or the exception and where it was
+    raised), at most `width` characters."""
+    kept = [line for line in text.splitlines() if line.strip()][-lines:]
+    return "\n".join(kept)[-width:]
 
 
 def pytest_configure(config):

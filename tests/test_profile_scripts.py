@@ -382,7 +382,8 @@ def test_kernel_paths_passes_a_path_only_where_every_test_that_ran_it_passed(tmp
         {"test": "a", "outcome": "passed", "paths": ["Llama, <= 4 rows", "Qwen3, q/k norm, <= 4 rows"]},
         {"test": "b", "outcome": "failed", "paths": ["Qwen3, q/k norm, <= 4 rows"]},
         {"test": "c", "outcome": "skipped", "paths": ["qwen3_moe experts"]},
-        {"test": "d", "outcome": "passed", "paths": []})]
+        {"test": "d", "outcome": "passed", "paths": []},
+        {"test": "e", "outcome": "failed", "paths": [], "why": "E   assert False\ntests/x.py:3: AssertionError"})]
     passed, failing = kernel_paths.read(lines)
     assert passed == ["Llama, <= 4 rows"] and failing == {"Qwen3, q/k norm, <= 4 rows": ["b"]}
     f = tmp_path / "paths.jsonl"
@@ -390,8 +391,22 @@ def test_kernel_paths_passes_a_path_only_where_every_test_that_ran_it_passed(tmp
     assert kernel_paths.main([str(f)]) == 1
     out = capsys.readouterr().out
     assert "'Llama, <= 4 rows'," in out and "FAILED 'Qwen3, q/k norm, <= 4 rows': b" in out
+    # every failed test with its reason, one that ran no kernel path too (an older file's line has none)
+    assert kernel_paths.failed_tests(lines) == {"b": "", "e": "E   assert False\ntests/x.py:3: AssertionError"}
+    assert "FAILED e\n    E   assert False\n    tests/x.py:3: AssertionError" in out
+    assert "FAILED b\n    (no reason recorded)" in out
     assert kernel_paths.main([str(tmp_path / "missing.jsonl")]) == 2   # no CUDA: the tests skipped, wrote nothing
     assert "missing.jsonl: no such file" in capsys.readouterr().err
+
+
+def test_a_failed_tests_reason_is_the_last_lines_of_its_report():
+    """tests/conftest.py keeps a failed cuda test's reason in the GDTOOL_KERNEL_PATHS line: its report's last
+    non-blank lines (the assertion and where it was raised), capped in length."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    import conftest
+    text = "\n".join(f"line {i}" for i in range(30)) + "\n\nE   assert 1 == 2\n\n"
+    assert conftest.failure_lines(text).splitlines() == [f"line {i}" for i in range(19, 30)] + ["E   assert 1 == 2"]
+    assert conftest.failure_lines("x" * 9000) == "x" * 4000
 
 
 def test_zoo_table_renders_a_gpu_runs_outcomes_as_the_zoo_test_keeps_them(tmp_path, monkeypatch, capsys):
