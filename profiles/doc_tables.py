@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = ROOT / "profiles"
 H200 = PROFILES / "h200"
+H100 = PROFILES / "h100"
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(PROFILES))
 
@@ -71,6 +72,17 @@ def device(path: Path) -> str:
     env = _sidecar(path)
     name = env.get("device_name") or env.get("gpu") or "?"
     return name.replace("NVIDIA ", "")
+
+
+def tuning_of(path: Path):
+    """The tuning gdtool reads on the GPU that made `path`: the file of its sidecar's GPU name and Triton version (a
+    Hopper, capability 9.0: the sidecars name no capability, and every GPU here has been one)."""
+    from types import SimpleNamespace
+    from gdtool.kernels import tuning
+    env = _sidecar(path)
+    props = SimpleNamespace(name=env.get("device_name") or env.get("gpu") or "?", major=9, minor=0,
+                            multi_processor_count=tuning.DEFAULT_MULTIPROCESSORS)
+    return tuning.for_properties(props, env.get("triton") or "3.6.0")
 
 
 def commit(path: Path) -> str:
@@ -264,15 +276,17 @@ def fast_pdl() -> str:
     return table(["model", "batch", "PDL off ms/step", "on", "auto", "device", "commit"], rows, right={1, 2, 3, 4})
 
 
-# The experts sweeps the H200 tuning file's experts tiles were read from (its experts_grouped provenance): one MoE block
+# The experts sweeps each tuning file's experts tiles were read from (its experts_grouped provenance): one MoE block
 # captured, µs a block per tokens a step, the best config of each path beside HF's two implementations.
 EXPERTS_SWEEPS = [(H200 / "moe-sweep-c6bba88" / "qwen3-30b-a3b.csv", "qwen3_moe", "small"),
-                  (H200 / "moe-sweep-0f91d78" / "gpt-oss-20b.csv", "gpt_oss", "oss")]
+                  (H200 / "moe-sweep-0f91d78" / "gpt-oss-20b.csv", "gpt_oss", "oss"),
+                  (H100 / "moe-sweep-1bc10cb" / "qwen3-30b-a3b.csv", "qwen3_moe", "small"),
+                  (H100 / "moe-sweep-1bc10cb" / "gpt-oss-20b.csv", "gpt_oss", "oss")]
 
 
 def fast_experts() -> str:
     """Per tokens a step: the small kernels' best, the grouped kernels' best, HF's batched_mm and grouped_mm, and
-    the path gdtool runs there (`experts.runs_grouped`)."""
+    the path gdtool runs there (`experts.runs_grouped`, with the tuning of the sweep's GPU)."""
     from gdtool.kernels.experts import tiles
     rows = []
     for path, family, small in EXPERTS_SWEEPS:
@@ -287,7 +301,8 @@ def fast_experts() -> str:
         for batch in sorted({b for b, _ in best}):
             rows.append([path.stem, batch, *(fmt(best.get((batch, v)), ".1f")
                                                  for v in ("small", "grouped", "batched_mm", "grouped_mm")),
-                         "grouped" if tiles.runs_grouped(family, batch) else "small", device(path), commit(path)])
+                         "grouped" if tiles.runs_grouped(family, batch, tuning_of(path)) else "small", device(path),
+                         commit(path)])
     return table(["model", "tokens", "small kernels µs", "grouped kernels µs", "HF batched_mm µs", "HF grouped_mm µs",
                   "gdtool runs", "device", "commit"], rows, right={1, 2, 3, 4, 5})
 
@@ -310,11 +325,13 @@ def fast_accuracy() -> str:
 
 
 # Every tile config of a preset's projections at one row, timed alone, PDL off (`kernels-sweep`): what
-# gemv.gemv_config and gemv.qkv_rope_config pick (tests/test_fast_kernels.py holds them within 3% and 5% of the
-# fastest).
+# gemv.gemv_config and gemv.qkv_rope_config pick on that GPU (tests/test_fast_kernels.py holds the H200's within 3% and
+# 5% of the fastest; tests/test_tuning.py the H100's within 3%).
 GEMV_SWEEPS = [("gemma-3-1b", H200 / "decode-kernels" / "sweep-6e765ba" / "gemv.csv", 256),
                ("llama-1b", H200 / "decode-kernels" / "sweep-14cc799" / "gemv.csv", 64),
-               ("llama-8b", H200 / "decode-kernels" / "sweep-fa2489e" / "gemv.csv", 128)]
+               ("llama-8b", H200 / "decode-kernels" / "sweep-fa2489e" / "gemv.csv", 128),
+               *((model, H100 / "decode-kernels" / "sweep-1bc10cb" / "gemv.csv", head_dim)
+                 for model, head_dim in (("gemma-3-1b", 256), ("llama-1b", 64), ("llama-8b", 128), ("qwen3-8b", 128)))]
 
 
 def fast_tiles() -> str:
@@ -322,6 +339,7 @@ def fast_tiles() -> str:
     from gdtool.kernels import gemv
     rows = []
     for model, path, head_dim in GEMV_SWEEPS:
+        tune = tuning_of(path)
         timed: dict = {}
         cublas: dict = {}
         with open(path) as f:
@@ -334,8 +352,8 @@ def fast_tiles() -> str:
                 elif r["kernel"].startswith("triton") and "whole-head" not in r["kernel"] and "(" in r["kernel"]:
                     timed.setdefault(key, {})[ast.literal_eval("(" + r["kernel"].split("(", 1)[1])] = float(r["us"])
         for (proj, n, k), times in timed.items():
-            picked = gemv.qkv_rope_config(k, head_dim)[:3] if proj == "qkv" else \
-                gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1)
+            picked = gemv.qkv_rope_config(k, head_dim, tune=tune)[:3] if proj == "qkv" else \
+                gemv.gemv_config(1, n, k, 2 if proj == "gate_up" else 1, tune)
             best = min(times, key=times.get)
             rows.append([model, proj, f"{n} x {k}", fmt(cublas.get((proj, n, k)), ".2f"), str(picked),
                          fmt(times.get(picked), ".2f"), str(best), fmt(times[best], ".2f"), device(path), commit(path)])

@@ -55,7 +55,8 @@
 #                  kernels' tile configs at 1-64 tokens (gpt-oss-20b: its grouped and small kernels'), one block
 #                  captured, beside HF's batched_mm: what the tuning file's experts sections should hold
 #                  (WRITE_CONFIG=FILE: the picks written into OUT/tuning/FILE's name, a copy of
-#                  gdtool/kernels/configs/FILE; kernels-sweep and attention-plan write theirs into the same copy)
+#                  gdtool/kernels/configs/FILE; kernels-sweep and attention-plan write theirs into the same copy;
+#                  that copy names this machine's folders: commit the CSVs, then profiles/tuning_files.py --write)
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   attention-plan the same probe's attention part, llama-1b's attention at one row also at each split plan
 #                  (ATTENTION_TARGETS: split_plan's TARGET_PROGRAMS), the combine fused and not

@@ -143,16 +143,16 @@ def small_picks(rows: list[dict], variant: str = "small") -> dict:
     return {b: steadiest(tables) for b, tables in _tables(rows, variant).items()}
 
 
-def grouped_from(rows: list[dict]) -> int:
-    """One past the largest swept batch at which the small kernels (small or oss) beat the grouped ones in any
-    model: from there on the grouped kernels run."""
+def grouped_from(rows: list[dict], variant: str = "small") -> int:
+    """One past the largest swept batch at which `variant`'s kernels (the small ones, or gpt-oss's "oss") beat the
+    grouped ones in any model that ran them: from there on the grouped kernels run in their place."""
     best: dict = {}
     for row in rows:
-        if row["ok"] and row["variant"] in ("grouped", "small", "oss"):
-            kind = "grouped" if row["variant"] == "grouped" else "small"
-            key = (row["model"], row["batch"], kind)
+        if row["ok"] and row["variant"] in ("grouped", variant):
+            key = (row["model"], row["batch"], row["variant"])
             best[key] = min(best.get(key, float("inf")), row["us_per_block"])
-    losses = [b for (model, b, kind), us in best.items() if kind == "small" and us < best[(model, b, "grouped")]]
+    losses = [b for (model, b, kind), us in best.items()
+              if kind == variant and us < best.get((model, b, "grouped"), float("inf"))]
     return max(losses, default=0) + 1
 
 

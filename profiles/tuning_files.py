@@ -12,6 +12,14 @@ Checking: per swept shape, whether the file's choice times within 3% of the swee
         --moe OUT/qwen3-30b-a3b.csv OUT/gpt-oss-20b.csv
 
 prints one line an entry and exits 1 when any is out (or was not timed).
+
+Adopting a GPU run's sweeps: the sweeps' own --write-config copy names the GPU machine's temporary folders and, run a
+model a call, holds only its last model's grouped picks. Commit the CSVs (each folder with the env.json of its run),
+then write every section they decide into the shipped file from the committed paths, the models' CSVs together:
+
+    python profiles/tuning_files.py --config gdtool/kernels/configs/FILE.json --write \
+        --gemv profiles/h100/decode-kernels/sweep-C/gemv.csv --attention profiles/h100/.../attention.csv \
+        --moe profiles/h100/moe-sweep-C/qwen3-30b-a3b.csv profiles/h100/moe-sweep-C/gpt-oss-20b.csv
 """
 from __future__ import annotations
 
@@ -57,9 +65,10 @@ def device_path(directory: str = tuning.CONFIG_DIR) -> str:
     return os.path.join(directory, f"{slug}_sm{props.major}{props.minor}_triton-{fast_triton.version()}.json")
 
 
-def update(path: str, sections: dict, sweep: str, files: list[str]) -> dict:
-    """Write `sections` ({section: {field: value}}) into the tuning file at `path` with this sweep's provenance; a
-    new file starts from the device's current tuning, under the device's name, capability and Triton version."""
+def update(path: str, sections: dict, sweep: str, files: list[str], made_at: str | None = None) -> dict:
+    """Write `sections` ({section: {field: value}}) into the tuning file at `path` with this sweep's provenance (its
+    commit: `made_at`, else this checkout's); a new file starts from the device's current tuning, under the
+    device's name, capability and Triton version."""
     if os.path.exists(path):
         data = tuning.read(path).data
     else:
@@ -71,7 +80,7 @@ def update(path: str, sections: dict, sweep: str, files: list[str]) -> dict:
         data.update(device=props.name, capability=[props.major, props.minor], triton=fast_triton.version(),
                     note=f"Started from {os.path.basename(tuning.current(device).source)}; each section's provenance "
                          "says which sweep wrote it.")
-    stamp = {"commit": commit(), "sweep": sweep, "files": [str(f) for f in files],
+    stamp = {"commit": made_at or commit(), "sweep": sweep, "files": [str(f) for f in files],
              "date": datetime.date.today().isoformat()}
     for section, values in sections.items():
         data[section].update(values, provenance=stamp)
@@ -82,8 +91,9 @@ def update(path: str, sections: dict, sweep: str, files: list[str]) -> dict:
 
 def gemv_timings(path, head_dims: dict = GEMV_HEAD_DIMS) -> dict:
     """{(section, shape): {config: us}} of a decode_kernels_probe gemv.csv at one row, PDL off, the Triton tiles:
-    section "gemv" with shape (n, k, tiles), "qkv_rope" with (k, head dim)."""
-    timed: dict = {}
+    section "gemv" with shape (n, k, tiles), "qkv_rope" with (k, head dim). A config timed more than once at a shape
+    (two models of one shape, the default's row beside the sweep's) gets the mean of its times."""
+    times: dict = {}
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             kernel = row["kernel"]
@@ -94,8 +104,8 @@ def gemv_timings(path, head_dims: dict = GEMV_HEAD_DIMS) -> dict:
             n, k = int(row["n"]), int(row["k"])
             key = ("qkv_rope", (k, head_dims[row["model"]])) if row["proj"] == "qkv" else \
                 ("gemv", (n, k, 2 if row["proj"] == "gate_up" else 1))
-            timed.setdefault(key, {})[config] = float(row["us"])
-    return timed
+            times.setdefault(key, {}).setdefault(config, []).append(float(row["us"]))
+    return {key: {config: sum(us) / len(us) for config, us in configs.items()} for key, configs in times.items()}
 
 
 def gemv_sections(timed: dict) -> dict:
@@ -126,11 +136,11 @@ def moe_sections(rows: list[dict]) -> dict:
                 table.append({"when": {"tokens_max": batch}, **pick})
         del table[-1]["when"]   # the last row covers every larger batch
         out["experts_grouped"] = {"tiles": table}
-        if {r["variant"] for r in rows} & {"small", "oss"}:
-            out["experts_grouped"]["from_tokens"] = moe_sweep.grouped_from(rows)
+        if any(r["variant"] == "small" for r in rows):
+            out["experts_grouped"]["from_tokens"] = moe_sweep.grouped_from(rows, "small")
     oss = moe_sweep.small_picks(rows, "oss")
     if 1 in oss:
-        out["experts_oss"] = oss[1]
+        out["experts_oss"] = dict(oss[1], grouped_from=moe_sweep.grouped_from(rows, "oss"))
     shapes = []
     for model, (hidden, intermediate) in MOE_SHAPES.items():
         for batch, pick in sorted(moe_sweep.small_picks([r for r in rows if r["model"] == model]).items()):
@@ -155,6 +165,41 @@ def attention_section(rows: list[dict], multiprocessors: int) -> dict:
         means.setdefault(target, []).append(us)
     target = min(means, key=lambda t: sum(means[t]) / len(means[t]))
     return {"attention": {"programs_per_sm": target / multiprocessors}}
+
+
+def adopted(gemv_files, attention_files, moe_files, multiprocessors: int) -> list[tuple[str, dict, list[str]]]:
+    """(sweep, sections, files) per kind of sweep given: what --write writes, each with its own provenance."""
+    import moe_sweep
+    import pandas as pd
+    out = []
+    for path in gemv_files:
+        out.append(("decode_kernels_probe.py --parts gemv --sweep full (gpu_run.sh kernels-sweep): each shape's "
+                    "fastest tiles at one row", gemv_sections(gemv_timings(path)), [str(path)]))
+    if attention_files:
+        rows = [r for path in attention_files for r in pd.read_csv(path).to_dict("records")]
+        out.append(("decode_kernels_probe.py --parts attention --attention-targets (gpu_run.sh attention-plan): the "
+                    f"split target with the least mean time, over {multiprocessors} multiprocessors",
+                    attention_section(rows, multiprocessors), [str(p) for p in attention_files]))
+    if moe_files:
+        rows = [r for path in moe_files for r in moe_sweep.load(path)]
+        out.append(("moe_sweep.py (gpu_run.sh moe-sweep): the models' CSVs together, moe_sweep's rules",
+                    moe_sections(rows), [str(p) for p in moe_files]))
+    return out
+
+
+def sweep_commit(files) -> str | None:
+    """The commit the sweeps ran at: git_commit of the env.json (or env-*.json) beside each file, joined; None where
+    none says."""
+    found = []
+    for path in files:
+        folder = Path(path).parent
+        for env in [folder / "env.json", *sorted(folder.glob("env-*.json"))]:
+            if env.exists():
+                made = json.loads(env.read_text()).get("git_commit")
+                if made and made not in found:
+                    found.append(made)
+                break
+    return ", ".join(found) or None
 
 
 # -- checking -------------------------------------------------------------------------------------------------------
@@ -187,7 +232,7 @@ def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
     """Per (model, batch, variant) swept: the shipped config's time (the fastest row it matches) and the fastest."""
     groups: dict = {}
     for row in rows:
-        oss_runs = row["variant"] != "oss" or row["batch"] < experts.grouped_from(tune)   # gpt-oss: grouped from there
+        oss_runs = row["variant"] != "oss" or row["batch"] < experts.grouped_from(tune, oss=True)   # then grouped
         if row["ok"] and row["config"] and row["variant"] in ("grouped", "small", "oss") and oss_runs:
             groups.setdefault((row["model"], row["batch"], row["variant"]), []).append(row)
     entries = []
@@ -210,9 +255,22 @@ def main(argv=None) -> int:
     p.add_argument("--config", required=True, help="the tuning file to check")
     p.add_argument("--gemv", nargs="*", default=[], help="decode_kernels_probe gemv.csv files (one row, every tile)")
     p.add_argument("--moe", nargs="*", default=[], help="moe_sweep CSVs")
+    p.add_argument("--attention", nargs="*", default=[],
+                   help="decode_kernels_probe attention.csv files (--attention-targets rows); --write only")
+    p.add_argument("--multiprocessors", type=int, default=tuning.DEFAULT_MULTIPROCESSORS,
+                   help="the swept device's multiprocessor count: the attention target is written per multiprocessor "
+                        "(132 on the H100 SXM and the H200)")
+    p.add_argument("--write", action="store_true",
+                   help="write the sections these files decide into --config, their paths as provenance, instead "
+                        "of checking")
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     args = p.parse_args(argv)
     import moe_sweep
+    if args.write:
+        for label, sections, files in adopted(args.gemv, args.attention, args.moe, args.multiprocessors):
+            update(args.config, sections, label, files, made_at=sweep_commit(files))
+            print(f"wrote {', '.join(sections)} into {args.config} from {', '.join(files)}")
+        return 0
     tune = tuning.read(args.config)
     entries = []
     for path in args.gemv:

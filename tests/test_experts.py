@@ -265,6 +265,24 @@ def test_experts_tiles_are_those_of_the_h200_sweeps():
         assert {key: config[key] for key in pick} == pick, batch
     assert experts.oss_config(h200) == experts.OssConfig(**moe_sweep.small_picks(rows, "oss")[1])
     assert experts.grouped_from(h200) == moe_sweep.grouped_from(rows) == 2
+    assert experts.grouped_from(h200, oss=True) == moe_sweep.grouped_from(rows, "oss") == 2
+
+
+def test_each_kind_of_small_kernels_gives_way_to_the_grouped_ones_where_its_own_sweep_says():
+    """The H100 sweeps: Qwen3-30B-A3B's small kernels beat the grouped ones up to 4 tokens, gpt-oss-20b's own
+    kernels only at 1 (at 4: 241 against 199 us a block). The H100 file starts each where its sweep says, and the
+    plan runs each family's blocks so."""
+    from gdtool.kernels import tuning
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles"))
+    import moe_sweep
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    h100 = tuning.read(os.path.join(tuning.CONFIG_DIR, "nvidia-h100-80gb-hbm3_sm90_triton-3.6.0.json"))
+    rows = [row for path in h100.provenance("experts_grouped")["files"] for row in moe_sweep.load(os.path.join(root, path))]
+    assert experts.grouped_from(h100) == moe_sweep.grouped_from(rows, "small") == 5
+    assert experts.grouped_from(h100, oss=True) == moe_sweep.grouped_from(rows, "oss") == 2
+    assert [experts.runs_grouped("qwen3_moe", t, h100) for t in (1, 4, 5)] == [False, False, True]
+    assert [experts.runs_grouped("gpt_oss", t, h100) for t in (1, 2, 4)] == [False, True, True]
+    assert not experts.runs_grouped("qwen2_moe", 64, h100)   # a shared expert: the small kernels throughout
 
 
 def test_experts_config_refuses_a_chunk_that_is_not_a_power_of_two():

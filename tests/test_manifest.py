@@ -47,10 +47,10 @@ def test_the_check_catches_what_it_is_for(tree):
     problems = manifest.check([f for f in files if f != gone], texts, text, budget=None)
     assert problems == [f"{manifest.MANIFEST}:{number}: `h200/agreement.md` matches no tracked result file"
                         for number, pattern, _ in manifest.manifest_rows(text) if pattern == "h200/agreement.md"]
-    # the one reader of a file stops naming it
+    # the one reader of a file stops naming it (not an environment sidecar: it stays while its results are cited)
     cited = manifest.citations(manifest.Index(files), texts)
     alone, reader = next((f, next(iter(by))) for f, by in sorted(cited.items()) if len(by) == 1
-                         and next(iter(by)) in texts)
+                         and next(iter(by)) in texts and manifest.sidecar_tag(f) is None)
     problems = manifest.check(files, {p: t for p, t in texts.items() if p != reader}, text, budget=None)
     assert f"{alone}: no doc, notebook, test, script or module names it (git rm it: git history keeps it)" in problems
     # over the budget

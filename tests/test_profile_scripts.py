@@ -568,7 +568,8 @@ def test_moe_sweep_grid_and_fastest_config():
 
 def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():
     """steadiest: the config with the smallest worst ratio to each model's fastest, not the fastest of either;
-    grouped_from: one past the largest batch where the small (or gpt-oss's) kernels beat the grouped ones."""
+    grouped_from: one past the largest batch where the small kernels (or, asked, gpt-oss's) beat the grouped ones,
+    each against the grouped ones in the models that ran them."""
     import moe_sweep
     a, b, c = ({"block_m": 16}, {"block_m": 32}, {"block_m": 64})
     tables = [{repr(a): 10.0, repr(b): 11.0, repr(c): 15.0}, {repr(a): 30.0, repr(b): 21.0, repr(c): 20.0}]
@@ -581,9 +582,10 @@ def test_moe_sweep_rules_pick_the_steadiest_config_and_where_grouped_starts():
             dict(model="o", batch=4, variant="oss", ok=False, us_per_block=1.0),   # wrong output: not a candidate
             dict(model="q", batch=2, variant="grouped", ok=True, us_per_block=5.0),
             dict(model="q", batch=2, variant="small", ok=True, us_per_block=6.0)]
-    assert moe_sweep.grouped_from(rows) == 2
+    assert moe_sweep.grouped_from(rows) == 1                # q's small kernels lose at 1 and 2
+    assert moe_sweep.grouped_from(rows, "oss") == 2         # o's win at 1; at 4 their row is wrong: not counted
     rows[-1]["us_per_block"] = 4.0
-    assert moe_sweep.grouped_from(rows) == 3
+    assert moe_sweep.grouped_from(rows) == 3 and moe_sweep.grouped_from(rows, "oss") == 2   # each its own
 
 
 def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):

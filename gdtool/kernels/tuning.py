@@ -68,7 +68,7 @@ SCHEMA = {
                                     "packed": BOOL, "router_early": BOOL, "down_early": BOOL},
                       "shapes": Rows(_CONFIG_FIELDS, ("hidden", "intermediate", "tokens"), catch_all=False,
                                      partial=True)},
-    "experts_oss": {"gate_up_cols": INT, "down_cols": INT, "block_k": INT, "warps": INT},
+    "experts_oss": {"gate_up_cols": INT, "down_cols": INT, "block_k": INT, "warps": INT, "grouped_from": INT},
     "experts_grouped": {"from_tokens": INT,
                         "tiles": Rows(("block_m", "block_n", "block_k", "warps", "stages"), ("tokens",))},
 }

@@ -51,10 +51,11 @@ see the swap (a captured graph replays no Python, so the scope costs nothing aft
 operator reads HF's parameters where they are (no copy): an in-place update of the weights
 (`param.data.copy_`) is what the next step reads, captured or not.
 
-From `grouped_from` (2 on the H200) to MAX_GROUPED_TOKENS tokens (Qwen3-MoE, Mixtral, OLMoE, gpt-oss) the grouped kernels
-(`grouped.py`) run instead: pairs sorted by expert on the device, tl.dot on tiles, a fixed-order combine (faster
-than the small kernels from 2 tokens in the H200 sweeps: the tuning's experts_grouped.from_tokens). Qwen2-MoE, with its shared
-expert, keeps the small kernels up to MAX_TOKENS.
+From `grouped_from` (2 on the H200; on the H100 5, and 2 for gpt-oss) to MAX_GROUPED_TOKENS tokens (Qwen3-MoE,
+Mixtral, OLMoE, gpt-oss) the grouped kernels (`grouped.py`) run instead: pairs sorted by expert on the device, tl.dot
+on tiles, a fixed-order combine (where the device's sweeps found them faster than the small kernels: the tuning's
+experts_grouped.from_tokens, and experts_oss.grouped_from against gpt-oss's own). Qwen2-MoE, with its shared expert,
+keeps the small kernels up to MAX_TOKENS.
 
 The fast decode forward (`forward.py`: Qwen3-MoE, Mixtral, Qwen2-MoE at 1-8 rows) calls `block_triton`
 itself, outside any compiled HF forward, with the layer's RMSNorm folded into the router and gate/up

@@ -46,7 +46,7 @@ def moe_block(x: torch.Tensor, router_weight: torch.Tensor, gate_up: torch.Tenso
     args = (x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
             shared_gate, shared_up, shared_down, shared_router, oss)
     if usable(x, gate_up, down):
-        if shared_gate is None and x.shape[0] >= grouped_from(tuning.current(x.device)):   # no shared expert
+        if shared_gate is None and x.shape[0] >= grouped_from(tuning.current(x.device), oss=oss is not None):
             return block_grouped(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32, oss=oss)
         return block_triton(*args)
     return reference.block_reference(*args)   # read here at each call: a test may count them

@@ -1,4 +1,5 @@
-"""The grouped path: `grouped_from` (2 on the H200) to 64 tokens per step, families without a shared expert.
+"""The grouped path: `grouped_from` (the device's tuning: 2 on the H200) to 64 tokens per step, families without a
+shared expert.
 
 With several tokens the same expert serves several rows, and a matrix-vector product per (row, expert)
 would read it once per row. The grouped kernels read each routed expert once per tile of its rows:

@@ -135,9 +135,12 @@ class GroupedConfig:
 # 32, 64), the config whose worst time over the models swept there is nearest their fastest (profiles/moe_sweep.py
 # `steadiest`; tests/test_experts.py holds the H200 file to the sweeps its provenance names). Every config in them
 # was checked against the torch reference on the H200 (column `ok`).
-# Tokens per step from which the grouped kernels run (experts_grouped.from_tokens; families without a shared expert;
-# the others keep the small kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won in
-# either model (`moe_sweep.grouped_from`). On the H200 the grouped kernels won at every batch from 2 (qwen3-30b-a3b:
+# Tokens per step from which the grouped kernels run (families without a shared expert; the others keep the small
+# kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won (`moe_sweep.grouped_from`),
+# each against the kernels it replaces: experts_grouped.from_tokens the small kernels' (qwen3-30b-a3b's sweep),
+# experts_oss.grouped_from gpt-oss's own kernels' (gpt-oss-20b's). One number for both ran gpt-oss-20b's blocks at 4
+# tokens 21% slower on the H100 (its kernels 241 against the grouped 199 us a block, where Qwen3's small ones won
+# at 4, 108 against 113: profiles/h100/moe-sweep-1bc10cb/). On the H200 the grouped kernels won at every batch from 2 (qwen3-30b-a3b:
 # 50 against 57 us a block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1 gpt-oss-20b's
 # small kernels won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast
 # forward's MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
@@ -145,14 +148,16 @@ class GroupedConfig:
 # at 1 token, 51.4 against 51.1 at 2, profiles/h200/moe-sweep-39ace1a/ variant "grouped-routed"; removed)
 
 
-def grouped_from(tune: tuning.Tuning | None = None) -> int:
-    """Tokens per step from which the grouped kernels run (the device's tuning; None: the defaults)."""
-    return (tune or tuning.current())["experts_grouped"]["from_tokens"]
+def grouped_from(tune: tuning.Tuning | None = None, oss: bool = False) -> int:
+    """Tokens per step from which the grouped kernels run (the device's tuning; None: the defaults): in place of the
+    small kernels, or (oss) of gpt-oss's."""
+    tune = tune or tuning.current()
+    return tune["experts_oss"]["grouped_from"] if oss else tune["experts_grouped"]["from_tokens"]
 
 
 def runs_grouped(family: str, tokens: int, tune: tuning.Tuning | None = None) -> bool:
-    """Whether a block of `family` at `tokens` rows runs the grouped kernels (else the small ones)."""
-    return family in GROUPED_FAMILIES and tokens >= grouped_from(tune)
+    """Whether a block of `family` at `tokens` rows runs the grouped kernels (else the small ones, or gpt-oss's)."""
+    return family in GROUPED_FAMILIES and tokens >= grouped_from(tune, oss=family == "gpt_oss")
 
 
 def grouped_config(tokens: int, tune: tuning.Tuning | None = None, itemsize: int = 2) -> GroupedConfig:
