@@ -319,6 +319,39 @@ def test_the_check_says_per_entry_whether_the_shipped_choice_is_within_3_percent
     assert gemv.gemv_config(1, 4096, 2048, 1, swept) == gemv.gemv_config(1, 4096, 2048, 1, h200)   # unswept: rule
 
 
+def test_write_adopts_committed_sweeps_with_their_own_commit_and_paths(tmp_path, capsys):
+    """`tuning_files.py --write`: the H100 sweeps written into a copy of the file give the shipped file's sections
+    back, each naming the files as given and the commit of the env.json beside them; no files, or a file without
+    its run's env.json, is refused with what to do."""
+    tf = _profiles()
+    h100 = tuning.read(H100)
+    path = str(tmp_path / "h100.json")
+    shutil.copy(H100, path)
+    given = {kind: h100.provenance(section)["files"] for kind, section in (
+        ("--gemv", "gemv"), ("--attention", "attention"), ("--moe", "experts_grouped"))}
+    argv = ["--config", path, "--write"] + [arg for kind, files in given.items() for arg in (kind, *files)]
+    cwd = os.getcwd()
+    try:
+        os.chdir(ROOT)   # the provenance names the paths as given: repository-relative, run from its root
+        assert tf.main(argv) == 0
+    finally:
+        os.chdir(cwd)
+    written = tuning.read(path)
+    for section in ("gemv", "qkv_rope", "attention", "experts_small", "experts_oss", "experts_grouped"):
+        values = {k: v for k, v in written[section].items() if k != "provenance"}   # the date is today's
+        assert values == {k: v for k, v in h100[section].items() if k != "provenance"}, section
+        assert written.provenance(section)["files"] == h100.provenance(section)["files"]
+        assert written.provenance(section)["commit"] == "1bc10cb"
+    with pytest.raises(SystemExit):
+        tf.main(["--config", path, "--write"])
+    assert "give their files (--gemv, --attention, --moe)" in capsys.readouterr().err
+    lone = tmp_path / "gemv.csv"
+    shutil.copy(os.path.join(ROOT, given["--gemv"][0]), lone)
+    with pytest.raises(SystemExit):
+        tf.main(["--config", path, "--write", "--gemv", str(lone)])
+    assert f"no env.json (or env-*.json) naming a git_commit beside {lone}" in capsys.readouterr().err
+
+
 def test_the_moe_sweep_writes_the_grouped_table_it_was_read_from(tmp_path, monkeypatch):
     """The H200 grouped sweeps, written through moe_sections into a copy of the H100 file, give the H200 file's table
     and gpt-oss's grouped_from, with the new provenance; the small kernels' start (no small rows) and the other
