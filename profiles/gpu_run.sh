@@ -57,6 +57,9 @@
 #                  (WRITE_CONFIG=FILE: the picks written into OUT/tuning/FILE's name, a copy of
 #                  gdtool/kernels/configs/FILE; kernels-sweep and attention-plan write theirs into the same copy;
 #                  that copy names this machine's folders: commit the CSVs, then profiles/tuning_files.py --write)
+#   tuning-check   the shipped tuning file of this GPU (profiles/tuning_files.py --config device) against the sweeps
+#                  kernels-sweep and moe-sweep wrote earlier in the same run (give those parts first, without
+#                  WRITE_CONFIG): each choice within 3% of the fresh sweep's fastest; fails when any is out or none ran
 #   kernels-probe  profiles/decode_kernels_probe.py: float64 checks and GEMV rows against cuBLAS
 #   attention-plan the same probe's attention part, llama-1b's attention at one row also at each split plan
 #                  (ATTENTION_TARGETS: split_plan's TARGET_PROGRAMS), the combine fused and not
@@ -327,6 +330,9 @@ for p in "$@"; do
     attention-plan) part attention-plan ${ATTENTION_PLAN_SECONDS:-200} "$py" profiles/decode_kernels_probe.py \
            --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" \
            ${write_config:+--write-config $write_config} ;;
+    tuning-check) part tuning-check 60 bash -c "g=\$(ls $work/kernels-sweep/gemv.csv 2>/dev/null); \
+           m=\$(ls $work/moe-sweep/*.csv 2>/dev/null); \
+           $py profiles/tuning_files.py --config device \${g:+--gemv \$g} \${m:+--moe \$m}" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \

@@ -252,7 +252,9 @@ def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", required=True, help="the tuning file to check")
+    p.add_argument("--config", required=True,
+                   help="the tuning file to check or write; `device`: the file of this CUDA device's name, capability "
+                        "and Triton version (gpu_run.sh tuning-check)")
     p.add_argument("--gemv", nargs="*", default=[], help="decode_kernels_probe gemv.csv files (one row, every tile)")
     p.add_argument("--moe", nargs="*", default=[], help="moe_sweep CSVs")
     p.add_argument("--attention", nargs="*", default=[],
@@ -266,6 +268,11 @@ def main(argv=None) -> int:
     p.add_argument("--tolerance", type=float, default=TOLERANCE)
     args = p.parse_args(argv)
     import moe_sweep
+    if args.config == "device":
+        import torch
+        if not torch.cuda.is_available():
+            p.error("--config device: the file of this machine's CUDA GPU, and it has none; name the file instead")
+        args.config = device_path()
     if args.write:
         if not (args.gemv or args.attention or args.moe):
             p.error("--write writes what sweeps decide: give their files (--gemv, --attention, --moe)")

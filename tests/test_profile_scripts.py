@@ -304,6 +304,26 @@ def test_gpu_run_exits_nonzero_when_a_part_fails(tmp_path):
     assert rc == 0 and "every part passed" in log
 
 
+def test_gpu_run_tuning_check_needs_a_gpu_and_a_sweep(tmp_path, capsys):
+    """tuning-check reads the GPU's own file: on a machine without one it fails and says so; a check with no sweep
+    given (no kernels-sweep or moe-sweep earlier in the run) fails rather than passing nothing."""
+    rc, log = _gpu_run(tmp_path, "tuning-check")
+    assert rc == 1 and "=== tuning-check exit 2" in log
+    assert "--config device: the file of this machine's CUDA GPU, and it has none" in \
+        (tmp_path / "out" / "log").read_text() + _part_log(tmp_path, "tuning-check")
+    import tuning_files
+    from gdtool.kernels import tuning
+    assert tuning_files.main(["--config", str(ROOT / "gdtool" / "kernels" / "configs" / tuning.DEFAULTS)]) == 1
+    assert "0 of 0 within 3%" in capsys.readouterr().out
+
+
+def _part_log(tmp_path, part: str) -> str:
+    """A part's own log, from the results tar gpu_run.sh writes."""
+    import tarfile
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        return tar.extractfile(f"{part}/log").read().decode()
+
+
 def test_gpu_run_cuts_its_parts_to_the_whole_runs_limit(tmp_path):
     """GPU_RUN_SECONDS: each part gets the time left less a margin, and one with no time left is named, not begun
     (a run cut from outside loses the part it cut, files and all)."""
