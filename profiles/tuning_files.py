@@ -278,8 +278,8 @@ def main(argv=None) -> int:
             p.error("--write writes what sweeps decide: give their files (--gemv, --attention, --moe)")
         unknown = [f for f in args.gemv + args.attention + args.moe if sweep_commit([f]) is None]
         if unknown:
-            p.error(f"no env.json (or env-*.json) naming a git_commit beside {', '.join(unknown)}: the commit the sweep "
-                    "ran at is its provenance; commit the run's env.json beside each file (gpu_run.sh writes one)")
+            p.error(f"no env.json (or env-*.json) naming a git_commit beside {', '.join(unknown)}: the commit the "
+                    "sweep ran at is its provenance; commit the run's env.json beside each file (gpu_run.sh writes one)")
         for label, sections, files in adopted(args.gemv, args.attention, args.moe, args.multiprocessors):
             update(args.config, sections, label, files, made_at=sweep_commit(files))
             print(f"wrote {', '.join(sections)} into {args.config} from {', '.join(files)}")

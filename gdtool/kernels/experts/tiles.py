@@ -139,13 +139,13 @@ class GroupedConfig:
 # kernels up to MAX_TOKENS): one past the largest swept batch where the small kernels won (`moe_sweep.grouped_from`),
 # each against the kernels it replaces: experts_grouped.from_tokens the small kernels' (qwen3-30b-a3b's sweep),
 # experts_oss.grouped_from gpt-oss's own kernels' (gpt-oss-20b's). One number for both ran gpt-oss-20b's blocks at 4
-# tokens 21% slower on the H100 (its kernels 241 against the grouped 199 us a block, where Qwen3's small ones won
-# at 4, 108 against 113: profiles/h100/moe-sweep-1bc10cb/). On the H200 the grouped kernels won at every batch from 2 (qwen3-30b-a3b:
-# 50 against 57 us a block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1 gpt-oss-20b's
-# small kernels won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7). The fast
-# forward's MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
-# (the grouped path's routing in the router kernel, no route kernel, was no faster: 36.6 against 35.9 us a block
-# at 1 token, 51.4 against 51.1 at 2, profiles/h200/moe-sweep-39ace1a/ variant "grouped-routed"; removed)
+# tokens 21% slower on the H100 (its kernels 241 against the grouped 199 us a block, where Qwen3's small ones won at 4,
+# 108 against 113: profiles/h100/moe-sweep-1bc10cb/). On the H200 the grouped kernels won at every batch from 2
+# (qwen3-30b-a3b: 50 against 57 us a block at 2 tokens, 207 against 328 at 16; gpt-oss-20b: 142 against 190 at 4); at 1
+# gpt-oss-20b's small kernels won by 0.3% (62.7 against 62.9 us; qwen3-30b-a3b's grouped ones by 6%, 34.5 against 36.7).
+# The fast forward's MoE layers (<= 4 rows) keep the small kernels, which take the layer's norm and residual.
+# (The grouped path's routing in the router kernel, no route kernel, was no faster: 36.6 against 35.9 us a block at 1
+# token, 51.4 against 51.1 at 2, profiles/h200/moe-sweep-39ace1a/ variant "grouped-routed"; removed.)
 
 
 def grouped_from(tune: tuning.Tuning | None = None, oss: bool = False) -> int:
