@@ -331,8 +331,8 @@ for p in "$@"; do
            --parts attention --attention-targets ${ATTENTION_TARGETS:-8,16,33,66,132,264} --out "$work/attention-plan" \
            ${write_config:+--write-config $write_config} ;;
     tuning-check) part tuning-check 60 bash -c "g=\$(ls $work/kernels-sweep/gemv.csv 2>/dev/null); \
-           m=\$(ls $work/moe-sweep/*.csv 2>/dev/null); \
-           $py profiles/tuning_files.py --config device \${g:+--gemv \$g} \${m:+--moe \$m}" ;;
+           m=\$(ls $work/moe-sweep/*.csv 2>/dev/null); a=\$(ls $work/attention-plan/attention.csv 2>/dev/null); \
+           $py profiles/tuning_files.py --config device \${g:+--gemv \$g} \${m:+--moe \$m} \${a:+--attention \$a}" ;;
     kernels-probe) part kernels-probe 300 "$py" profiles/decode_kernels_probe.py --parts check,gemv \
            --models llama-8b,qwen3-8b,gemma-3-1b --gemv-rows 1,4,8,16 --out "$work/kernels-probe" ;;
     agree) part agree ${AGREE_SECONDS:-400} env GDTOOL_UNTESTED_KERNELS=1 "$py" profiles/decode_kernels_probe.py \

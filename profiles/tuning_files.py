@@ -6,10 +6,11 @@ section a sweep covered gets its picks (exact-shape rows, or the grouped table) 
 GDTOOL_COMMIT or git, the sweep, its result files, the date); the others stay as they were. A file that does not exist
 yet starts from the one the device reads now (the nearest of its capability, or the defaults).
 
-Checking: per swept shape, whether the file's choice times within 3% of the sweep's fastest there:
+Checking: per swept shape, whether the file's choice times within 3% of the sweep's fastest there (for the experts,
+per model and batch: the switch to the grouped kernels and then the tiles, against the fastest of either path):
 
     python profiles/tuning_files.py --config gdtool/kernels/configs/FILE.json --gemv OUT/gemv.csv \
-        --moe OUT/qwen3-30b-a3b.csv OUT/gpt-oss-20b.csv
+        --attention OUT/attention.csv --moe OUT/qwen3-30b-a3b.csv OUT/gpt-oss-20b.csv
 
 prints one line an entry and exits 1 when any is out (or was not timed).
 
@@ -150,9 +151,9 @@ def moe_sections(rows: list[dict]) -> dict:
     return out
 
 
-def attention_section(rows: list[dict], multiprocessors: int) -> dict:
-    """programs_per_sm of the split target whose mean time over the live lengths timed (the faster of the combine's
-    two forms at each) is the least: decode_kernels_probe's --attention-targets rows."""
+def attention_means(rows: list[dict]) -> dict:
+    """Per split target (programs): the mean over the live lengths timed of its time (the faster of the combine's two
+    forms at each), from decode_kernels_probe's --attention-targets rows."""
     best: dict = {}
     for row in rows:
         target = row.get("target")
@@ -163,8 +164,13 @@ def attention_section(rows: list[dict], multiprocessors: int) -> dict:
     means: dict = {}
     for (target, _), us in best.items():
         means.setdefault(target, []).append(us)
-    target = min(means, key=lambda t: sum(means[t]) / len(means[t]))
-    return {"attention": {"programs_per_sm": target / multiprocessors}}
+    return {target: sum(us) / len(us) for target, us in means.items()}
+
+
+def attention_section(rows: list[dict], multiprocessors: int) -> dict:
+    """programs_per_sm of the split target whose mean time over the live lengths timed is the least."""
+    means = attention_means(rows)
+    return {"attention": {"programs_per_sm": min(means, key=means.get) / multiprocessors}}
 
 
 def adopted(gemv_files, attention_files, moe_files, multiprocessors: int) -> list[tuple[str, dict, list[str]]]:
@@ -228,15 +234,29 @@ def gemv_entries(timed: dict, tune: tuning.Tuning) -> list[tuple]:
     return entries
 
 
+def attention_entries(rows: list[dict], tune: tuning.Tuning, multiprocessors: int) -> list[tuple]:
+    """The file's split target (programs_per_sm x the multiprocessors) against the target of least mean time."""
+    means = attention_means(rows)
+    if not means:
+        return []
+    target = tune["attention"]["programs_per_sm"] * multiprocessors
+    shipped = next((us for t, us in means.items() if abs(t - target) < 0.5), None)
+    return [(f"attention split target {target:g} programs (mean over the live lengths)", shipped,
+             min(means.values()))]
+
+
 def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
-    """Per (model, batch, variant) swept: the shipped config's time (the fastest row it matches) and the fastest."""
+    """Per (model, batch) swept: the kernels the file runs there (its switch to the grouped ones, then the tiles it
+    picks: the fastest row matching them) against the fastest of gdtool's kernels there, the other path included.
+    A tile row the file never runs at that batch (the grouped tiles below the switch) decides nothing."""
     groups: dict = {}
     for row in rows:
-        oss_runs = row["variant"] != "oss" or row["batch"] < experts.grouped_from(tune, oss=True)   # then grouped
-        if row["ok"] and row["config"] and row["variant"] in ("grouped", "small", "oss") and oss_runs:
-            groups.setdefault((row["model"], row["batch"], row["variant"]), []).append(row)
+        if row["ok"] and row["config"] and row["variant"] in ("grouped", "small", "oss"):
+            groups.setdefault((row["model"], row["batch"]), []).append(row)
     entries = []
-    for (model, batch, variant), group in sorted(groups.items()):
+    for (model, batch), group in sorted(groups.items()):
+        own = "oss" if model.startswith("gpt-oss") else "small"
+        variant = "grouped" if batch >= experts.grouped_from(tune, oss=own == "oss") else own
         if variant == "grouped":
             shipped = vars(experts.grouped_config(batch, tune))
         elif variant == "oss":
@@ -244,7 +264,8 @@ def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
         else:
             shipped = vars(experts.experts_config(*MOE_SHAPES[model], batch, tune))
             shipped["chunk"] = shipped["chunk"] or experts.MAX_CHUNK
-        matching = [r["us_per_block"] for r in group if all(shipped.get(k) == v for k, v in r["config"].items())]
+        matching = [r["us_per_block"] for r in group
+                    if r["variant"] == variant and all(shipped.get(k) == v for k, v in r["config"].items())]
         entries.append((f"{model} batch {batch} {variant}", min(matching, default=None),
                         min(r["us_per_block"] for r in group)))
     return entries
@@ -258,7 +279,7 @@ def main(argv=None) -> int:
     p.add_argument("--gemv", nargs="*", default=[], help="decode_kernels_probe gemv.csv files (one row, every tile)")
     p.add_argument("--moe", nargs="*", default=[], help="moe_sweep CSVs")
     p.add_argument("--attention", nargs="*", default=[],
-                   help="decode_kernels_probe attention.csv files (--attention-targets rows); --write only")
+                   help="decode_kernels_probe attention.csv files (--attention-targets rows)")
     p.add_argument("--multiprocessors", type=int, default=tuning.DEFAULT_MULTIPROCESSORS,
                    help="the swept device's multiprocessor count: the attention target is written per multiprocessor "
                         "(132 on the H100 SXM and the H200)")
@@ -273,6 +294,7 @@ def main(argv=None) -> int:
         if not torch.cuda.is_available():
             p.error("--config device: the file of this machine's CUDA GPU, and it has none; name the file instead")
         args.config = device_path()
+        args.multiprocessors = torch.cuda.get_device_properties(0).multi_processor_count
     if args.write:
         if not (args.gemv or args.attention or args.moe):
             p.error("--write writes what sweeps decide: give their files (--gemv, --attention, --moe)")
@@ -289,6 +311,10 @@ def main(argv=None) -> int:
     for path in args.gemv:
         entries += gemv_entries(gemv_timings(path), tune)
     entries += moe_entries([r for path in args.moe for r in moe_sweep.load(path)], tune)
+    if args.attention:
+        import pandas as pd
+        rows = [r for path in args.attention for r in pd.read_csv(path).to_dict("records")]
+        entries += attention_entries(rows, tune, args.multiprocessors)
     report = agreement(entries, args.tolerance)
     for r in report:
         shipped = "not timed" if r["shipped_us"] is None else f"{r['shipped_us']:.2f} us ({r['ratio']:.3f}x)"

@@ -68,6 +68,27 @@ def test_experts_torch_reference_against_float64(dtype):
     assert not bad, testing.table(bad)
 
 
+@pytest.mark.parametrize("oss", [False, True], ids=["qwen3", "gpt-oss"])
+def test_the_reference_a_few_tokens_at_a_time_is_the_reference(oss, monkeypatch):
+    """The checks run HF's batched_mm reference a few tokens at a time (its gather of each pair's expert weights
+    took 10.5 GiB at Mixtral's 24 tokens, out of memory on an H100 shared by 8 test workers). The routing still
+    runs over all tokens at once (its product's bits depend on the rows), so the output is the whole one, bit for
+    bit, here at one and three tokens a chunk."""
+    gen = torch.Generator().manual_seed(3)
+    m, e, h, i, k = 7, 8, 64, 32, 2
+    x, router = torch.randn(m, h, generator=gen), torch.randn(e, h, generator=gen)
+    gate_up, down = torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen)
+    rest = (False, False, None, None, None, None, (torch.randn(e, generator=gen), torch.randn(e, 2 * i, generator=gen),
+            torch.randn(e, h, generator=gen), 1.702, 7.0)) if oss else (True, False)
+    if oss:
+        gate_up, down = gate_up.transpose(1, 2).contiguous(), down.transpose(1, 2).contiguous()
+    whole = experts.block_reference(x, router, gate_up, down, k, *rest)
+    pair = (gate_up[0].numel() + down[0].numel()) * gate_up.element_size()
+    for rows in (1, 3):
+        monkeypatch.setattr(testing, "REFERENCE_GATHER_BYTES", pair * k * rows)
+        assert torch.equal(testing._reference_by_rows(x, router, gate_up, down, k, *rest), whole), rows
+
+
 def test_the_package_refuses_a_setting_it_only_copies():
     """gdtool.kernels.experts re-exports its modules' names; a test or probe that sets one on the package would
     change nothing the kernels read (silently), so the package refuses it and names the module(s) to set."""

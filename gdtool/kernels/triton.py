@@ -143,6 +143,7 @@ _SM90_TRITON_36 = frozenset({
     "gpt_oss attention, sinks, split-KV",
     "gpt_oss experts",
     "gpt_oss experts, grouped",
+    "embedding lookup in the first qkv_rope",   # 27 cuda tests on the H100 at 1bc10cb and 4750d72
     "greedy tail in one kernel",
     "linear, <= 4 rows",
     "linear, bias, <= 4 rows",

@@ -62,14 +62,26 @@ def experts_reference_oss(x, ids, weights, gate_up, gate_up_bias, down, down_bia
 
 
 def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f32,
-                    shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None):
-    """One block in torch. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit)."""
+                    shared_gate=None, shared_up=None, shared_down=None, shared_router=None, oss=None,
+                    rows: int | None = None):
+    """One block in torch. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit). `rows`: the
+    experts at most that many tokens at a time (batched_mm gathers each (token, k) pair's weights: Mixtral's 24
+    tokens take 10.5 GiB), the routing over all tokens at once; the same bits as in one go."""
     if oss is not None:
         router_bias, gate_up_bias, down_bias, alpha, limit = oss
         _, weights, ids = route_reference_oss(x, router_weight, router_bias, top_k)
-        return experts_reference_oss(x, ids, weights, gate_up, gate_up_bias, down, down_bias, alpha, limit)
+        return _by_rows(experts_reference_oss, rows, x, ids, weights, gate_up, gate_up_bias, down, down_bias,
+                        alpha, limit)
     _, weights, ids = route_reference(x, router_weight, top_k, norm_topk, weights_f32)
-    out = experts_reference(x, ids, weights, gate_up, down)
+    out = _by_rows(experts_reference, rows, x, ids, weights, gate_up, down)
     if shared_gate is not None:
         out = out + shared_reference(x, shared_gate, shared_up, shared_down, shared_router)
     return out
+
+
+def _by_rows(experts_forward, rows, x, ids, weights, *params):
+    """experts_forward over the tokens, `rows` at a time (None: all at once); each token's pairs are its own."""
+    if rows is None or rows >= x.shape[0]:
+        return experts_forward(x, ids, weights, *params)
+    return torch.cat([experts_forward(x[r:r + rows], ids[r:r + rows], weights[r:r + rows], *params)
+                      for r in range(0, x.shape[0], rows)])
