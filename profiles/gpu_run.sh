@@ -43,6 +43,11 @@
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
+#   bench-peers    the fast peers table's benches (profiles/doc_tables.py --rerun GPU) for this GPU (BENCH_GPU: h100),
+#                  the runs of BENCH_MODELS (llama-1b; a regex over the preset names) its bench folder lacks, at
+#                  BENCH_BATCH (both: 1 and 64) (GDTOOL_UNTESTED_KERNELS=1, as the H200 rows; BENCH_PEERS=generate-static
+#                  times that peer where the H200 run had none, the MoE presets at batch 1); OUT/bench-peers/GPU/bench/
+#                  holds them under the names the table reads: copy them into profiles/GPU/bench/, doc_tables.py --write
 #   bench-fold     the embedding lookup apart (0) and folded into the first qkv_rope (1), alternating, twice each,
 #                  for each of FOLD_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (1): the lever's before and after
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
@@ -289,6 +294,12 @@ for p in "$@"; do
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers ${BENCH_PEERS:-none} \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
+    bench-peers) part bench-peers ${BENCH_SECONDS:-560} bash -c "$py profiles/doc_tables.py --rerun ${BENCH_GPU:-h100} \
+           --into $work/bench-peers | grep -E -- '--model (${BENCH_MODELS:-llama-1b}) --batch ${BENCH_BATCH:-[0-9]+} ' \
+           | sed 's|^python |$py |' ${BENCH_PEERS:+| sed 's|--peers none|--peers $BENCH_PEERS|'} > $work/bench-peers/commands.txt; cat $work/bench-peers/commands.txt; \
+           test -s $work/bench-peers/commands.txt || { echo 'no run of BENCH_MODELS is missing'; exit 1; }; \
+           $py -c 'import torch; assert torch.cuda.is_available(), \"bench-peers: the table is of GPU runs, and no CUDA GPU is here\"' && \
+           GDTOOL_UNTESTED_KERNELS=1 bash -e $work/bench-peers/commands.txt" ;;
     bench-batches) part bench-batches ${BENCH_SECONDS:-540} bash -c "m=${BATCH_MODEL:-llama-1b}; d=$work/bench-batches/\$m; \
            $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1,2,3,4,5,8,9,12,16,32,64} --repeats 2 --modes step-graph \
            --kernels fast --fuse-projections --peers none --no-progress --out \$d/line-default && \

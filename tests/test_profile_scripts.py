@@ -317,6 +317,27 @@ def test_gpu_run_tuning_check_needs_a_gpu_and_a_sweep(tmp_path, capsys):
     assert "0 of 0 within 3%" in capsys.readouterr().out
 
 
+def test_gpu_run_bench_peers_runs_the_peers_tables_missing_runs_of_the_models_asked(tmp_path):
+    """bench-peers writes the commands doc_tables.py --rerun gives for the models and batch asked (BENCH_PEERS in
+    place of none), under this run's folder and the names the table reads; a model with none missing fails, saying
+    so, rather than passing having run nothing."""
+    rc, log = _gpu_run(tmp_path, "bench-peers", BENCH_MODELS="no-such-preset")
+    assert rc == 1 and "no run of BENCH_MODELS is missing" in _part_log(tmp_path, "bench-peers")
+    import doc_tables
+    wanted = [line for line in doc_tables.rerun("h100") if "--model qwen3-30b-a3b --batch 1 " in line]
+    if not wanted:
+        pytest.skip("profiles/h100/bench/ holds qwen3-30b-a3b's batch-1 run: nothing to rerun")
+    import tarfile
+    env = dict(BENCH_MODELS="qwen3-30b-a3b", BENCH_BATCH="1", BENCH_PEERS="generate-static", GPU_RUN_SECONDS="60")
+    rc, log = _gpu_run(tmp_path, "bench-peers", **env)
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        commands = tar.extractfile("bench-peers/commands.txt").read().decode().splitlines()
+    assert rc == 1 and "no CUDA GPU is here" in _part_log(tmp_path, "bench-peers")   # written, not run on a CPU
+    assert len(commands) == 1
+    assert "--model qwen3-30b-a3b --batch 1 " in commands[0] and "--peers generate-static" in commands[0]
+    assert commands[0].endswith("bench-peers/h100/bench/qwen3-30b-a3b")
+
+
 def _part_log(tmp_path, part: str) -> str:
     """A part's own log, from the results tar gpu_run.sh writes."""
     import tarfile
