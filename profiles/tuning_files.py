@@ -151,6 +151,12 @@ def moe_sections(rows: list[dict]) -> dict:
     return out
 
 
+def attention_rows(files) -> list[dict]:
+    """The rows of decode_kernels_probe attention.csv files, read together."""
+    import pandas as pd
+    return [r for path in files for r in pd.read_csv(path).to_dict("records")]
+
+
 def attention_means(rows: list[dict]) -> dict:
     """Per split target (programs): the mean over the live lengths timed of its time (the faster of the combine's two
     forms at each), from decode_kernels_probe's --attention-targets rows."""
@@ -176,13 +182,12 @@ def attention_section(rows: list[dict], multiprocessors: int) -> dict:
 def adopted(gemv_files, attention_files, moe_files, multiprocessors: int) -> list[tuple[str, dict, list[str]]]:
     """(sweep, sections, files) per kind of sweep given: what --write writes, each with its own provenance."""
     import moe_sweep
-    import pandas as pd
     out = []
     for path in gemv_files:
         out.append(("decode_kernels_probe.py --parts gemv --sweep full (gpu_run.sh kernels-sweep): each shape's "
                     "fastest tiles at one row", gemv_sections(gemv_timings(path)), [str(path)]))
     if attention_files:
-        rows = [r for path in attention_files for r in pd.read_csv(path).to_dict("records")]
+        rows = attention_rows(attention_files)
         out.append(("decode_kernels_probe.py --parts attention --attention-targets (gpu_run.sh attention-plan): the "
                     f"split target with the least mean time, over {multiprocessors} multiprocessors",
                     attention_section(rows, multiprocessors), [str(p) for p in attention_files]))
@@ -248,7 +253,8 @@ def attention_entries(rows: list[dict], tune: tuning.Tuning, multiprocessors: in
 def moe_entries(rows: list[dict], tune: tuning.Tuning) -> list[tuple]:
     """Per (model, batch) swept: the kernels the file runs there (its switch to the grouped ones, then the tiles it
     picks: the fastest row matching them) against the fastest of gdtool's kernels there, the other path included.
-    A tile row the file never runs at that batch (the grouped tiles below the switch) decides nothing."""
+    Tiles the file never runs at that batch (the grouped ones below the switch) are not judged themselves; a row of
+    them faster than the kernels that run there is (the switch comes late)."""
     groups: dict = {}
     for row in rows:
         if row["ok"] and row["config"] and row["variant"] in ("grouped", "small", "oss"):
@@ -312,9 +318,7 @@ def main(argv=None) -> int:
         entries += gemv_entries(gemv_timings(path), tune)
     entries += moe_entries([r for path in args.moe for r in moe_sweep.load(path)], tune)
     if args.attention:
-        import pandas as pd
-        rows = [r for path in args.attention for r in pd.read_csv(path).to_dict("records")]
-        entries += attention_entries(rows, tune, args.multiprocessors)
+        entries += attention_entries(attention_rows(args.attention), tune, args.multiprocessors)
     report = agreement(entries, args.tolerance)
     for r in report:
         shipped = "not timed" if r["shipped_us"] is None else f"{r['shipped_us']:.2f} us ({r['ratio']:.3f}x)"
