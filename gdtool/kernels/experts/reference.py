@@ -66,7 +66,8 @@ def block_reference(x, router_weight, gate_up, down, top_k, norm_topk, weights_f
                     rows: int | None = None):
     """One block in torch. `oss`, for gpt-oss: (router_bias, gate_up_bias, down_bias, alpha, limit). `rows`: the
     experts at most that many tokens at a time (batched_mm gathers each (token, k) pair's weights: Mixtral's 24
-    tokens take 10.5 GiB), the routing over all tokens at once; the same bits as in one go."""
+    tokens take 10.5 GiB), the routing over all tokens at once. The bits may differ from one go's where bmm's
+    blocking depends on the batch; for the checks, which need HF's rounding and not its exact bits."""
     if oss is not None:
         router_bias, gate_up_bias, down_bias, alpha, limit = oss
         _, weights, ids = route_reference_oss(x, router_weight, router_bias, top_k)
