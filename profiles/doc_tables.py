@@ -211,13 +211,14 @@ def peers_fast() -> str:
                  right={1, 3, 4, 6})
 
 
-def rerun(gpu: str, into: str = "profiles") -> list[str]:
+def rerun(gpu: str, into: str = "profiles", again: bool = False) -> list[str]:
     """The bench command lines (`bench_table.command`) that measure each PEERS_FAST run again into INTO/GPU/bench/,
-    under the same name, for the runs profiles/GPU/bench/ lacks: another GPU's rows of the fast peers table."""
+    under the same name, for the runs profiles/GPU/bench/ lacks (`again`: every run): another GPU's rows of the fast
+    peers table, or this GPU's at the head."""
     import shlex
     lines = []
     for name in PEERS_FAST:
-        if (PROFILES / gpu / "bench" / name).exists():
+        if not again and (PROFILES / gpu / "bench" / name).exists():
             continue
         config = json.loads((BENCH / name).read_text())["config"]
         out = (Path(into) / gpu / "bench" / name).parent.as_posix()
@@ -504,12 +505,14 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 where a doc's tables are not what their files give")
     p.add_argument("--rerun", metavar="GPU", help="print the bench commands that measure every run of the fast peers "
                    "table again for profiles/GPU/bench/ (e.g. h100), where that GPU's row is missing, one a line")
+    p.add_argument("--again", action="store_true", help="with --rerun: every run, also those profiles/GPU/bench/ holds "
+                   "(that GPU's rows measured again at the head)")
     p.add_argument("--into", default="profiles", metavar="DIR",
                    help="with --rerun: the commands write under DIR/GPU/bench/ (a GPU machine's output folder; "
                         "default profiles)")
     args = p.parse_args(argv)
     if args.rerun:
-        print("\n".join(rerun(args.rerun, args.into)) or
+        print("\n".join(rerun(args.rerun, args.into, args.again)) or
               f"every run of the fast peers table is in profiles/{args.rerun}/bench/")
         return 0
     if args.check:

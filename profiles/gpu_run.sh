@@ -43,8 +43,9 @@
 #   nsys-sliding-moe  finishes profiles/h200/nsys-sliding-moe (qwen3-30b-a3b at batch 16, graph trace)
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
-#   bench-peers    the fast peers table's benches (profiles/doc_tables.py --rerun GPU) for this GPU (BENCH_GPU: h100),
-#                  the runs of BENCH_MODELS (llama-1b; a regex over the preset names) its bench folder lacks, at
+#   bench-peers    the fast peers table's benches (profiles/doc_tables.py --rerun GPU) for this GPU (h100 or h200, from
+#                  its name; BENCH_GPU, where given, must match it; on a CPU it names the folder, h100 unless given), the runs of BENCH_MODELS (llama-1b; a regex over
+#                  the preset names) its bench folder lacks (BENCH_AGAIN=1: all of them, this GPU's rows at the head), at
 #                  BENCH_BATCH (both: 1 and 64) (GDTOOL_UNTESTED_KERNELS=1, as the H200 rows; BENCH_PEERS=generate-static
 #                  times that peer where the H200 run had none, the MoE presets at batch 1); OUT/bench-peers/GPU/bench/
 #                  holds them under the names the table reads: copy them into profiles/GPU/bench/, doc_tables.py --write
@@ -294,8 +295,13 @@ for p in "$@"; do
     bench-moe) part bench-moe ${BENCH_SECONDS:-480} env GDTOOL_UNTESTED_KERNELS=1 "$py" -m gdtool bench \
            --model qwen3-30b-a3b --batch ${BENCH_BATCHES:-1,16} --repeats 2 --modes step-graph --peers ${BENCH_PEERS:-none} \
            --kernels ${BENCH_KERNELS:-hf,compiled,fast} ${BENCH_FLAGS:-} --out "$work/bench-moe" ;;
-    bench-peers) part bench-peers ${BENCH_SECONDS:-560} bash -c "$py profiles/doc_tables.py --rerun ${BENCH_GPU:-h100} \
-           --into $work/bench-peers | grep -E -- '--model (${BENCH_MODELS:-llama-1b}) --batch ${BENCH_BATCH:-[0-9]+} ' \
+    bench-peers) part bench-peers ${BENCH_SECONDS:-560} bash -c "gpu=\$($py -c 'import torch; n = torch.cuda.get_device_name() \
+           if torch.cuda.is_available() else \"\"; g = next((g for g in (\"h200\", \"h100\") if g in n.lower()), \"\"); \
+           assert g or not n, f\"bench-peers: the table has folders for H100s and H200s only, not for {n}\"; print(g)') \
+           || exit 1; test -z \"\$gpu\" -o \"\$gpu\" = \"${BENCH_GPU:-\$gpu}\" \
+           || { echo \"bench-peers: this GPU is an \$gpu, and BENCH_GPU names ${BENCH_GPU:-}: leave it out\"; exit 1; }; \
+           gpu=\${gpu:-${BENCH_GPU:-h100}}; \
+           $py profiles/doc_tables.py --rerun \$gpu ${BENCH_AGAIN:+--again} --into $work/bench-peers | grep -E -- '--model (${BENCH_MODELS:-llama-1b}) --batch ${BENCH_BATCH:-[0-9]+} ' \
            | sed 's|^python |$py |' ${BENCH_PEERS:+| sed 's|--peers none|--peers $BENCH_PEERS|'} > $work/bench-peers/commands.txt; cat $work/bench-peers/commands.txt; \
            test -s $work/bench-peers/commands.txt || { echo 'no run of BENCH_MODELS is missing'; exit 1; }; \
            $py -c 'import torch; assert torch.cuda.is_available(), \"bench-peers: the table is of GPU runs, and no CUDA GPU is here\"' && \
