@@ -211,6 +211,30 @@ def peers_fast() -> str:
                  right={1, 3, 4, 6})
 
 
+# The issue's targets for kernels="fast": a share of the floor per batch, and llama-1b's step at batch 1 on an H200.
+FLOOR_TARGETS = {1: 80.0, 64: 70.0}
+STEP_TARGETS = {("llama-1b", 1, "H200"): 0.75}   # ms a step: past a hand-written megakernel's 759.8 µs on an H200
+
+
+def fast_targets() -> str:
+    """Each run of the fast peers table against its target: the share of its floor at batch 1 and 64, and, where one is
+    set, the step's time; met or not, and how far."""
+    rows = []
+    for path in (bench / name for name in PEERS_FAST for bench in BENCHES if (bench / name).exists()):
+        ours = _runner(_bench(path), "gdtool step-graph+fast")
+        share, want = ours["floor_pct"], FLOOR_TARGETS[ours["batch"]]
+        gpu = device(path)
+        step = STEP_TARGETS.get((ours["model"], ours["batch"], gpu))
+        met = share >= want and (step is None or ours["ms_per_step"] <= step)
+        short = [f"{want - share:.0f} points of the floor" if share < want else "",
+                 f"{1e3 * (ours['ms_per_step'] - step):.0f} µs of the step" if step and ours["ms_per_step"] > step else ""]
+        rows.append([ours["model"], ours["batch"], fmt(ours["ms_per_step"]), fmt(share, ".1f"),
+                     f">= {want:.0f}" + (f", <= {step} ms" if step else ""), "yes" if met else "no",
+                     ", ".join(filter(None, short)) or "-", gpu, commit(path)])
+    return table(["model", "batch", "ms/step", "% of floor", "target", "met", "short by", "device", "commit"], rows,
+                 right={1, 2, 3})
+
+
 def rerun(gpu: str, into: str = "profiles", again: bool = False) -> list[str]:
     """The bench command lines (`bench_table.command`) that measure each PEERS_FAST run again into INTO/GPU/bench/,
     under the same name, for the runs profiles/GPU/bench/ lacks (`again`: every run): another GPU's rows of the fast
@@ -459,6 +483,7 @@ def fast_floors() -> str:
 
 
 TABLES = {"results-nsys": results_nsys, "peers-compiled": peers_compiled, "peers-fast": peers_fast,
+          "fast-targets": fast_targets,
           "fast-line": fast_line, "fast-pdl": fast_pdl, "fast-experts": fast_experts, "fast-accuracy": fast_accuracy,
           "fast-tiles": fast_tiles, "fast-fold": fast_fold, "fast-floors": fast_floors, "rollout-bench": rollout_bench}
 DOCS = [ROOT / "docs" / "results.md", ROOT / "docs" / "fast.md", ROOT / "docs" / "rollout.md"]   # the docs that hold rendered tables

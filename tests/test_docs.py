@@ -250,6 +250,33 @@ def test_the_rendered_tables_are_what_their_files_give():
     assert not stale, f"rendered tables that differ from their files in {stale}: python profiles/doc_tables.py --write"
 
 
+def test_the_targets_table_says_which_runs_miss_their_target_and_by_how_much(tmp_path, monkeypatch):
+    """fast-targets: a run at or past its share of the floor (80% at batch 1, 70% at 64) is met; one under it says by
+    how many points; llama-1b at batch 1 on an H200 must also step in 0.75 ms, and says by how many µs it does not."""
+    import json
+    doc_tables = _doc_tables()
+    name = doc_tables.PEERS_FAST[0]   # llama-1b, batch 1
+    doc = json.loads((doc_tables.BENCH / name).read_text())
+    doc["environment"].update(git_commit="abc1234", git_commit_source="GDTOOL_COMMIT")
+    bench = tmp_path / "bench"
+    (bench / name).parent.mkdir(parents=True)
+    monkeypatch.setattr(doc_tables, "BENCHES", [bench])
+    monkeypatch.setattr(doc_tables, "PEERS_FAST", [name])
+
+    def row(pct, ms):
+        for r in doc["summary"]:
+            if r["label"] == "gdtool step-graph+fast":
+                r.update(floor_pct=pct, ms_per_step=ms)
+        (bench / name).write_text(json.dumps(doc))
+        return [c.strip() for c in doc_tables.fast_targets().splitlines()[2].split("|")[1:-1]]
+
+    assert row(81.0, 0.740)[3:7] == ["81.0", ">= 80, <= 0.75 ms", "yes", "-"]
+    assert row(81.0, 0.790)[5:7] == ["no", "40 µs of the step"]
+    assert row(77.0, 0.740)[5:7] == ["no", "3 points of the floor"]
+    doc["environment"].update(device_name="NVIDIA H100 80GB HBM3")   # no step target on an H100
+    assert row(81.0, 0.790)[4:7] == [">= 80", "yes", "-"]
+
+
 def test_the_fast_peers_table_puts_an_h100_run_beside_the_h200_one(tmp_path, monkeypatch):
     """A bench file at the same place under the H100's bench folder gets its own row, right after the H200's, with
     its own device and commit; without it the table is the H200's alone."""
