@@ -29,8 +29,9 @@
 #                  (`ids[image_mask] = 0`) in the capture tests and the zoo's image-text cases that 829123a refused
 #   windows-gpt-oss  gpt-oss's captured window sweep with kernels=fast: its attention in the split-KV kernels with
 #                  sinks (attention.sinks_attention), its experts in gdtool's kernels
-#   nsys-fast      NSYS_MODEL (gemma-3-1b) at NSYS_BATCH (1) and NSYS_PROMPT (128; set, the folder ends -p<it>),
-#                  step-graph, node trace with each of NSYS_KERNELS
+#   nsys-fast      each of NSYS_MODEL (gemma-3-1b; space-separated) at NSYS_BATCH (1) and NSYS_PROMPT (128; set, the
+#                  folder ends -p<it>), NSYS_FUSED=1 with fused projections (the folder ends -fused: the bench's runs
+#                  at batch 64), step-graph, node trace with each of NSYS_KERNELS
 #                  ("fast compiled"), and each one's kernel breakdown (profiles/kernel_breakdown.py): the per-kernel
 #                  account an issue asks for where a target is missed, each kernel against its own floor at the copy
 #                  bandwidth measured first in the same part (copy_gb_s.txt beside the export) (GDTOOL_UNTESTED_KERNELS=1, as the bench parts:
@@ -206,15 +207,16 @@ for p in "$@"; do
            --trace node --modes step-graph --set kernels=compiled --set fuse_projections=true --max-new-tokens 48 \
            --no-eos --out $work/nsys-compiled-node && $py profiles/kernel_breakdown.py \
            $work/nsys-compiled-node/*.sqlite.gz --model llama-1b --out $work/nsys-compiled-node/breakdown.md" ;;
-    nsys-fast) part nsys-fast ${NSYS_FAST_SECONDS:-300} bash -c "m=${NSYS_MODEL:-gemma-3-1b}; b=${NSYS_BATCH:-1}; \
+    nsys-fast) part nsys-fast ${NSYS_FAST_SECONDS:-300} bash -c "b=${NSYS_BATCH:-1}; \
            p=${NSYS_PROMPT:-128}; gbs=\$($py -c 'import torch; from gdtool.measure.roofline import copy_bandwidth; \
            print(round(copy_bandwidth(torch.device(\"cuda\")) / 1e9, 1))') || exit 1; \
-           for k in ${NSYS_KERNELS:-fast compiled}; do d=$work/nsys-fast/\$m-b\$b${NSYS_PROMPT:+-p\$p}/\$k; \
+           for m in ${NSYS_MODEL:-gemma-3-1b}; do for k in ${NSYS_KERNELS:-fast compiled}; do \
+           d=$work/nsys-fast/\$m-b\$b${NSYS_PROMPT:+-p\$p}${NSYS_FUSED:+-fused}/\$k; \
            GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool profile --nsys --model \$m --batch \$b --prompt-len \$p --trace node \
-           --modes step-graph --set kernels=\$k \
+           --modes step-graph --set kernels=\$k ${NSYS_FUSED:+--set fuse_projections=true} \
            --max-new-tokens 48 --no-eos --no-progress --out \$d && echo \$gbs > \$d/copy_gb_s.txt && \
            $py profiles/kernel_breakdown.py \$d/*.sqlite.gz --model \$m --copy-gb-s \$gbs --prompt-len \$p \
-           --new-tokens 48 --out \$d/breakdown.md || exit 1; done" ;;
+           --new-tokens 48 --out \$d/breakdown.md || exit 1; done; done" ;;
     determinism) part determinism 60 "$py" profiles/determinism.py --model llama-1b --batch 1 --max-new-tokens 192 ;;
     profile) part profile 150 bash -c "$py -m gdtool profile --model llama-1b --batch 1,16 --max-new-tokens 48 \
            --no-eos --modes eager,forward-graph,step-graph,device-loop --no-progress --out $work/profile && \

@@ -276,13 +276,14 @@ def floor_lines(table: pd.DataFrame, copy_gb_s: float, top: int) -> list[str]:
 
 
 def trace_folder(folder) -> tuple[str, int, int, str]:
-    """(preset, batch, prompt length, commit) of an `nsys-fast` folder's name, <preset>-b<batch>[-p<prompt>]-<commit>
-    (prompt 128 where the name gives none: the part's default)."""
+    """(preset, batch, prompt length, commit) of an `nsys-fast` folder's name,
+    <preset>-b<batch>[-p<prompt>][-fused]-<commit> (prompt 128 where the name gives none: the part's default; -fused:
+    the projections fused, NSYS_FUSED)."""
     import re
     name = Path(folder).name
-    found = re.fullmatch(r"(.+)-b(\d+)(?:-p(\d+))?-([0-9a-f]{7})", name)
+    found = re.fullmatch(r"(.+)-b(\d+)(?:-p(\d+))?(?:-fused)?-([0-9a-f]{7})", name)
     if not found:
-        raise ValueError(f"{name}: not an nsys-fast folder's name (<preset>-b<batch>[-p<prompt>]-<commit>)")
+        raise ValueError(f"{name}: not an nsys-fast folder's name (<preset>-b<batch>[-p<prompt>][-fused]-<commit>)")
     return found.group(1), int(found.group(2)), int(found.group(3) or 128), found.group(4)
 
 

@@ -233,6 +233,8 @@ def test_trace_folder_names_say_preset_batch_prompt_and_commit():
     assert kernel_breakdown.trace_folder("profiles/h200/nsys-fast/gemma-3-1b-b1-p4096-a7748ba") == \
         ("gemma-3-1b", 1, 4096, "a7748ba")
     assert kernel_breakdown.trace_folder("qwen3-30b-a3b-b64-41fab16") == ("qwen3-30b-a3b", 64, 128, "41fab16")
+    assert kernel_breakdown.trace_folder("llama-1b-b64-fused-d51af73") == ("llama-1b", 64, 128, "d51af73")
+    assert kernel_breakdown.trace_folder("gemma-3-1b-b64-p1024-fused-d51af73") == ("gemma-3-1b", 64, 1024, "d51af73")
     with pytest.raises(ValueError, match="not an nsys-fast folder's name"):
         kernel_breakdown.trace_folder("nsys-gemma-fast-cb883e2")
 
@@ -282,8 +284,8 @@ def test_fast_probe_names_match_its_parts():
 def _gpu_run(tmp_path, *parts, **env_vars):
     import os
     import subprocess
-    env = dict(os.environ, PYTHON=sys.executable, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env_vars)
+    env = {**os.environ, "PYTHON": sys.executable, "CUDA_VISIBLE_DEVICES": "",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])), **env_vars}
     done = subprocess.run(["bash", str(ROOT / "profiles" / "gpu_run.sh"), str(tmp_path / "out"), *parts], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     return done.returncode, (tmp_path / "out" / "log").read_text()
@@ -336,6 +338,38 @@ def test_gpu_run_bench_peers_runs_the_peers_tables_missing_runs_of_the_models_as
     assert len(commands) == 1
     assert "--model qwen3-30b-a3b --batch 1 " in commands[0] and "--peers generate-static" in commands[0]
     assert commands[0].endswith("bench-peers/h100/bench/qwen3-30b-a3b")
+
+
+def test_gpu_run_nsys_fast_traces_each_model_asked_with_the_projections_fused_where_asked(tmp_path):
+    """nsys-fast: one trace and breakdown per model of NSYS_MODEL (space-separated) and kernels of NSYS_KERNELS, in
+    <model>-b<batch>[-fused]/<kernels>/, with `fuse_projections` set where NSYS_FUSED is (the bench's batch-64 runs).
+    A stand-in interpreter records the commands (and makes the folders the profile would): the part's own logic, not
+    a GPU's trace."""
+    import stat
+    calls = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/sh
+case "$*" in *gdtool.measure.record*) exec {sys.executable} "$@";; esac
+echo "$*" >> {calls}
+prev=; for a in "$@"; do [ "$prev" = --out ] && mkdir -p "$a"; prev=$a; done
+echo 3000.0
+""")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    rc, log = _gpu_run(tmp_path, "nsys-fast", PYTHON=str(stub), NSYS_MODEL="llama-1b gemma-3-1b", NSYS_BATCH="64",
+                       NSYS_FUSED="1", NSYS_KERNELS="fast")
+    assert rc == 0, log
+    lines = calls.read_text().splitlines()
+    profiles = [line for line in lines if line.startswith("-m gdtool profile")]
+    breakdowns = [line for line in lines if "kernel_breakdown.py" in line]
+    assert [p.split("--model ")[1].split()[0] for p in profiles] == ["llama-1b", "gemma-3-1b"]
+    assert all("--batch 64 " in p and "--set kernels=fast --set fuse_projections=true" in p for p in profiles)
+    assert "/nsys-fast/llama-1b-b64-fused/fast" in profiles[0] and "/nsys-fast/gemma-3-1b-b64-fused/fast" in profiles[1]
+    assert len(breakdowns) == 2 and "--copy-gb-s 3000.0" in breakdowns[0]
+    calls.unlink()
+    rc, log = _gpu_run(tmp_path / "plain", "nsys-fast", PYTHON=str(stub), NSYS_KERNELS="fast")
+    profiles = [line for line in calls.read_text().splitlines() if line.startswith("-m gdtool profile")]
+    assert rc == 0 and len(profiles) == 1 and "fuse_projections" not in profiles[0]
+    assert "--model gemma-3-1b --batch 1 " in profiles[0] and "/nsys-fast/gemma-3-1b-b1/fast" in profiles[0]
 
 
 def _part_log(tmp_path, part: str) -> str:
