@@ -52,6 +52,10 @@
 #                  holds them under the names the table reads: copy them into profiles/GPU/bench/, doc_tables.py --write
 #   bench-fold     the embedding lookup apart (0) and folded into the first qkv_rope (1), alternating, twice each,
 #                  for each of FOLD_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (1): the lever's before and after
+#   bench-autotune the fast step of each of AUTOTUNE_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
+#                  with gdtool's compiled programs under inductor's default (0) and max-autotune (1; plan_bench.py
+#                  --max-autotune: Triton matmul templates, their epilogues fused), one process each: the lever's before
+#                  and after at 64 rows, where the step is the compiled HF forward
 #   moe-block      profiles/moe_block.py: one MoE block captured, gdtool's kernels against HF's
 #   ncu-experts    Nsight Compute (`ncu --set full`) on gdtool's experts kernels in profiles/moe_block.py's captured
 #                  Qwen3-30B-A3B block: the small kernels at 1 token, the grouped ones at NCU_GROUPED_BATCH (64);
@@ -330,6 +334,10 @@ for p in "$@"; do
            for r in 1 2; do for f in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --fold-embedding \$f -- \
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
            --kernels fast --no-progress --out $work/bench-fold/\$m-fold-\$f-r\$r || exit 1; done; done; done" ;;
+    bench-autotune) part bench-autotune ${BENCH_SECONDS:-540} bash -c "for m in ${AUTOTUNE_MODELS:-llama-1b gemma-3-1b}; do \
+           for a in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --max-autotune \$a -- \
+           --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
+           --kernels fast --fuse-projections --no-progress --out $work/bench-autotune/\$m-autotune-\$a || exit 1; done; done" ;;
     bench-pdl) part bench-pdl ${BENCH_SECONDS:-300} bash -c "for m in ${PDL_MODELS:-gemma-3-1b}; do for p in 0 auto 1; do \
            GDTOOL_PDL=\$p GDTOOL_UNTESTED_KERNELS=1 $py -m gdtool bench --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 \
            --repeats 2 --modes step-graph --peers none --kernels fast --out $work/bench-pdl/\$m-pdl-\$p || exit 1; done; done" ;;

@@ -1,12 +1,14 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: its target programs (`attention.split_plan`,
 which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
 GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round) and
-GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), and the largest
+GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), the largest
 batch the matrix-vector kernels take (`forward.batch_line`: one line for every shape), passed as a tuning
-(`tuning.use`) and switches (`triton.switches`), for an A/B of plans in the step.
+(`tuning.use`) and switches (`triton.switches`), and inductor's max-autotune for gdtool's compiled programs
+(`step.INDUCTOR_OPTIONS`: Triton matmul templates with their epilogues fused, chosen by timing at compile; the
+peers' own compiles unchanged), for an A/B of plans in the step.
 
     python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
-        [--fold-embedding 0|1] [--gemv-rows N] -- --model llama-1b ...
+        [--fold-embedding 0|1] [--gemv-rows N] [--max-autotune 0|1] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
 """
@@ -20,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gdtool import __main__ as cli  # noqa: E402
 from gdtool.kernels import attention, forward, gemv, tuning  # noqa: E402
+from gdtool.kernels import step as kernel_step  # noqa: E402
 from gdtool.kernels import triton as fast_triton  # noqa: E402
 
 
@@ -45,6 +48,9 @@ def main(argv=None) -> int:
                         help=f"the largest batch of the matrix-vector kernels for Llama, Mistral, Qwen2, Qwen3 at "
                              f"every shape (default: the device's tuning, batch_lines per hidden size; 0 to "
                              f"{gemv.MAX_ROWS}, 0: none); past it the compiled matmuls")
+    parser.add_argument("--max-autotune", type=int, choices=(0, 1), default=None,
+                        help="gdtool's compiled programs (the step past the batch line, kernels='compiled') under "
+                             "inductor's max-autotune (1) or its default (0, as without the flag)")
     args = parser.parse_args(ours)
     import torch
     tune = tuning.current(torch.device("cuda") if torch.cuda.is_available() else None)
@@ -64,8 +70,10 @@ def main(argv=None) -> int:
               f"one-kernel tail {'on' if on['one_kernel_tail'] else 'off'}, "
               f"PDL trigger {'late' if on['late_trigger'] else 'early'}, "
               f"embedding {'folded' if on['fold_embedding'] else 'apart'}, "
-              f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}", flush=True)
-        with tuning.use(tune):   # every kernel of the bench reads these values, the device's others unchanged
+              f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}, "
+              f"max-autotune {'on' if args.max_autotune else 'off'}", flush=True)
+        tuned = {"max_autotune": True} if args.max_autotune else {}
+        with tuning.use(tune), kernel_step.inductor_options(**tuned):   # gdtool's kernels and programs; not the peers'
             return cli.main(["bench", *bench])
 
 

@@ -538,6 +538,31 @@ def test_plan_bench_passes_its_switches_to_the_bench_for_the_run_only(tmp_path, 
     assert {name: fast_triton.asked(name) for name in fast_triton.SWITCHES} == before
 
 
+def test_plan_bench_max_autotune_holds_for_the_bench_run_only(monkeypatch, capsys):
+    """--max-autotune 1: gdtool's compiled programs compile under inductor's max-autotune while the bench runs (the
+    options `step.inductor_options` adds, the others kept), and the options are as before once it returns, also when
+    the bench raises; 0 leaves them as they are."""
+    import plan_bench
+    from gdtool.kernels import step
+    before = dict(step.INDUCTOR_OPTIONS)
+    seen = []
+
+    def bench(argv):
+        seen.append(dict(step.INDUCTOR_OPTIONS))
+        if "--raise" in argv:
+            raise RuntimeError("the bench failed")
+        return 0
+    monkeypatch.setattr(plan_bench.cli, "main", bench)
+    assert plan_bench.main(["--max-autotune", "1", "--", "--model", "tiny-llama"]) == 0
+    assert "max-autotune on" in capsys.readouterr().out
+    assert seen[-1] == {**before, "max_autotune": True} and step.INDUCTOR_OPTIONS == before
+    with pytest.raises(RuntimeError, match="the bench failed"):
+        plan_bench.main(["--max-autotune", "1", "--", "--raise"])
+    assert step.INDUCTOR_OPTIONS == before
+    assert plan_bench.main(["--max-autotune", "0", "--"]) == 0 and seen[-1] == before
+    assert "max-autotune off" in capsys.readouterr().out
+
+
 def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     """bench_table.fastest: gdtool's fastest runner per model and batch, beside the fastest peer of its own run
     (a faster peer measured in another run is not its ratio), with that run's floor and commit."""

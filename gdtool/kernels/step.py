@@ -75,6 +75,21 @@ from .compiled import (_ATTR, _Compiled, _fresh, _graphs_compiled, _is_graph_bre
 # consumes the generator exactly as the HF step does and draws the same noise.
 INDUCTOR_OPTIONS = {"triton.cudagraphs": False, "fallback_random": True}
 
+
+@contextmanager
+def inductor_options(**extra):
+    """Inside, gdtool's programs compile with `extra` added to INDUCTOR_OPTIONS (e.g. `max_autotune=True`: Triton
+    matmul templates with their epilogues fused, chosen by timing them at compile). A program already compiled for
+    a shape key is kept as it is: set it before the first decode of a model."""
+    global INDUCTOR_OPTIONS
+    before = INDUCTOR_OPTIONS
+    INDUCTOR_OPTIONS = {**before, **extra}
+    try:
+        yield INDUCTOR_OPTIONS
+    finally:
+        INDUCTOR_OPTIONS = before
+
+
 # One-release deprecation aliases: the accuracy harness moved up to gdtool.measure.accuracy. The measurement
 # layer stands above this one, so it is imported by name, only when an old name is asked for (`__getattr__`).
 _MOVED = {name: "gdtool.measure.accuracy" for name in ("teacher_forced", "compare_kernels", "accuracy", "agreement")}
