@@ -68,23 +68,23 @@ def child(case, device: str, modes: list[str], setting: str) -> dict:
     from reference import decode
     from windows import prompt
     known = hasattr(inductor, "deterministic")
-    if setting == "deterministic" and known:
-        step.INDUCTOR_OPTIONS = dict(step.INDUCTOR_OPTIONS, deterministic=True)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = fastcases.build(case.model, device, dtype)
-    ids, mask = prompt(case, device)
-    settings = dict(fastcases.SAMPLING) if case.sampling else dict(do_sample=False)
-    settings.update(eos_token_id=None, pad_token_id=0)
-    hashes = {}
-    with fastcases.line(case.line):
-        if case.eos is not None:
-            tokens = decode(model, ids, mask, case.new_tokens, seed=case.seed, kernels="fast", **settings).tokens
-            settings["eos_token_id"] = int(tokens[case.eos])
-        for mode in modes:
-            poll = case.poll if mode == "step-graph" else None
-            hashes[mode] = digest(decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode,
-                                         eos_poll_interval=poll, kernels="fast", **settings))
-    flag = step.INDUCTOR_OPTIONS.get("deterministic", False) if known else "not in this torch"
+    asked = {"deterministic": True} if setting == "deterministic" and known else {}
+    with step.inductor_options(**asked) as options:   # this child's compiles: one process, one setting
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        model = fastcases.build(case.model, device, dtype)
+        ids, mask = prompt(case, device)
+        settings = dict(fastcases.SAMPLING) if case.sampling else dict(do_sample=False)
+        settings.update(eos_token_id=None, pad_token_id=0)
+        hashes = {}
+        with fastcases.line(case.line):
+            if case.eos is not None:
+                tokens = decode(model, ids, mask, case.new_tokens, seed=case.seed, kernels="fast", **settings).tokens
+                settings["eos_token_id"] = int(tokens[case.eos])
+            for mode in modes:
+                poll = case.poll if mode == "step-graph" else None
+                hashes[mode] = digest(decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode,
+                                             eos_poll_interval=poll, kernels="fast", **settings))
+    flag = options.get("deterministic", False) if known else "not in this torch"
     return {"deterministic": flag, "torch": torch.__version__, "hashes": hashes}
 
 

@@ -344,7 +344,7 @@ class CompiledStep(Step):
 
 
 # The table of compiled functions is compiled.py's; making an entry stays here, beside INDUCTOR_OPTIONS, which it
-# reads at each compile (profiles/fresh_compiles.py sets `step.INDUCTOR_OPTIONS` for a run).
+# reads at each compile (`inductor_options` adds to them for a block: profiles/fresh_compiles.py, plan_bench.py).
 def _compiled_for(step: CompiledStep, body, phase: int | None = None) -> _Compiled:
     """The model's compiled function for this step's shape key (and window phase: how many window sizes are
     full, None without sliding layers), made on first use."""
