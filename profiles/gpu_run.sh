@@ -45,8 +45,9 @@
 #   bench-qwen3-8b, bench-gemma, bench-moe, bench-gpt-oss   bench with kernels hf, compiled, fast (GDTOOL_UNTESTED_KERNELS=1:
 #                  the fast paths whose cuda tests have not passed yet run too)
 #   bench-peers    the fast peers table's benches (profiles/doc_tables.py --rerun GPU) for this GPU (h100 or h200, from
-#                  its name; BENCH_GPU, where given, must match it; on a CPU it names the folder, h100 unless given), the runs of BENCH_MODELS (llama-1b; a regex over
-#                  the preset names) its bench folder lacks (BENCH_AGAIN=1: all of them, this GPU's rows at the head), at
+#                  its name; BENCH_GPU, where given, must match it; on a CPU it names the folder, h100 unless given),
+#                  the runs of BENCH_MODELS (llama-1b; a regex over the preset names) its bench folder lacks
+#                  (BENCH_AGAIN=1: all of them, this GPU's rows at the head), at
 #                  BENCH_BATCH (both: 1 and 64) (GDTOOL_UNTESTED_KERNELS=1, as the H200 rows; BENCH_PEERS=generate-static
 #                  times that peer where the H200 run had none, the MoE presets at batch 1); OUT/bench-peers/GPU/bench/
 #                  holds them under the names the table reads: copy them into profiles/GPU/bench/, doc_tables.py --write
