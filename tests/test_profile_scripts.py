@@ -372,6 +372,30 @@ echo 3000.0
     assert "--model gemma-3-1b --batch 1 " in profiles[0] and "/nsys-fast/gemma-3-1b-b1/fast" in profiles[0]
 
 
+def test_gpu_run_bench_peers_takes_its_folder_from_the_gpus_name(tmp_path):
+    """bench-peers on an H200 (a stand-in interpreter answers the part's question of the GPU's name): the commands go
+    under bench-peers/h200/, every run of the table with BENCH_AGAIN=1; a BENCH_GPU naming the other GPU is refused,
+    saying so, before any command is written."""
+    import stat
+    import tarfile
+    stub = tmp_path / "python"
+    stub.write_text(f"""#!/bin/sh
+case "$*" in *get_device_name*) echo h200; exit 0;; esac
+exec {sys.executable} "$@"
+""")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    rc, log = _gpu_run(tmp_path / "wrong", "bench-peers", PYTHON=str(stub), BENCH_GPU="h100")
+    assert rc == 1 and "this GPU is an h200, and BENCH_GPU names h100: leave it out" in \
+        _part_log(tmp_path / "wrong", "bench-peers")
+    with tarfile.open(tmp_path / "wrong" / "out" / "results.tar") as tar:
+        assert "bench-peers/commands.txt" not in tar.getnames()
+    rc, log = _gpu_run(tmp_path, "bench-peers", PYTHON=str(stub), BENCH_AGAIN="1", BENCH_MODELS="llama-1b|qwen3-8b")
+    with tarfile.open(tmp_path / "out" / "results.tar") as tar:
+        commands = tar.extractfile("bench-peers/commands.txt").read().decode().splitlines()
+    assert rc == 1 and "no CUDA GPU is here" in _part_log(tmp_path, "bench-peers")   # written, not run on a CPU
+    assert len(commands) == 4 and all("/bench-peers/h200/bench/" in c for c in commands), commands
+
+
 def _part_log(tmp_path, part: str) -> str:
     """A part's own log, from the results tar gpu_run.sh writes."""
     import tarfile
