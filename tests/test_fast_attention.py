@@ -60,8 +60,25 @@ def test_dispatch_keeps_hf_outside_the_scope_and_for_what_it_does_not_cover():
                            fast_attention._original(_Attn(), q2, k2, v2, mask2, scaling=0.25)[0])
         assert not fast_attention.applies(q, k, mask, 0.0, {"softcap": 30.0})
         assert not fast_attention.applies(q, k, mask, 0.1, {})
-        assert not fast_attention.applies(q, k, mask, 0.0, {"sliding_window": 4})
     assert not fast_attention.active()
+
+
+def test_sliding_layers_take_the_packed_form_as_hf_sdpa_ignores_their_window():
+    """A sliding layer's call carries its window (`sliding_window`) beside a mask that already holds it: HF's sdpa
+    gives the same bits with and without the argument (were that to change, the packed form would miss it), and
+    inside the scope the dispatcher computes such a call as it computes a full layer's."""
+    fast_attention.install()
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    q, k, v, mask = _inputs()
+    mask[..., :4] = False   # the window: the first slots masked
+    mask[..., 4] = True
+    hf, _ = fast_attention._original(_Attn(), q, k, v, mask, scaling=0.25)
+    assert torch.equal(fast_attention._original(_Attn(), q, k, v, mask, scaling=0.25, sliding_window=2)[0], hf)
+    assert fast_attention.applies(q, k, mask, 0.0, {"sliding_window": 7})
+    with fast_attention.scope():
+        out = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attn(), q, k, v, mask, scaling=0.25, sliding_window=7)[0]
+    assert torch.equal(out, fast_attention.decode_attention(q, k, v, mask, 0.25))
+    torch.testing.assert_close(out, hf, rtol=1e-5, atol=1e-6)
 
 
 def _against_hf_sdpa():
@@ -116,7 +133,7 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
     included; close to the fast step's call with the live length known (another kernel variant: on the H200 not
     bitwise), and the float64 check passes. Then tiny-llama, tiny-qwen3-moe and tiny-gemma3 at 12 rows (past gdtool's
     own forward): `kernels="fast"`'s compiled HF forward runs their sdpa calls in the kernels, says so, and decodes
-    HF's tokens."""
+    HF's tokens, the sliding layers' calls of tiny-gemma3 among those in the kernels."""
     code = ("import random, sys, torch, gdtool\nsys.path.insert(0, 'tests')\nimport test_fast_attention as t\n"
             "from gdtool.kernels import attention, step, testing\n"
             "from gdtool.kernels import tuning\n"
@@ -144,7 +161,7 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
             "    assert r.ok, r\n"
             "plan(combine_elements=4096)\n"
             "calls, kernel = [], attention.split_kv\n"
-            "attention.split_kv = lambda *a, **k: calls.append(k.get('mask_only')) or kernel(*a, **k)\n"
+            "attention.split_kv = lambda *a, **k: calls.append((k.get('mask_only'), a[1].shape[2])) or kernel(*a, **k)\n"
             "for name in ('tiny-llama', 'tiny-qwen3-moe', 'tiny-gemma3'):  # dense, MoE, sliding + full layers\n"
             "    model = gdtool.load_model(name, seed=0)\n"
             "    prompt = gdtool.random_prompts(model, batch=12, lengths=(3, 9), seed=3)\n"
@@ -153,7 +170,10 @@ def test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_u
             "    calls.clear()\n"
             "    mine = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, kernels='fast', **kw)\n"
             "    assert torch.equal(hf.tokens, mine.tokens), (name, hf.tokens, mine.tokens)\n"
-            "    assert calls and all(calls), (name, calls)  # the sdpa calls went through mask_attention\n"
+            "    assert calls and all(only for only, _ in calls), (name, calls)  # the sdpa calls: mask_attention\n"
+            "    window = getattr(model.config.get_text_config(), 'sliding_window', None)\n"
+            "    if name == 'tiny-gemma3':  # its sliding layers' calls too (their cache is the window)\n"
+            "        assert {slots for _, slots in calls} > {window}, (window, calls)\n"
             "    note = step.compiles(model).kernels.iloc[-1]\n"
             "    assert \"attention: gdtool's split-KV kernels\" in note, (name, note)\n"
             "print('ok')\n")
@@ -481,8 +501,9 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
     """`mask_attention` on the GPU (the split kernel with every slot counted live, HF's boolean mask read in place):
     at real shapes in bf16 (Llama's 32/8 x 64 at 64 rows, Qwen3's 32/8 x 128, a seeded sweep), NaN in every masked
     slot gives the bits clean caches give (no masked slot read), its float64 error within twice that of the fast
-    step's call with the live length known (`testing.judge`), and the float64 check passes there; then tiny-llama at
-    12 rows (the compiled HF forward), captured equal to itself uncaptured, the step's note naming the kernels."""
+    step's call with the live length known (`testing.judge`), and the float64 check passes there; then tiny-llama and
+    tiny-gemma3 (sliding layers) at 12 rows (the compiled HF forward), captured equal to itself uncaptured, the step's
+    note naming the kernels."""
     from gdtool.kernels import step as fast_step, testing
     gen, cpu_gen = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
     shapes = [(64, 32, 8, 64, 384, 256, 3), (16, 32, 8, 128, 512, 300, 5), (1, 32, 8, 128, 4200, 4100, 0),
@@ -512,10 +533,12 @@ def test_mask_attention_in_the_compiled_forward_on_cuda():
         assert r.ok, r
         r = testing.check_attention(m, hq, hkv, d, c, live, torch.bfloat16, "cuda", gen, pad=pad)
         assert r.ok, r
-    model = gdtool.load_model("tiny-llama", seed=0, device="cuda")
-    prompt = gdtool.random_prompts(model, batch=12, lengths=(5, 12), seed=0)
-    kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast", mode="step-graph")
-    captured = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
-    direct = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)
-    assert torch.equal(captured.tokens, direct.tokens)
-    assert "attention: gdtool's split-KV kernels" in fast_step.compiles(model).kernels.iloc[-1]
+    for name in ("tiny-llama", "tiny-gemma3"):   # tiny-gemma3: its sliding layers' calls too, the window rolling
+        model = gdtool.load_model(name, seed=0, device="cuda")
+        prompt = gdtool.random_prompts(model, batch=12, lengths=(5, 12), seed=0)
+        kw = dict(max_new_tokens=24, eos_token_id=None, pad_token_id=0, do_sample=False, kernels="fast",
+                  mode="step-graph")
+        captured = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, **kw)
+        direct = gdtool.decode(model, prompt.input_ids, prompt.attention_mask, capture=False, **kw)
+        assert torch.equal(captured.tokens, direct.tokens), name
+        assert "attention: gdtool's split-KV kernels" in fast_step.compiles(model).kernels.iloc[-1], name
