@@ -47,9 +47,11 @@ gpus = ["h200", "h100"]
 # section reads
 moe_presets = ["qwen3-30b-a3b", "gpt-oss-20b"]
 # node traces (folders under profiles/ holding fast/) held kernel by kernel to their floors: the newest of llama-1b,
-# gemma-3-1b (prompt 4096: every window full) and qwen3-30b-a3b at batch 1 on the H200
+# gemma-3-1b (prompt 4096: every window full) and qwen3-30b-a3b at batch 1 on the H200, llama-1b and gemma-3-1b at
+# batch 64 (the compiled HF forward with cuBLAS's products) on the H100
 floor_traces = ["h200/nsys-fast/llama-1b-b1-e4c1eba", "h200/nsys-fast/gemma-3-1b-b1-p4096-a7748ba",
-                "h200/nsys-fast/qwen3-30b-a3b-b1-4d5ca74"]
+                "h200/nsys-fast/qwen3-30b-a3b-b1-4d5ca74", "h100/nsys-fast/llama-1b-b64-fused-4bc4f5c",
+                "h100/nsys-fast/gemma-3-1b-b64-fused-4bc4f5c"]
 cpu = {}                           # nothing here runs a model: the same on a CPU
 cpu_fallback = True
 
@@ -284,9 +286,12 @@ for trace in floor_traces:
 if accounts:
     every = pd.concat(accounts).reset_index().set_index(["trace", "role"])
     display(every[["calls", "own", "mb", "floor", "over"]].round(1))
-    fig, axes = plt.subplots(1, len(accounts), figsize=(5.5 * len(accounts), 4.2), layout="constrained",
-                             squeeze=False)
-    for ax, account in zip(axes[0], accounts):
+    across = min(3, len(accounts))
+    down = -(-len(accounts) // across)
+    fig, axes = plt.subplots(down, across, figsize=(5.5 * across, 4.2 * down), layout="constrained", squeeze=False)
+    for ax in axes.flat[len(accounts):]:
+        ax.set_visible(False)
+    for ax, account in zip(axes.flat, accounts):
         top = account.head(8).iloc[::-1]
         labels = [str(role).strip("`") for role in top.index]
         within = top["floor"].clip(upper=top["own"]).fillna(0.0)   # faster than its floor: all green; none: 0

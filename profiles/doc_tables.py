@@ -459,6 +459,8 @@ FLOOR_TRACES = [
     (H200 / "nsys-fast" / "gemma-3-1b-b1-p4096-a7748ba",
      BENCH / "gemma-3-1b" / "fused-projections" / "gemma-3-1b_b1_p128_n256_kcompiled+fast_fused.json"),
     (H200 / "nsys-fast" / "qwen3-30b-a3b-b1-4d5ca74", BENCH / "qwen3-30b-a3b" / "qwen3-30b-a3b_b1_p128_n256_kfast.json"),
+    (H100 / "nsys-fast" / "llama-1b-b64-fused-4bc4f5c", None),      # 64 rows: the compiled HF forward, cuBLAS's products
+    (H100 / "nsys-fast" / "gemma-3-1b-b64-fused-4bc4f5c", None),
 ]
 
 

@@ -185,6 +185,70 @@ def fast_calls(model: str) -> dict[str, list[tuple[str, int]]]:
     return calls
 
 
+# cuBLAS kernels of the compiled HF forward that are no weight's product: a split-K product's reduction (counted
+# with the product before it) and the RoPE angles (inv_freq times the positions, an outer product of K = 1)
+SPLIT_K, NOT_PRODUCTS = "splitKreduce", ("splitKreduce", "gemmk1")
+
+
+# inductor's fused kernels of the compiled forward, named by what their names say they compute (the first match)
+INDUCTOR_ROLES = (("rsqrt", "RMSNorm (inductor)"), ("argmax", "argmax (inductor)"),
+                  ("silu", "activation x up (inductor)"), ("gelu", "activation x up (inductor)"),
+                  ("cos", "RoPE (inductor)"), ("index_copy", "cache write (inductor)"))
+
+
+def inductor_role(name: str) -> str | None:
+    """What an inductor kernel (`triton_<kind>_fused_<ops>_<n>`) computes, by the ops in its name, or None."""
+    if not name.startswith("triton_"):
+        return None
+    return next((what for op, what in INDUCTOR_ROLES if op in name), None)
+
+
+def compiled_calls(model: str, fused: bool) -> list[tuple[str, int]]:
+    """The weight products of preset `model`'s compiled HF forward (what the fast step runs past its own forward's
+    batches: cuBLAS's matmuls), (role, bytes read) in launch order: per layer q/k/v (one product fused, else three),
+    o, and with a dense MLP gate/up (one fused, else two) and down; the lm_head last."""
+    m = _meta_model(model)
+    calls = []
+    for block in m.model.layers:
+        attn, mlp = block.self_attn, block.mlp
+        qkv = (attn.q_proj, attn.k_proj, attn.v_proj)
+        calls += [("q/k/v", _nbytes(*qkv))] if fused else [(n, _nbytes(lin)) for n, lin in zip("qkv", qkv)]
+        calls.append(("o", _nbytes(attn.o_proj)))
+        if all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+            calls += ([("gate/up", _nbytes(mlp.gate_proj, mlp.up_proj))] if fused else
+                      [("gate", _nbytes(mlp.gate_proj)), ("up", _nbytes(mlp.up_proj))])
+            calls.append(("down", _nbytes(mlp.down_proj)))
+    calls.append(("lm_head", _nbytes(m.lm_head)))
+    return calls
+
+
+def _match_compiled(kernels: pd.DataFrame, model: str, role: pd.Series, mb: pd.Series) -> pd.Series | None:
+    """Where the matmul kernels are the compiled forward's products (`compiled_calls`, fused or not: the plan whose
+    length a launch's product count matches, in every launch), give each its role and bytes in `role` and `mb`, a
+    split-K reduction its product's role and no bytes of its own; return each kernel's layer (-1 before the first
+    q/k/v product), else None. `kernels` sorted by launch and start."""
+    mm = kernels[(kernels["class"] == "matmul") & (role == kernels["name"])]
+    products = mm[~mm["name"].str.contains("|".join(NOT_PRODUCTS))]
+    counts = products.groupby("corr").size()
+    if products.empty or counts.nunique() != 1:
+        return None
+    plan = next((p for p in (compiled_calls(model, True), compiled_calls(model, False)) if len(p) == counts.iloc[0]),
+                None)
+    if plan is None:
+        return None
+    index = products.groupby("corr").cumcount().to_numpy()
+    role[products.index] = [plan[i][0] for i in index]
+    mb[products.index] = [plan[i][1] / 1e6 for i in index]
+    first = plan[0][0]
+    starts = pd.Series(0, index=kernels.index)
+    starts[products.index[role[products.index] == first]] = 1
+    layer = starts.groupby(kernels["corr"]).cumsum() - 1
+    last = role.where(kernels.index.isin(products.index)).groupby(kernels["corr"]).ffill()
+    split = kernels["name"].str.contains(SPLIT_K) & last.notna()
+    role[split], mb[split] = last[split], 0.0
+    return layer
+
+
 def attention_bytes(model: str, batch: int, prompt_len: int, new_tokens: int) -> dict[str, float]:
     """Key/value bytes (bf16) the attention of each kind of layer reads per step, summed over its layers, on average
     over a decode of `new_tokens` after a `prompt_len` prompt: step j (1..new_tokens-1) reads prompt_len + j slots, a
@@ -208,7 +272,8 @@ def floor_account(kernels: pd.DataFrame, launches: int, model: str, batch: int, 
     """Each kernel's own time per step against its own floor: the bytes it must read (weights once, the live
     cache for attention, of the experts those a step hits on average) over the copy bandwidth. One row a role:
     the fast products by the weight each call reads (`fast_calls`; where a launch's calls of a kernel do not
-    match the plan, that kernel is one row without bytes), attention by the kind of layer (with `prompt_len`),
+    match the plan, that kernel is one row without bytes), past gdtool's forward cuBLAS's products by the same
+    (`compiled_calls`), attention by the kind of layer (with `prompt_len`),
     the experts kernels by name, every other kernel by name without bytes. Columns: calls, own (µs per step),
     mb (per step), floor (µs), over (own - floor); sorted by own time, largest first."""
     kernels = kernels.sort_values(["corr", "start"])
@@ -221,10 +286,20 @@ def floor_account(kernels: pd.DataFrame, launches: int, model: str, batch: int, 
         index = mine.groupby("corr").cumcount().to_numpy()
         role[mine.index] = [plan[i][0] for i in index]
         mb[mine.index] = [plan[i][1] / 1e6 for i in index]
+    layer = _match_compiled(kernels, model, role, mb)
     attn = kernels[kernels["class"] == "attention"]
     types = layer_types(model)
     counts = attn.groupby("corr").size()
-    if not attn.empty and counts.nunique() == 1:
+    if not attn.empty and layer is not None and (layer[attn.index] >= 0).all():
+        # past gdtool's own forward: each attention kernel serves the layer of the q/k/v product before it
+        kinds = types or ["full_attention"] * (int(layer.max()) + 1)
+        names = [kinds[i] for i in layer[attn.index]]
+        role[attn.index] = [f"attention, {k.replace('_attention', '')} layers" for k in names]
+        if prompt_len is not None:
+            total = attention_bytes(model, batch, prompt_len, new_tokens)
+            calls = pd.Series(names).value_counts() / launches
+            mb[attn.index] = [total[k] / 1e6 / calls[k] for k in names]
+    elif not attn.empty and counts.nunique() == 1:
         kinds = types or ["full_attention"]
         if counts.iloc[0] % len(kinds) == 0 or not types:
             per_layer = counts.iloc[0] // len(kinds) if types else counts.iloc[0]
@@ -240,6 +315,9 @@ def floor_account(kernels: pd.DataFrame, launches: int, model: str, batch: int, 
         table = experts_by_kernel(kernels, launches, model, batch)
         if table is not None:
             mb[experts.index] = experts["name"].map(table["mb_per_call"]).to_numpy()
+    named = role == kernels["name"].fillna("?")
+    guess = kernels.loc[named, "name"].fillna("?").map(inductor_role).dropna()
+    role[guess.index] = guess
     # a role that is still the kernel's own name is shown as code
     role = role.where(role != kernels["name"].fillna("?"), "`" + role.str.slice(0, 60) + "`")
     frame = pd.DataFrame({"role": role, "own": kernels["own_us"], "mb": mb})

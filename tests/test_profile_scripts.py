@@ -229,6 +229,41 @@ def test_the_committed_llama_trace_is_held_to_its_floors(tmp_path, capsys):
     assert "--copy-gb-s needs --model" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model", ["llama-1b", "gemma-3-1b"])
+def test_the_committed_64_row_traces_hold_cublas_products_to_their_floors(model):
+    """At 64 rows the fast step runs the compiled HF forward (cuBLAS's products, fused q/k/v and gate/up): on the
+    H100 traces (4bc4f5c) each product gets the weights it reads by its place in the launch, together all the linear
+    weights; a split-K product's reduction counts with it (down: two kernels a layer); each attention kernel the
+    kind of layer of the q/k/v product before it, the cache it reads summed per kind; inductor's norms named."""
+    folder = ROOT / "profiles" / "h100" / "nsys-fast" / f"{model}-b64-fused-4bc4f5c" / "fast"
+    kernels, launches = kernel_breakdown.launch_kernels(next(folder.glob("*.sqlite.gz")))
+    table = kernel_breakdown.floor_account(kernels, launches, model, 64, 3000.0, prompt_len=128)
+    roles = ["q/k/v", "o", "gate/up", "down", "lm_head"]
+    assert set(roles) <= set(table.index)
+    assert table.loc[roles, "mb"].sum() == pytest.approx(kernel_breakdown.linear_weight_bytes(model) / 1e6)
+    layers = len(kernel_breakdown._meta_model(model).model.layers)
+    assert table.loc[["q/k/v", "o", "gate/up"], "calls"].tolist() == [layers] * 3
+    assert table.loc["down", "calls"] == 2 * layers and table.loc["lm_head", "calls"] == 1   # down: split-K
+    assert not any("splitKreduce" in str(role) or "nvjet" in str(role) for role in table.index)
+    kinds = {f"attention, {k.replace('_attention', '')} layers": v
+             for k, v in kernel_breakdown.attention_bytes(model, 64, 128, 48).items()}
+    assert set(kinds) <= set(table.index)
+    for role, nbytes in kinds.items():
+        assert table.loc[role, "mb"] == pytest.approx(nbytes / 1e6)
+    assert "RMSNorm (inductor)" in table.index
+    assert table["own"].sum() == pytest.approx(kernels["own_us"].sum() / launches)
+
+
+def test_compiled_calls_and_inductor_roles():
+    fused, apart = (kernel_breakdown.compiled_calls("llama-1b", f) for f in (True, False))
+    assert len(fused) == 4 * 16 + 1 and len(apart) == 7 * 16 + 1
+    assert sum(b for _, b in fused) == sum(b for _, b in apart) == kernel_breakdown.linear_weight_bytes("llama-1b")
+    assert [r for r, _ in apart[:7]] == ["q", "k", "v", "o", "gate", "up", "down"]
+    assert kernel_breakdown.inductor_role("triton_red_fused__to_copy_add_mean_mul_pow_rsqrt_3") == "RMSNorm (inductor)"
+    assert kernel_breakdown.inductor_role("triton_poi_fused_mul_silu_7") == "activation x up (inductor)"
+    assert kernel_breakdown.inductor_role("_attention_split_kernel") is None
+
+
 def test_trace_folder_names_say_preset_batch_prompt_and_commit():
     assert kernel_breakdown.trace_folder("profiles/h200/nsys-fast/gemma-3-1b-b1-p4096-a7748ba") == \
         ("gemma-3-1b", 1, 4096, "a7748ba")
