@@ -1,5 +1,5 @@
 """`python -m gdtool bench` with the split-KV attention's plan set: its target programs (`attention.split_plan`,
-which the fused combine's plan starts from), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
+which the fused combine's plan starts from), its loop's keys an iteration (`attention.loop_keys`), the switches GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM,
 GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in their last tile round) and
 GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), the largest
 batch the matrix-vector kernels take (`forward.batch_line`: one line for every shape), passed as a tuning
@@ -7,7 +7,7 @@ batch the matrix-vector kernels take (`forward.batch_line`: one line for every s
 (`step.INDUCTOR_OPTIONS`: Triton matmul templates with their epilogues fused, chosen by timing at compile; the
 peers' own compiles unchanged), for an A/B of plans in the step.
 
-    python profiles/plan_bench.py --target 132 [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
+    python profiles/plan_bench.py --target 132 [--loop-elements N] [--fused 0|1] [--early-norm 0|1] [--tail 0|1] [--late-trigger 0|1] \
         [--fold-embedding 0|1] [--gemv-rows N] [--max-autotune 0|1] -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
@@ -33,6 +33,9 @@ def main(argv=None) -> int:
     parser.add_argument("--target", type=int, default=None,
                         help="split_plan's target programs (default: the device's tuning, attention.programs_per_sm "
                              "times its multiprocessors)")
+    parser.add_argument("--loop-elements", type=int, default=None,
+                        help="keys x head size a split program loads per iteration of its loop past its early keys "
+                             "(`attention.loop_keys`; default: the device's tuning, attention.loop_elements)")
     parser.add_argument("--fused", type=int, choices=(0, 1), default=None, help="the fused combine off (0) or on (1)")
     parser.add_argument("--early-norm", type=int, choices=(0, 1), default=None,
                         help="the norms' weights loaded before the PDL wait (1) or after it (0)")
@@ -61,11 +64,16 @@ def main(argv=None) -> int:
             parser.error(str(e))
     if args.target is not None:
         tune = tune.with_values("attention", programs_per_sm=args.target / tune.multiprocessors)
+    if args.loop_elements is not None:
+        if args.loop_elements < 1:
+            parser.error(f"--loop-elements {args.loop_elements}: give a positive count of elements (e.g. 4096)")
+        tune = tune.with_values("attention", loop_elements=args.loop_elements)
     given = {"fused_combine": args.fused, "early_norm": args.early_norm, "one_kernel_tail": args.tail,
              "late_trigger": args.late_trigger, "fold_embedding": args.fold_embedding}
     with fast_triton.switches(**{name: bool(v) for name, v in given.items() if v is not None}):
         on = {name: fast_triton.asked(name) for name in given}
-        print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, fused combine "
+        print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, loop elements "
+              f"{tune['attention']['loop_elements']}, fused combine "
               f"{'on' if on['fused_combine'] else 'off'}, early norm {'on' if on['early_norm'] else 'off'}, "
               f"one-kernel tail {'on' if on['one_kernel_tail'] else 'off'}, "
               f"PDL trigger {'late' if on['late_trigger'] else 'early'}, "

@@ -370,7 +370,7 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
     each. With split_plan's target programs lowered so that chunks span 1 to 8 blocks (this step's slot in the first
     block or a later one), two thirds of the cases with early_elements lowered to one block's keys (the loop runs)
     and a third at the default (chunks loaded whole, one chunk a head finished in the split kernel, or combined in
-    its last program), over a seeded sweep of rows, grouped heads, cache and live lengths, padding and sinks: the float64
+    its last program), the loop 16 or 64 keys an iteration (`loop_keys`), over a seeded sweep of rows, grouped heads, cache and live lengths, padding and sinks: the float64
     check passes; and `mask_attention` (the mask alone says which slots attend) reads no masked slot's key or
     value, NaN there giving the clean caches' bits."""
     code = ("import random, torch\nfrom gdtool.kernels import attention, testing\nimport test_fast_attention as t\n"
@@ -379,13 +379,15 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
             "    tuning._override[:] = [tuning.current().with_values('attention', **values)]\n"
             "gen = torch.Generator().manual_seed(5)\n"
             "rng = random.Random(5)\n"
-            "blocks, kinds, default = set(), set(), tuning.defaults()['attention']['early_elements']\n"
+            "blocks, kinds, loops, default = set(), set(), set(), tuning.defaults()['attention']['early_elements']\n"
             "block_s = tuning.defaults()['attention']['block_s']\n"
             "for i in range(12):\n"
             "    hkv, c = rng.choice((1, 2)), rng.randint(17, 130)\n"
             "    m, hq, d, live = rng.randint(1, 3), hkv * rng.choice((1, 4)), rng.choice((16, 32)), rng.randint(1, c)\n"
             "    plan(programs_per_sm=m * hkv * (1, 2, 3, 8)[i % 4] / tuning.current().multiprocessors,  # 1-8 chunks a head\n"
-            "         early_elements=(16 * 16, default)[i // 4 % 2])\n"
+            "         early_elements=(16 * 16, default)[i // 4 % 2],\n"
+            "         loop_elements=(16 * d, 64 * d)[i % 3 == 1])  # the loop a block of 16 keys, or of 64\n"
+            "    loops.add(attention.loop_keys(d))\n"
             "    assert attention.target_programs() == m * hkv * (1, 2, 3, 8)[i % 4]\n"
             "    pad, sinks = rng.randint(0, 3), rng.random() < 0.3\n"
             "    chunk, splits, fused = attention.attention_plan(m, hkv, hq // hkv, c, d, torch.device('cpu'))\n"
@@ -404,8 +406,20 @@ def test_split_kernel_over_chunks_of_several_blocks_under_the_interpreter():
             "    assert torch.equal(clean, nan), (attention.target_programs(), m, hq, hkv, c, live, pad)\n"
             "assert max(b for b, _ in blocks) >= 4 and any(at > 0 for _, at in blocks), blocks  # long chunks, the slot past block 0\n"
             "assert {'one chunk', 'fused', 'loop'} <= kinds, kinds\n"
+            "assert loops == {16, 64}, loops\n"
             "print('ok')\n")
     run_interpreted(code, timeout=600)
+
+
+def test_loop_keys_follow_the_head_size_and_the_tuning():
+    """The split loop's block: loop_elements over the head size, a power of two, at least block_s; the shipped
+    1024 keeps the 16 keys of block_s for heads of 64 to 256."""
+    from gdtool.kernels import tuning
+    tune = tuning.defaults()
+    assert [fast_attention.loop_keys(d, tune) for d in (64, 128, 256)] == [16, 16, 16]
+    wide = tune.with_values("attention", loop_elements=4096)
+    assert [fast_attention.loop_keys(d, wide) for d in (64, 80, 128, 256)] == [64, 32, 32, 16]
+    assert fast_attention.loop_keys(256, tune.with_values("attention", loop_elements=8192)) == 32
 
 
 @pytest.mark.skipif(not fast_triton.HAVE_TRITON, reason="Triton is not installed (a CPU build of torch has none)")

@@ -622,6 +622,25 @@ def test_plan_bench_max_autotune_holds_for_the_bench_run_only(monkeypatch, capsy
     assert "max-autotune off" in capsys.readouterr().out
 
 
+def test_plan_bench_loop_elements_hold_for_the_bench_run_only(monkeypatch, capsys):
+    """--loop-elements N: the bench runs under a tuning whose attention.loop_elements is N (the split loop's keys an
+    iteration, `attention.loop_keys`), the settings line says it, and the tuning is as before once it returns; a
+    count below 1 is refused with the reason."""
+    import plan_bench
+    from gdtool.kernels import attention, tuning
+    before = tuning.current()["attention"]["loop_elements"]
+    seen = []
+    monkeypatch.setattr(plan_bench.cli, "main",
+                        lambda argv: seen.append((tuning.current()["attention"]["loop_elements"],
+                                                  attention.loop_keys(64))) or 0)
+    assert plan_bench.main(["--loop-elements", "4096", "--", "--model", "tiny-llama"]) == 0
+    assert seen == [(4096, 64)] and "loop elements 4096" in capsys.readouterr().out
+    assert tuning.current()["attention"]["loop_elements"] == before
+    with pytest.raises(SystemExit):
+        plan_bench.main(["--loop-elements", "0", "--"])
+    assert "--loop-elements 0: give a positive count" in capsys.readouterr().err
+
+
 def test_bench_fastest_compares_with_the_peers_of_the_same_run():
     """bench_table.fastest: gdtool's fastest runner per model and batch, beside the fastest peer of its own run
     (a faster peer measured in another run is not its ratio), with that run's floor and commit."""

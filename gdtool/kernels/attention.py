@@ -64,11 +64,14 @@ from .triton import (HAVE_TRITON, asked, cdiv, dot_precision, launch_options, ne
 
 # The split-KV plan's parameters are the device's tuning (`tuning.py`, section "attention"):
 #   programs_per_sm    split programs per multiprocessor at batch 1 (the device's count): enough chunks to fill the GPU
-#   block_s            keys per inner iteration of the split kernel
+#   block_s            keys a split program's chunk is a multiple of, and its loop's least block
 #   combine_d          a combine program's share of a head's outputs (`combine_plan`)
 #   combine_elements   a combine program's tile of partials, float32 elements
 #   early_elements     keys x head size a split program loads before its PDL wait (4096: 8 KB of bf16 keys, as many values)
 #   fused_elements     the fused combine's [G, chunks, D] float32 tile of partials (16384: 64 KB over 4 warps)
+#   loop_elements      keys x head size a split program loads per iteration past its early keys (`loop_keys`; 1024:
+#                      block_s keys of a 64- to 256-wide head, as before it was a parameter; long chunks: large
+#                      batches, long caches)
 
 _active = False
 _sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
@@ -348,6 +351,13 @@ def early_keys(chunk: int, d: int, tune: tuning.Tuning | None = None) -> int:
     return min(next_pow2(chunk), fit)
 
 
+def loop_keys(d: int, tune: tuning.Tuning | None = None) -> int:
+    """Keys a split program loads per iteration of its loop (the chunk past its early keys): loop_elements over the
+    head size, a power of two, at least block_s."""
+    plan = (tune or tuning.current())["attention"]
+    return max(plan["block_s"], 1 << max(0, (plan["loop_elements"] // d).bit_length() - 1))
+
+
 def fused_plan(batch: int, hkv: int, g: int, cache_len: int, d: int,
                tune: tuning.Tuning | None = None) -> tuple[int, int] | None:
     """(chunk, splits) for the combine in the split kernel's last program, or None where it does not apply:
@@ -603,7 +613,8 @@ def split_kv(q, k_cache, v_cache, mask, slot, scale, sinks=None, mask_only=False
         q, k_cache, v_cache, mask, slot, m, l, acc, c, mask.stride(0), float(scale) * 1.4426950408889634,
         zero_counts("attention", b * hkv, q.device) if fused else m, out, sink,
         HQ=hq, HKV=hkv, D=d, G=g, BLOCK_G=max(16, next_pow2(g)), CHUNK=chunk, SPLITS=splits,
-        BLOCK_S=tune["attention"]["block_s"], EARLY=early_keys(chunk, d, tune), FUSED=fused, COMBINE_G=next_pow2(g), BLOCK_SPLITS=block_splits,
+        BLOCK_S=loop_keys(d, tune), EARLY=early_keys(chunk, d, tune), FUSED=fused, COMBINE_G=next_pow2(g),
+        BLOCK_SPLITS=block_splits,
         SINKS=sinks is not None, MASK_ONLY=mask_only, DOT=dot_precision(q.dtype), num_warps=4, **opts)
     if not fused and splits > 1:
         _attention_combine_kernel[(b * hq, d // block_d)](

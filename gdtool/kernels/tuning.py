@@ -58,7 +58,7 @@ SCHEMA = {
     "qkv_rope": {"tile_elements": INT, "launch": Rows(("warps", "per_sm"), ("block_k",)),
                  "shapes": Rows(("hb", "warps", "per_sm"), ("k", "d"), catch_all=False)},
     "attention": {"programs_per_sm": NUMBER, "block_s": INT, "combine_d": INT, "combine_elements": INT,
-                  "early_elements": INT, "fused_elements": INT},
+                  "early_elements": INT, "fused_elements": INT, "loop_elements": INT},
     "batch_lines": {"lines": Rows(("rows",), ("hidden",), counts=("rows",))},
     "experts_small": {"max_rows": INT, "router_elements": INT, "gate_up_elements": INT, "down_elements": INT,
                       "warps": INT, "chunk": INT,
