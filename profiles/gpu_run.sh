@@ -54,8 +54,10 @@
 #   bench-fold     the embedding lookup apart (0) and folded into the first qkv_rope (1), alternating, twice each,
 #                  for each of FOLD_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (1): the lever's before and after
 #   bench-attention the fast step of each of ATTN_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
-#                  with the split-KV loop's loop_elements at each of ATTN_LOOPS (1024 4096; plan_bench.py --loop-elements),
-#                  one process each: whether a wider loop block shortens attention at 64 rows
+#                  at each of ATTN_PLANS (LOOP:[TARGET] pairs, default "1024: 4096: 8192: 1024:264"): the split loop's
+#                  loop_elements and, where given, the split target programs (plan_bench.py --loop-elements, --target;
+#                  none: the device's), one process each: whether a wider loop block or more chunks a (row, key/value
+#                  head) shorten attention at 64 rows (Gemma 3's one key/value head: 64 programs at one chunk each)
 #   bench-autotune the fast step of each of AUTOTUNE_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
 #                  with gdtool's compiled programs under inductor's default (0) and max-autotune (1; plan_bench.py
 #                  --max-autotune: Triton matmul templates, their epilogues fused), one process each: the lever's before
@@ -339,9 +341,10 @@ for p in "$@"; do
            --model \$m --batch ${BENCH_BATCHES:-1} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
            --kernels fast --no-progress --out $work/bench-fold/\$m-fold-\$f-r\$r || exit 1; done; done; done" ;;
     bench-attention) part bench-attention ${BENCH_SECONDS:-540} bash -c "for m in ${ATTN_MODELS:-llama-1b gemma-3-1b}; do \
-           for e in ${ATTN_LOOPS:-1024 4096}; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --loop-elements \$e -- \
-           --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
-           --kernels fast --fuse-projections --no-progress --out $work/bench-attention/\$m-loop-\$e || exit 1; done; done" ;;
+           for p in ${ATTN_PLANS:-1024: 4096: 8192: 1024:264}; do e=\${p%%:*}; t=\${p#*:}; GDTOOL_UNTESTED_KERNELS=1 \
+           $py profiles/plan_bench.py --loop-elements \$e \${t:+--target \$t} -- --model \$m --batch ${BENCH_BATCHES:-64} \
+           --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast --fuse-projections --no-progress \
+           --out $work/bench-attention/\$m-loop-\$e\${t:+-target-\$t} || exit 1; done; done" ;;
     bench-autotune) part bench-autotune ${BENCH_SECONDS:-540} bash -c "for m in ${AUTOTUNE_MODELS:-llama-1b gemma-3-1b}; do \
            for a in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --max-autotune \$a -- \
            --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \
