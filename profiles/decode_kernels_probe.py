@@ -167,6 +167,8 @@ def part_gemv(args, rows):
                          "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4), (1, 8, 4),
                                   (4, 8, 4), (8, 8, 2), (4, 16, 1), (8, 16, 1), (2, 16, 2), (4, 4, 4)]}
             configs = [None] + (qkv_sweep[args.sweep] if model in args.sweep_models else [])  # (HB, warps, per SM)
+            if m > fast_gemv.MAX_ROWS:   # past the matrix-vector kernels' rows: cuBLAS and the tensor-core probe only
+                configs = []
             if qk_norm is not None:  # the per-head norm in one kernel: a tile per head (the default before d506703)
                 configs.append(fast_gemv.whole_head_config(hidden, d, m))
             for config in configs:
@@ -203,7 +205,8 @@ def part_gemv(args, rows):
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
                 variants += _dot_variants(args, m, n * count, k, lambda config, mats=mats: [
                     lambda w=w: dot_gemv.dot_linear(x, w, config) for w in mats])
-                for config in gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none"):
+                for config in (gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none")
+                               if m <= fast_gemv.MAX_ROWS else []):
                     if config is not None and m > 1 and args.sweep != "full":
                         continue
                     for pdl in ((False, True) if config is None else (False,)):

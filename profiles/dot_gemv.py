@@ -1,4 +1,5 @@
-"""A probe, not a gdtool kernel: the decode products at 2-16 rows on the tensor cores (`tl.dot`, rows padded to 16).
+"""A probe, not a gdtool kernel: the decode products at 2-64 rows on the tensor cores (`tl.dot`, rows padded to 16 or
+the next power of two).
 
 At 2-4 rows gdtool's matrix-vector kernels hold whole rows of x in registers and lose to cuBLAS (llama-8b's step:
 6.03-6.12 ms against 4.79-4.90 at 3-4 rows, H200, profiles/h200/bench/batches/curves.md); reading K in chunks on the
@@ -7,9 +8,12 @@ loop over K is what Triton software-pipelines (`num_stages`): the weights stream
 while the previous chunk multiplies, x's 16 padded rows cost one small tile a chunk, and the rows past the batch's
 are free on the tensor cores. Whether such a kernel reaches cuBLAS's 3.2-4.0 TB/s at these shapes is the question
 this probe asks before anything of it goes into gdtool/kernels: `decode_kernels_probe.py --parts gemv --dot`
-times it beside cuBLAS and the matrix-vector kernel per projection (gpu_run.sh's `kernels-dot`).
+times it beside cuBLAS and the matrix-vector kernel per projection (gpu_run.sh's `kernels-dot`). At 64 rows (past the
+matrix-vector kernels, where the fast step runs cuBLAS's products) it asks whether such a kernel, whose prologue could
+take the RMSNorm and epilogue the residual add, reaches cuBLAS on the narrow products (llama-1b's o and q/k/v read at
+43-57% of the copy bandwidth in the H100's 64-row trace, `profiles/h100/nsys-fast/`).
 
-`dot_linear(x, w, config)` = F.linear(x, w) for x [M <= 16, K], w [N, K]: float32 sums of the bf16/fp16 products, one
+`dot_linear(x, w, config)` = F.linear(x, w) for x [M <= 64, K], w [N, K]: float32 sums of the bf16/fp16 products, one
 rounding at the end; with SPLIT_K > 1 each program sums a slice of K into a float32 workspace [SPLIT_K, M, N] and
 the slices are added in a fixed order (torch.sum over dim 0): deterministic, another order of additions than
 cuBLAS's, so close to it, not its bits.
@@ -21,6 +25,12 @@ import torch
 from gdtool.kernels.triton import HAVE_TRITON, tl, triton
 
 BLOCK_M = 16   # rows padded to the smallest tensor-core tile Triton's dot takes
+MAX_ROWS = 64  # rows the probe takes (one tile of rows: BLOCK_M up to 64)
+
+
+def block_m(m: int) -> int:
+    """The tile of rows: at least BLOCK_M, the next power of two of m."""
+    return max(BLOCK_M, 1 << max(0, (m - 1).bit_length()))
 
 if HAVE_TRITON:
     @triton.jit
@@ -63,11 +73,11 @@ def sweep_configs(m: int, n: int, k: int) -> list[tuple]:
 
 
 def dot_linear(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) -> torch.Tensor:
-    """F.linear(x, w) for x [M, K] (M <= 16), w [N, K] contiguous, on the tensor cores (see the module's doc)."""
+    """F.linear(x, w) for x [M, K] (M <= 64), w [N, K] contiguous, on the tensor cores (see the module's doc)."""
     m, k = x.shape
     n = w.shape[0]
-    if m > BLOCK_M:
-        raise ValueError(f"{m} rows: the probe's dot kernel pads rows to {BLOCK_M} and takes at most that many")
+    if m > MAX_ROWS:
+        raise ValueError(f"{m} rows: the probe's dot kernel holds the rows in one tile and takes at most {MAX_ROWS}")
     if w.shape[1] != k or not (x.is_contiguous() and w.is_contiguous()):
         raise ValueError(f"x {tuple(x.shape)} and w {tuple(w.shape)}: give contiguous x [M, K] and w [N, K]")
     block_n, block_k, split, warps, stages = config or default_config(m, n, k)
@@ -75,7 +85,7 @@ def dot_linear(x: torch.Tensor, w: torch.Tensor, config: tuple | None = None) ->
         raise ValueError(f"K {k} is not a multiple of BLOCK_K {block_k} x SPLIT_K {split}")
     work = torch.empty(split, m, n, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(n, block_n), split)
-    _dot_kernel[grid](x, w, work, m, n, k, k // split, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=BLOCK_M,
+    _dot_kernel[grid](x, w, work, m, n, k, k // split, BLOCK_N=block_n, BLOCK_K=block_k, BLOCK_M=block_m(m),
                       num_warps=warps, num_stages=stages)
     return (work[0] if split == 1 else work.sum(0)).to(x.dtype)
 

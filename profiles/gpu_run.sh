@@ -94,6 +94,7 @@
 #   kernels-dot    the same probe's gemv part with --dot: each projection of DOT_MODELS (llama-8b,qwen3-8b,llama-1b) at
 #                  DOT_ROWS (2,3,4), cuBLAS, the matrix-vector kernel and the tensor-core probe (profiles/dot_gemv.py) at its
 #                  default config and neighbours: whether a tl.dot kernel reaches cuBLAS where the matrix-vector kernels lose
+#                  (DOT_ROWS=64 DOT_MODELS=llama-1b,gemma-3-1b: cuBLAS and the probe alone, the products of the 64-row step)
 #   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
 #                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): the 1-4-row fast steps
 #                  against the matmuls, where forward.MEASURED_LINES' line belongs per shape

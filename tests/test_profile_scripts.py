@@ -945,10 +945,10 @@ def test_kernel_registers_row_cases_launch_one_pass_of_each_row_count():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_dot_probe_kernel_under_the_interpreter_equals_linear():
-    """profiles/dot_gemv.py (the tensor-core probe for 2-16 rows): under Triton's interpreter, fp16, over seeded draws
-    of rows, N (not a multiple of the tile: masked columns) and each of its sweep's configs (split K included),
-    within float32-sum rounding of F.linear in float32; more rows than 16, or K off the chunks, refused with the
-    reason."""
+    """profiles/dot_gemv.py (the tensor-core probe for 2-64 rows): under Triton's interpreter, fp16, over seeded draws
+    of rows (up to 64: a tile of 16, 32 or 64 rows), N (not a multiple of the tile: masked columns) and each of its
+    sweep's configs (split K included), within float32-sum rounding of F.linear in float32; more rows than 64, or K off
+    the chunks, refused with the reason."""
     from interpreter import run_interpreted
     run_interpreted(
         "import random, sys, torch\n"
@@ -956,7 +956,7 @@ def test_dot_probe_kernel_under_the_interpreter_equals_linear():
         "import dot_gemv\n"
         "rng = random.Random(5)\n"
         "for _ in range(4):\n"
-        "    m, n, k = rng.choice((1, 2, 3, 4, 16)), rng.choice((48, 96, 200)), rng.choice((512, 1024))\n"
+        "    m, n, k = rng.choice((1, 2, 3, 4, 16, 33, 64)), rng.choice((48, 96, 200)), rng.choice((512, 1024))\n"
         "    gen = torch.Generator().manual_seed(m * n)\n"
         "    x = torch.randn(m, k, generator=gen).half()\n"
         "    w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()\n"
@@ -966,7 +966,8 @@ def test_dot_probe_kernel_under_the_interpreter_equals_linear():
         "        out = dot_gemv.dot_linear(x, w, config)\n"
         "        assert out.shape == (m, n) and out.dtype == torch.float16, (out.shape, out.dtype)\n"
         "        assert torch.allclose(out.float(), ref, atol=2e-3, rtol=2e-3), (m, n, k, config, (out.float() - ref).abs().max())\n"
-        "for bad, why in ((torch.zeros(17, 64).half(), 'at most'), (torch.zeros(2, 96).half(), 'contiguous')):\n"
+        "assert [dot_gemv.block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]\n"
+        "for bad, why in ((torch.zeros(65, 64).half(), 'at most 64'), (torch.zeros(2, 96).half(), 'contiguous')):\n"
         "    try:\n"
         "        dot_gemv.dot_linear(bad, torch.zeros(32, 64).half())\n"
         "    except ValueError as e:\n"
@@ -985,21 +986,26 @@ def test_dot_probe_kernel_under_the_interpreter_equals_linear():
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_probe_gemv_part_with_dot_dry_run_on_cpu(tmp_path):
-    """decode_kernels_probe.py --parts gemv --dot --device cpu (the interpreter, tiny shapes): every projection gets
-    cuBLAS's row, the matrix-vector kernel's and the tensor-core probe's, none failing (the CSV has no error)."""
+    """decode_kernels_probe.py --parts gemv --dot --device cpu (the interpreter, tiny shapes) at 2 and 64 rows: every
+    projection gets cuBLAS's row and the tensor-core probe's, at 2 rows the matrix-vector kernel's too (it takes at
+    most 16), none failing (the CSV has no error)."""
     import subprocess
     import pandas as pd
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
     run = subprocess.run([sys.executable, str(ROOT / "profiles" / "decode_kernels_probe.py"), "--device", "cpu",
-                          "--parts", "gemv", "--models", "tiny", "--gemv-rows", "2", "--dot", "--sweep-models", "none",
-                          "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+                          "--parts", "gemv", "--models", "tiny", "--gemv-rows", "2,64", "--dot", "--sweep-models",
+                          "none", "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
     df = pd.read_csv(tmp_path / "gemv.csv")
     assert "error" not in df or df.error.isna().all(), df
     for proj in ("qkv", "o", "gate_up", "down", "lm_head"):
-        kernels = df[df.proj == proj].kernel
-        assert kernels.str.startswith("cublas").any() and kernels.str.startswith("triton dot").any(), (proj, kernels)
-        assert (kernels.str.startswith("triton") & ~kernels.str.startswith("triton dot")).any(), (proj, kernels)
+        for rows in (2, 64):
+            kernels = df[(df.proj == proj) & (df.rows == rows)].kernel
+            assert kernels.str.startswith("cublas").any() and kernels.str.startswith("triton dot").any(), \
+                (proj, rows, kernels)
+            # the matrix-vector kernels at their rows only (past 16: cuBLAS's and the tensor-core probe's rows)
+            assert (kernels.str.startswith("triton") & ~kernels.str.startswith("triton dot")).any() == (rows == 2), \
+                (proj, rows, kernels)
 
 
 def test_default_line_list_names_committed_files_and_expands_in_bench_table(capsys):
