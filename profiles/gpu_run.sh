@@ -58,6 +58,9 @@
 #                  loop_elements and, where given, the split target programs (plan_bench.py --loop-elements, --target;
 #                  none: the device's), one process each: whether a wider loop block or more chunks a (row, key/value
 #                  head) shorten attention at 64 rows (Gemma 3's one key/value head: 64 programs at one chunk each)
+#   bench-sliding  the fast step of each of SLIDING_MODELS (gemma-3-1b) at BENCH_BATCHES (64), fused projections, with
+#                  a sliding layer's sdpa calls left to HF's sdpa (GDTOOL_SLIDING_SPLIT=0) and taken into the split-KV
+#                  kernels (1), one process each (plan_bench.py --sliding): the sliding lever's before and after
 #   bench-autotune the fast step of each of AUTOTUNE_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
 #                  with gdtool's compiled programs under inductor's default (0) and max-autotune (1; plan_bench.py
 #                  --max-autotune: Triton matmul templates, their epilogues fused), one process each: the lever's before
@@ -346,6 +349,10 @@ for p in "$@"; do
            $py profiles/plan_bench.py --loop-elements \$e \${t:+--target \$t} -- --model \$m --batch ${BENCH_BATCHES:-64} \
            --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast --fuse-projections --no-progress \
            --out $work/bench-attention/\$m-loop-\$e\${t:+-target-\$t} || exit 1; done; done" ;;
+    bench-sliding) part bench-sliding ${BENCH_SECONDS:-300} bash -c "for m in ${SLIDING_MODELS:-gemma-3-1b}; do \
+           for v in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --sliding \$v -- --model \$m \
+           --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast \
+           --fuse-projections --no-progress --out $work/bench-sliding/\$m-sliding-\$v || exit 1; done; done" ;;
     bench-autotune) part bench-autotune ${BENCH_SECONDS:-540} bash -c "for m in ${AUTOTUNE_MODELS:-llama-1b gemma-3-1b}; do \
            for a in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --max-autotune \$a -- \
            --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \

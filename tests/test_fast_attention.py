@@ -66,7 +66,8 @@ def test_dispatch_keeps_hf_outside_the_scope_and_for_what_it_does_not_cover():
 def test_sliding_layers_take_the_packed_form_as_hf_sdpa_ignores_their_window():
     """A sliding layer's call carries its window (`sliding_window`) beside a mask that already holds it: HF's sdpa
     gives the same bits with and without the argument (were that to change, the packed form would miss it), and
-    inside the scope the dispatcher computes such a call as it computes a full layer's."""
+    inside the scope the dispatcher computes such a call as it computes a full layer's; with the switch off
+    (GDTOOL_SLIDING_SPLIT=0, read as the scope is entered) it leaves it to HF's sdpa."""
     fast_attention.install()
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     q, k, v, mask = _inputs()
@@ -79,6 +80,14 @@ def test_sliding_layers_take_the_packed_form_as_hf_sdpa_ignores_their_window():
         out = ALL_ATTENTION_FUNCTIONS["sdpa"](_Attn(), q, k, v, mask, scaling=0.25, sliding_window=7)[0]
     assert torch.equal(out, fast_attention.decode_attention(q, k, v, mask, 0.25))
     torch.testing.assert_close(out, hf, rtol=1e-5, atol=1e-6)
+    # GDTOOL_SLIDING_SPLIT=0 (read as the scope is entered): HF's sdpa for a sliding layer's call, a full layer's packed
+    with fast_triton.switches(sliding_split=False), fast_attention.scope():
+        assert not fast_attention.applies(q, k, mask, 0.0, {"sliding_window": 7})
+        assert torch.equal(ALL_ATTENTION_FUNCTIONS["sdpa"](_Attn(), q, k, v, mask, scaling=0.25, sliding_window=7)[0],
+                           hf)
+        assert fast_attention.applies(q, k, mask, 0.0, {})
+    with fast_attention.scope():
+        assert fast_attention.applies(q, k, mask, 0.0, {"sliding_window": 7})
 
 
 def _against_hf_sdpa():

@@ -77,6 +77,7 @@ _active = False
 _sinks_kernel = False  # inside the scope: gpt-oss's attention in gdtool's split-KV kernels (kernels="fast")
 SINKS_PATH = "gpt_oss attention, sinks, split-KV"  # its kernel path's name (triton.CUDA_TESTED)
 _split_kernel = False  # inside the scope: the packed sdpa calls in gdtool's split-KV kernels (kernels="fast")
+_sliding = True  # inside the scope: a sliding layer's calls taken as a full layer's (GDTOOL_SLIDING_SPLIT; `applies`)
 SPLIT_PATH = "split-KV attention in the compiled HF forward"  # its kernel path's name (triton.CUDA_TESTED)
 _original = None
 _original_sinks = None  # gpt-oss's eager attention (attention sinks), where the dispatcher replaced it
@@ -94,13 +95,14 @@ def scope(sinks_kernel: bool = False, split_kernel: bool = False):
     """gdtool's compiled step runs inside: the dispatchers' packed forms apply; sinks_kernel (`sinks_plan`):
     gpt-oss's attention runs gdtool's split-KV kernels with its sinks (`sinks_attention`); split_kernel
     (`split_kv_plan`): the calls the packed sdpa would take run them instead (`mask_attention`)."""
-    global _active, _sinks_kernel, _split_kernel
-    before = _active, _sinks_kernel, _split_kernel
+    global _active, _sinks_kernel, _split_kernel, _sliding
+    before = _active, _sinks_kernel, _split_kernel, _sliding
     _active, _sinks_kernel, _split_kernel = True, bool(sinks_kernel), bool(split_kernel)
+    _sliding = asked("sliding_split")   # read here, a module global in the traced call (dynamo guards on it)
     try:
         yield
     finally:
-        _active, _sinks_kernel, _split_kernel = before
+        _active, _sinks_kernel, _split_kernel, _sliding = before
 
 
 def install() -> None:
@@ -126,10 +128,13 @@ def install() -> None:
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
     """Whether the packed form computes this call: one query token, grouped heads, a [B, 1, 1, S]
     mask or none, no dropout, nothing else that changes the math. A sliding layer's window is in its mask, and
-    HF's sdpa reads no `sliding_window` argument either: its calls are taken as a full layer's are."""
+    HF's sdpa reads no `sliding_window` argument either: its calls are taken as a full layer's are (GDTOOL_SLIDING_SPLIT=0:
+    left to HF's sdpa, as before; Gemma 3 at 64 rows ran cuDNN's SDPA over the whole window there)."""
     b, hq, length, _ = query.shape
     hkv = key.shape[1]
     if length != 1 or hq % hkv or dropout or any(kwargs.get(name) for name in _DECLINE):
+        return False
+    if kwargs.get("sliding_window") is not None and not _sliding:
         return False
     return attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1))
 
