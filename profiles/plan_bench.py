@@ -47,8 +47,8 @@ def main(argv=None) -> int:
                         help="the matrix-vector products let the next kernel launch after their PDL wait (0) or as "
                              "their last tile round starts (1; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--sliding", type=int, choices=(0, 1), default=None,
-                        help="a sliding layer's one-token sdpa calls in the compiled HF forward left to HF's sdpa (0) or "
-                             "taken as a full layer's, into the split-KV kernels with kernels='fast' (1)")
+                        help="a sliding layer's one-token sdpa calls in the compiled HF forward left to HF's sdpa "
+                             "(0) or taken as a full layer's, into the split-KV kernels with kernels='fast' (1)")
     parser.add_argument("--fold-embedding", type=int, choices=(0, 1), default=None,
                         help="the embedding lookup in HF's module first (0) or folded into the first qkv_rope (1; "
                              "untested on CUDA until its cuda tests pass)")

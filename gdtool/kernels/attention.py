@@ -128,8 +128,9 @@ def install() -> None:
 def applies(query: torch.Tensor, key: torch.Tensor, attention_mask, dropout: float, kwargs: dict) -> bool:
     """Whether the packed form computes this call: one query token, grouped heads, a [B, 1, 1, S]
     mask or none, no dropout, nothing else that changes the math. A sliding layer's window is in its mask, and
-    HF's sdpa reads no `sliding_window` argument either: its calls are taken as a full layer's are (GDTOOL_SLIDING_SPLIT=0:
-    left to HF's sdpa, as before; Gemma 3 at 64 rows ran cuDNN's SDPA over the whole window there)."""
+    HF's sdpa reads no `sliding_window` argument either: its calls are taken as a full layer's are
+    (GDTOOL_SLIDING_SPLIT=0: left to HF's sdpa, as before; Gemma 3 at 64 rows ran cuDNN's SDPA over the whole
+    window there)."""
     b, hq, length, _ = query.shape
     hkv = key.shape[1]
     if length != 1 or hq % hkv or dropout or any(kwargs.get(name) for name in _DECLINE):
