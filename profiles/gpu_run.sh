@@ -61,6 +61,9 @@
 #   bench-sliding  the fast step of each of SLIDING_MODELS (gemma-3-1b) at BENCH_BATCHES (64), fused projections, with
 #                  a sliding layer's sdpa calls left to HF's sdpa (GDTOOL_SLIDING_SPLIT=0) and taken into the split-KV
 #                  kernels (1), one process each (plan_bench.py --sliding): the sliding lever's before and after
+#   bench-argmax   the fast step of each of ARGMAX_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
+#                  greedy, its argmax left to inductor (GDTOOL_COMPILED_ARGMAX=0) and in gdtool's two stages (1), one
+#                  process each (plan_bench.py --argmax): the argmax lever's before and after
 #   bench-autotune the fast step of each of AUTOTUNE_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
 #                  with gdtool's compiled programs under inductor's default (0) and max-autotune (1; plan_bench.py
 #                  --max-autotune: Triton matmul templates, their epilogues fused), one process each: the lever's before
@@ -353,6 +356,10 @@ for p in "$@"; do
            for v in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --sliding \$v -- --model \$m \
            --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast \
            --fuse-projections --no-progress --out $work/bench-sliding/\$m-sliding-\$v || exit 1; done; done" ;;
+    bench-argmax) part bench-argmax ${BENCH_SECONDS:-300} bash -c "for m in ${ARGMAX_MODELS:-llama-1b gemma-3-1b}; do \
+           for v in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --argmax \$v -- --model \$m \
+           --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast \
+           --fuse-projections --no-progress --out $work/bench-argmax/\$m-argmax-\$v || exit 1; done; done" ;;
     bench-autotune) part bench-autotune ${BENCH_SECONDS:-540} bash -c "for m in ${AUTOTUNE_MODELS:-llama-1b gemma-3-1b}; do \
            for a in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --max-autotune \$a -- \
            --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \

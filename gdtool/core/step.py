@@ -106,14 +106,15 @@ class Step:
         self.pad = settings.pad_token_id if settings.pad_token_id is not None else 0
         self.feed = feed or Feed(model, cache, prompt_width, state.mask.shape[1])
 
-    def logits(self, inputs: dict) -> torch.Tensor:
+    def logits(self, inputs: dict, cast: bool = True) -> torch.Tensor:
+        """The last position's logits, float32 as generate() reads them; cast=False: the model's own (a view)."""
         out = self.model(**inputs)
         self.feed.settle()
-        return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        return out.logits[:, -1].to(copy=True, dtype=torch.float32) if cast else out.logits[:, -1]
 
-    def forward(self) -> torch.Tensor:
+    def forward(self, cast: bool = True) -> torch.Tensor:
         s = self.state
-        return self.logits(self.feed.decode(s.tokens, s.positions, s.mask, s.index))
+        return self.logits(self.feed.decode(s.tokens, s.positions, s.mask, s.index), cast)
 
     def select(self, logits: torch.Tensor) -> torch.Tensor:
         scores = sampling.process(logits, self.state.seen, self.settings)

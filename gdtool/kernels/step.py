@@ -160,6 +160,12 @@ def _whole_step(step):
     Step.__call__(step)
 
 
+def _greedy_step(step):
+    # greedy past gdtool's own forward: the compiled HF forward's logits as the model gives them into gdtool's
+    # two-stage argmax (`fast_sampling.argmax_op`: inductor keeps an argmax in one program per row), then the update
+    step.update(fast_sampling.argmax_op(Step.forward(step, cast=False)))
+
+
 def _forward_only(step):
     return Step.forward(step)
 
@@ -269,7 +275,7 @@ class CompiledStep(Step):
         if self.part != "step":
             return super().__call__()
         if not self.fast_forward:
-            return self._run(_whole_step)
+            return self._run(_greedy_step if self._argmax_op() else _whole_step)
         one_tail = self._one_kernel_tail()
         logits = self.decode_logits(advance=not one_tail)
         if not self.fast_forward:  # the cache check declined it: decode_logits ran the compiled HF forward
@@ -286,6 +292,12 @@ class CompiledStep(Step):
         """Greedy after the fast forward, nothing recorded, no forced lengths, tested on this device: the step's
         tail in one kernel (`tail`)."""
         return self._eager_argmax() and not tail.refusal(self.state, self.state.mask.device)
+
+    def _argmax_op(self) -> bool:
+        """kernels="fast" past gdtool's own forward, greedy, the scores the logits, tested on this device: the step's
+        argmax in gdtool's two stages (`fast_sampling.argmax_refusal`)."""
+        return self.fast_plan is not None and self.part == "step" and not self.fast_forward and \
+            not fast_sampling.argmax_refusal(self.settings, self.state, self.state.mask.device)
 
     @contextmanager
     def _scopes(self):
@@ -363,9 +375,10 @@ def _kernels_note(step: CompiledStep) -> str:
     if step.fast_plan is None:
         return step.kernels
     if not step.fast_plan.applies:
+        argmax = "argmax: gdtool's two stages" if step._argmax_op() else ""
         moe = "; ".join(n for n in (step.moe_plan.note() if step.moe_plan is not None else "", step.sinks_note,
-                                    step.split_note,
-                                    step.linear_plan.note() if step.linear_plan is not None else "") if n)
+                                    step.split_note, step.linear_plan.note() if step.linear_plan is not None else "",
+                                    argmax) if n)
         if moe:
             return f"fast: HF forward compiled ({step.fast_plan.reason}); {moe}"
         return f"fast: HF forward compiled, as kernels='compiled' ({step.fast_plan.reason})"
