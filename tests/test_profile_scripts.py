@@ -625,7 +625,8 @@ def test_plan_bench_max_autotune_holds_for_the_bench_run_only(monkeypatch, capsy
 def test_plan_bench_loop_elements_hold_for_the_bench_run_only(monkeypatch, capsys):
     """--loop-elements N: the bench runs under a tuning whose attention.loop_elements is N (the split loop's keys an
     iteration, `attention.loop_keys`), the settings line says it, and the tuning is as before once it returns; a
-    count below 1 is refused with the reason. --sliding 0|1: the sliding_split switch for the run only."""
+    count below 1 is refused with the reason. --sliding 0|1 and --argmax 0|1: the sliding_split and compiled_argmax
+    switches for the run only."""
     import plan_bench
     from gdtool.kernels import attention, tuning
     before = tuning.current()["attention"]["loop_elements"]
@@ -645,6 +646,11 @@ def test_plan_bench_loop_elements_hold_for_the_bench_run_only(monkeypatch, capsy
         assert plan_bench.main(["--sliding", flag, "--"]) == 0
         assert seen[-1] is (flag == "1") and said in capsys.readouterr().out
     assert fast_triton.asked("sliding_split") is True   # the default again (GDTOOL_SLIDING_SPLIT unset here)
+    monkeypatch.setattr(plan_bench.cli, "main", lambda argv: seen.append(fast_triton.asked("compiled_argmax")) or 0)
+    for flag, said in (("0", "compiled step's argmax inductor"), ("1", "compiled step's argmax two-stage")):
+        assert plan_bench.main(["--argmax", flag, "--"]) == 0
+        assert seen[-1] is (flag == "1") and said in capsys.readouterr().out
+    assert fast_triton.asked("compiled_argmax") is True   # the default again (GDTOOL_COMPILED_ARGMAX unset here)
 
 
 def test_bench_fastest_compares_with_the_peers_of_the_same_run():
