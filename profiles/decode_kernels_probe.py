@@ -7,7 +7,8 @@ Parts, in the order given (each writes its file as soon as it ends; a part past 
   gemv       each projection of llama-1b and llama-8b (qkv+RoPE, o, gate/up, down, lm_head), batch 1
              and 4: µs per call and TB/s (weight bytes + activations over time), for cuBLAS
              (F.linear, the matmul alone) and the Triton kernel, PDL off and on, and a sweep of tile
-             configs; with --dot also the tensor-core probe (profiles/dot_gemv.py, the matmul alone).
+             configs; with --dot also gdtool's split-K tensor-core kernel (dot.py; profiles/dot_gemv.py its
+             configs), the matmul alone.
              Timed as one captured graph of calls rotating over enough weight copies
              (>= 512 MB) that no call reads L2-resident weights; median of --reps replays
                                                            -> gemv.csv
@@ -38,12 +39,12 @@ import torch.nn.functional as F
 
 import gdtool
 from gdtool.frontends import bench
-from gdtool.kernels import attention as fast_attention, gemv as fast_gemv, testing
+from gdtool.kernels import attention as fast_attention, dot as fast_dot, gemv as fast_gemv, testing
 from gdtool.kernels import sampling as fast_sampling, step as fast, triton as fast_triton, tuning
 from gdtool.measure import accuracy, roofline
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dot_gemv  # noqa: E402  (profiles/dot_gemv.py: the tensor-core probe)
+import dot_gemv  # noqa: E402  (profiles/dot_gemv.py: the tensor-core kernel's configs to time)
 
 SHAPES = {  # hidden, intermediate, heads, kv heads, head dim, vocab
     "llama-1b": (2048, 8192, 32, 8, 64, 128256),
@@ -124,11 +125,12 @@ def gemv_configs(k: int, tiles: int, m: int = 1, n: int = 1, sweep: str = "full"
 
 
 def _dot_variants(args, m, n, k, make, suffix=""):
-    """--dot: the tensor-core probe (`dot_gemv.dot_linear`, the matmul alone like cuBLAS's row) at its default config,
-    and with --sweep full its neighbours too."""
+    """--dot: gdtool's split-K tensor-core kernel (`dot.dot_linear`, the matmul alone like cuBLAS's row) at the
+    device's tuning's config, and with --sweep full its neighbours too."""
     if not args.dot:
         return []
-    configs = dot_gemv.sweep_configs(m, n, k) if args.sweep == "full" else dot_gemv.sweep_configs(m, n, k)[:1]
+    configs = dot_gemv.sweep_configs(m, n, k, tuning.current(torch.device(DEVICE)))
+    configs = configs if args.sweep == "full" else configs[:1]
     return [(f"triton dot {c}{suffix}", c, False, lambda c=c: make(c)) for c in configs]
 
 
@@ -162,7 +164,7 @@ def part_gemv(args, rows):
             variants = [("cublas qkv (one matmul, no RoPE)", None, False,
                          lambda w=None: [lambda w=w: F.linear(x, w) for w in wcat])]
             variants += _dot_variants(args, m, wcat[0].shape[0], hidden, lambda config: [
-                lambda w=w: dot_gemv.dot_linear(x, w, config) for w in wcat], " (one matmul, no RoPE)")
+                lambda w=w: fast_dot.dot_linear(x, w, None, config) for w in wcat], " (one matmul, no RoPE)")
             qkv_sweep = {"none": [], "small": [(1, 8, 2), (4, 8, 2)],
                          "full": [(1, 8, 2), (2, 8, 2), (4, 8, 2), (2, 4, 4), (1, 4, 4), (2, 8, 4), (1, 8, 4),
                                   (4, 8, 4), (8, 8, 2), (4, 16, 1), (8, 16, 1), (2, 16, 2), (4, 4, 4)]}
@@ -204,7 +206,7 @@ def part_gemv(args, rows):
                 base = [lambda w=w: F.linear(x, w) for w in mats]
                 variants = [("cublas (matmul alone)", None, False, lambda base=base: base)]
                 variants += _dot_variants(args, m, n * count, k, lambda config, mats=mats: [
-                    lambda w=w: dot_gemv.dot_linear(x, w, config) for w in mats])
+                    lambda w=w: fast_dot.dot_linear(x, w, None, config) for w in mats])
                 for config in (gemv_configs(k, count, m, n, args.sweep if model in args.sweep_models else "none")
                                if m <= fast_gemv.MAX_ROWS else []):
                     if config is not None and m > 1 and args.sweep != "full":
@@ -460,7 +462,7 @@ def parse_args(argv):
     p.add_argument("--parts", default="check,gemv,attention,step")
     p.add_argument("--models", default="llama-1b,llama-8b", help="shapes for the gemv part")
     p.add_argument("--gemv-rows", default="1,4")
-    p.add_argument("--dot", action="store_true", help="gemv part: also the tensor-core probe (profiles/dot_gemv.py) "
+    p.add_argument("--dot", action="store_true", help="gemv part: also gdtool's split-K tensor-core kernel (dot.py) "
                                                       "per projection, the matmul alone as cuBLAS's row")
     p.add_argument("--step-models", default="llama-1b")
     p.add_argument("--cases", default="1:compiled:step-graph:0,1:fast:step-graph:0,1:fast:step-graph:1,"

@@ -64,6 +64,9 @@
 #   bench-argmax   the fast step of each of ARGMAX_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
 #                  greedy, its argmax left to inductor (GDTOOL_COMPILED_ARGMAX=0) and in gdtool's two stages (1), one
 #                  process each (plan_bench.py --argmax): the argmax lever's before and after
+#   bench-dot      the fast step of each of DOT_BENCH_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused
+#                  projections, its linear layers in cuBLAS's products (GDTOOL_DOT_LINEAR=0) and in gdtool's split-K
+#                  tensor-core kernel (1), one process each (plan_bench.py --dot): the dot lever's before and after
 #   bench-autotune the fast step of each of AUTOTUNE_MODELS (llama-1b gemma-3-1b) at BENCH_BATCHES (64), fused projections,
 #                  with gdtool's compiled programs under inductor's default (0) and max-autotune (1; plan_bench.py
 #                  --max-autotune: Triton matmul templates, their epilogues fused), one process each: the lever's before
@@ -98,9 +101,10 @@
 #                  one row, and one pass of 2-4 rows costs 24-83% more on the H200) over the probe's full sweep of tile
 #                  configs (BLOCK_N, warps, programs per SM), beside cuBLAS: which config the defaults should pick
 #   kernels-dot    the same probe's gemv part with --dot: each projection of DOT_MODELS (llama-8b,qwen3-8b,llama-1b) at
-#                  DOT_ROWS (2,3,4), cuBLAS, the matrix-vector kernel and the tensor-core probe (profiles/dot_gemv.py) at its
-#                  default config and neighbours: whether a tl.dot kernel reaches cuBLAS where the matrix-vector kernels lose
-#                  (DOT_ROWS=64 DOT_MODELS=llama-1b,gemma-3-1b: cuBLAS and the probe alone, the products of the 64-row step)
+#                  DOT_ROWS (2,3,4), cuBLAS, the matrix-vector kernel and gdtool's split-K dot kernel (dot.py) at its
+#                  tuning's config and neighbours (profiles/dot_gemv.py): whether it reaches cuBLAS where the
+#                  matrix-vector kernels lose (DOT_ROWS=64 DOT_MODELS=llama-1b,gemma-3-1b: cuBLAS and the dot kernel
+#                  alone, the products of the 64-row step)
 #   bench-cublas   the compiled step (kernels="compiled": cuBLAS's / inductor's matmuls, no linear swap) of each of
 #                  CUBLAS_MODELS (space-separated; llama-8b) at COMPARE_BATCHES (1,2,3,4): the 1-4-row fast steps
 #                  against the matmuls, where forward.MEASURED_LINES' line belongs per shape
@@ -360,6 +364,10 @@ for p in "$@"; do
            for v in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --argmax \$v -- --model \$m \
            --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast \
            --fuse-projections --no-progress --out $work/bench-argmax/\$m-argmax-\$v || exit 1; done; done" ;;
+    bench-dot) part bench-dot ${BENCH_SECONDS:-300} bash -c "for m in ${DOT_BENCH_MODELS:-llama-1b gemma-3-1b}; do \
+           for v in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --dot \$v -- --model \$m \
+           --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none --kernels fast \
+           --fuse-projections --no-progress --out $work/bench-dot/\$m-dot-\$v || exit 1; done; done" ;;
     bench-autotune) part bench-autotune ${BENCH_SECONDS:-540} bash -c "for m in ${AUTOTUNE_MODELS:-llama-1b gemma-3-1b}; do \
            for a in 0 1; do GDTOOL_UNTESTED_KERNELS=1 $py profiles/plan_bench.py --max-autotune \$a -- \
            --model \$m --batch ${BENCH_BATCHES:-64} --max-new-tokens 256 --repeats 2 --modes step-graph --peers none \

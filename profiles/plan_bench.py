@@ -2,15 +2,17 @@
 which the fused combine's plan starts from) and its loop's keys an iteration (`attention.loop_keys`); the switches
 GDTOOL_FUSED_COMBINE, GDTOOL_EARLY_NORM, GDTOOL_ONE_KERNEL_TAIL, GDTOOL_LATE_TRIGGER (the products' PDL trigger in
 their last tile round), GDTOOL_FOLD_EMBEDDING (the embedding lookup in the first qkv_rope), GDTOOL_SLIDING_SPLIT (a
-sliding layer's calls in the compiled HF forward taken as a full layer's) and GDTOOL_COMPILED_ARGMAX (the compiled
-greedy step's argmax in gdtool's two stages); the largest batch the matrix-vector kernels
+sliding layer's calls in the compiled HF forward taken as a full layer's), GDTOOL_COMPILED_ARGMAX (the compiled
+greedy step's argmax in gdtool's two stages) and GDTOOL_DOT_LINEAR (the linear layers at up to 64 rows in gdtool's
+split-K tensor-core kernel); the largest batch the matrix-vector kernels
 take (`forward.batch_line`: one line for every shape), passed as a tuning (`tuning.use`) and switches
 (`triton.switches`); and inductor's max-autotune for gdtool's compiled programs (`step.INDUCTOR_OPTIONS`: Triton
 matmul templates with their epilogues fused, chosen by timing at compile; the peers' own compiles unchanged), for an
 A/B of plans in the step.
 
     python profiles/plan_bench.py --target 132 [--loop-elements N] [--fused 0|1] [--early-norm 0|1] [--tail 0|1] \
-        [--late-trigger 0|1] [--fold-embedding 0|1] [--sliding 0|1] [--argmax 0|1] [--gemv-rows N] [--max-autotune 0|1] \
+        [--late-trigger 0|1] [--fold-embedding 0|1] [--sliding 0|1] [--argmax 0|1] [--dot 0|1] [--gemv-rows N] \
+        [--max-autotune 0|1] \
         -- --model llama-1b ...
 
 Prints the settings, then runs the bench in this process (its log and files as `python -m gdtool bench`'s).
@@ -53,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--argmax", type=int, choices=(0, 1), default=None,
                         help="the compiled HF forward's greedy argmax left to inductor (0) or in gdtool's two-stage "
                              "kernels over the model's logits (1; untested on CUDA until its cuda tests pass)")
+    parser.add_argument("--dot", type=int, choices=(0, 1), default=None,
+                        help="the linear layers past the matrix-vector kernels' rows (up to 64) left to cuBLAS (0) or "
+                             "in gdtool's split-K tensor-core kernel (1; untested on CUDA until its cuda tests pass)")
     parser.add_argument("--fold-embedding", type=int, choices=(0, 1), default=None,
                         help="the embedding lookup in HF's module first (0) or folded into the first qkv_rope (1; "
                              "untested on CUDA until its cuda tests pass)")
@@ -79,7 +84,7 @@ def main(argv=None) -> int:
         tune = tune.with_values("attention", loop_elements=args.loop_elements)
     given = {"fused_combine": args.fused, "early_norm": args.early_norm, "one_kernel_tail": args.tail,
              "late_trigger": args.late_trigger, "fold_embedding": args.fold_embedding, "sliding_split": args.sliding,
-             "compiled_argmax": args.argmax}
+             "compiled_argmax": args.argmax, "dot_linear": args.dot}
     with fast_triton.switches(**{name: bool(v) for name, v in given.items() if v is not None}):
         on = {name: fast_triton.asked(name) for name in given}
         print(f"[plan_bench] tuning {tune.source}, target programs {attention.target_programs(tune)}, loop elements "
@@ -90,6 +95,7 @@ def main(argv=None) -> int:
               f"embedding {'folded' if on['fold_embedding'] else 'apart'}, "
               f"sliding layers {'split-KV' if on['sliding_split'] else 'HF sdpa'}, "
               f"compiled step's argmax {'two-stage' if on['compiled_argmax'] else 'inductor'}, "
+              f"linear layers past the matrix-vector rows {'split-K dot' if on['dot_linear'] else 'cuBLAS'}, "
               f"matrix-vector kernels to batch (per hidden size) {forward.measured_lines(tune)}, "
               f"max-autotune {'on' if args.max_autotune else 'off'}", flush=True)
         tuned = {"max_autotune": True} if args.max_autotune else {}

@@ -191,7 +191,7 @@ def _largest_fast_batch(paths) -> int:
 
 
 def test_kernels_help_names_every_option_family_and_batch_limit(table):
-    from gdtool.kernels import forward, linear
+    from gdtool.kernels import dot, forward, linear
     from gdtool.kernels.experts import blocks as experts   # where refusal() reads the MoE families and limits
     helps = {command: " ".join(known["--kernels"].help.split()) for command, known in table.items()
              if "--kernels" in known}
@@ -211,7 +211,7 @@ def test_kernels_help_names_every_option_family_and_batch_limit(table):
         said = f"batch 1-{rows}" if rows > 1 else "batch 1"
         assert f"{said} up to hidden size {largest}" in fast if largest else f"{said} wider" in fast, (said, fast)
     assert f"at batch <= {_largest_fast_batch(forward.line_paths(None))};" in fast
-    assert f"at batch <= {experts.MAX_GROUPED_TOKENS}" in fast and f"<= {linear.MAX_ROWS};" in fast
+    assert f"at batch <= {experts.MAX_GROUPED_TOKENS}" in fast and f"<= {linear.MAX_ROWS} (<= {dot.MAX_ROWS} on the tensor cores" in fast
     if set(experts.FAMILIES) - set(experts.GROUPED_FAMILIES):
         assert f"<= {experts.MAX_TOKENS})" in fast
 

@@ -625,8 +625,8 @@ def test_plan_bench_max_autotune_holds_for_the_bench_run_only(monkeypatch, capsy
 def test_plan_bench_loop_elements_hold_for_the_bench_run_only(monkeypatch, capsys):
     """--loop-elements N: the bench runs under a tuning whose attention.loop_elements is N (the split loop's keys an
     iteration, `attention.loop_keys`), the settings line says it, and the tuning is as before once it returns; a
-    count below 1 is refused with the reason. --sliding 0|1 and --argmax 0|1: the sliding_split and compiled_argmax
-    switches for the run only."""
+    count below 1 is refused with the reason. --sliding 0|1, --argmax 0|1 and --dot 0|1: the sliding_split,
+    compiled_argmax and dot_linear switches for the run only."""
     import plan_bench
     from gdtool.kernels import attention, tuning
     before = tuning.current()["attention"]["loop_elements"]
@@ -651,6 +651,11 @@ def test_plan_bench_loop_elements_hold_for_the_bench_run_only(monkeypatch, capsy
         assert plan_bench.main(["--argmax", flag, "--"]) == 0
         assert seen[-1] is (flag == "1") and said in capsys.readouterr().out
     assert fast_triton.asked("compiled_argmax") is True   # the default again (GDTOOL_COMPILED_ARGMAX unset here)
+    monkeypatch.setattr(plan_bench.cli, "main", lambda argv: seen.append(fast_triton.asked("dot_linear")) or 0)
+    for flag, said in (("1", "matrix-vector rows split-K dot"), ("0", "matrix-vector rows cuBLAS")):
+        assert plan_bench.main(["--dot", flag, "--"]) == 0
+        assert seen[-1] is (flag == "1") and said in capsys.readouterr().out
+    assert fast_triton.asked("dot_linear") is False   # the default again (GDTOOL_DOT_LINEAR unset here)
 
 
 def test_bench_fastest_compares_with_the_peers_of_the_same_run():
@@ -956,50 +961,38 @@ def test_kernel_registers_row_cases_launch_one_pass_of_each_row_count():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
-def test_dot_probe_kernel_under_the_interpreter_equals_linear():
-    """profiles/dot_gemv.py (the tensor-core probe for 2-64 rows): under Triton's interpreter, fp16, over seeded draws
-    of rows (up to 64: a tile of 16, 32 or 64 rows), N (not a multiple of the tile: masked columns) and each of its
-    sweep's configs (split K included), within float32-sum rounding of F.linear in float32; more rows than 64, or K off
-    the chunks, refused with the reason."""
+def test_dot_probe_configs_run_the_kernel_under_the_interpreter():
+    """profiles/dot_gemv.py (the configs `--dot` times gdtool's split-K dot kernel at): the default is the tuning's,
+    its neighbours distinct tiles of at least 16; each runs the kernel under Triton's interpreter, fp16, over seeded
+    draws of rows (up to 64), N off the tiles and K off the chunks, within float32-sum rounding of F.linear."""
     from interpreter import run_interpreted
     run_interpreted(
         "import random, sys, torch\n"
         "sys.path.insert(0, 'profiles')\n"
         "import dot_gemv\n"
+        "from gdtool.kernels import dot, tuning\n"
+        "assert dot_gemv.default_config(64, 2048, 2048) == tuple(dot.config_for(64, 2048, 2048, tuning.defaults()))\n"
+        "assert dot_gemv.default_config(4, 4096, 14336)[2] > 1 and dot_gemv.default_config(4, 128256, 4096)[2] == 1\n"
         "rng = random.Random(5)\n"
         "for _ in range(4):\n"
-        "    m, n, k = rng.choice((1, 2, 3, 4, 16, 33, 64)), rng.choice((48, 96, 200)), rng.choice((512, 1024))\n"
+        "    m, n, k = rng.choice((1, 2, 3, 4, 16, 33, 64)), rng.choice((48, 96, 200)), rng.choice((512, 1000))\n"
         "    gen = torch.Generator().manual_seed(m * n)\n"
         "    x = torch.randn(m, k, generator=gen).half()\n"
         "    w = (torch.randn(n, k, generator=gen) / k ** 0.5).half()\n"
         "    ref = torch.nn.functional.linear(x.float(), w.float())\n"
-        "    configs = [c for c in dot_gemv.sweep_configs(m, n, k) if c[1] <= 256][:3] + [(32, 64, 4, 4, 2)]\n"
-        "    for config in configs:\n"
-        "        out = dot_gemv.dot_linear(x, w, config)\n"
+        "    configs = dot_gemv.sweep_configs(m, n, k)\n"
+        "    assert len(set(configs)) == len(configs) and all(c[0] >= 16 and c[1] >= 16 for c in configs), configs\n"
+        "    for config in [c for c in configs if c[1] <= 256][:3] + [(32, 64, 4, 4, 2)]:\n"
+        "        out = dot.dot_linear(x, w, None, config)\n"
         "        assert out.shape == (m, n) and out.dtype == torch.float16, (out.shape, out.dtype)\n"
         "        assert torch.allclose(out.float(), ref, atol=2e-3, rtol=2e-3), (m, n, k, config, (out.float() - ref).abs().max())\n"
-        "assert [dot_gemv.block_m(m) for m in (1, 16, 17, 33, 64)] == [16, 16, 32, 64, 64]\n"
-        "for bad, why in ((torch.zeros(65, 64).half(), 'at most 64'), (torch.zeros(2, 96).half(), 'contiguous')):\n"
-        "    try:\n"
-        "        dot_gemv.dot_linear(bad, torch.zeros(32, 64).half())\n"
-        "    except ValueError as e:\n"
-        "        assert why in str(e), e\n"
-        "    else:\n"
-        "        raise AssertionError(why)\n"
-        "try:\n"
-        "    dot_gemv.dot_linear(torch.zeros(2, 96).half(), torch.zeros(32, 96).half(), (32, 64, 1, 4, 2))\n"
-        "except ValueError as e:\n"
-        "    assert 'not a multiple of BLOCK_K' in str(e), e\n"
-        "else:\n"
-        "    raise AssertionError('K off the chunks')\n"
-        "assert dot_gemv.default_config(4, 4096, 14336)[2] > 1 and dot_gemv.default_config(4, 128256, 4096)[2] == 1\n"
         "print('ok')\n", timeout=600)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="Triton is not installed")
 def test_probe_gemv_part_with_dot_dry_run_on_cpu(tmp_path):
     """decode_kernels_probe.py --parts gemv --dot --device cpu (the interpreter, tiny shapes) at 2 and 64 rows: every
-    projection gets cuBLAS's row and the tensor-core probe's, at 2 rows the matrix-vector kernel's too (it takes at
+    projection gets cuBLAS's row and the split-K dot kernel's, at 2 rows the matrix-vector kernel's too (it takes at
     most 16), none failing (the CSV has no error)."""
     import subprocess
     import pandas as pd
@@ -1015,7 +1008,7 @@ def test_probe_gemv_part_with_dot_dry_run_on_cpu(tmp_path):
             kernels = df[(df.proj == proj) & (df.rows == rows)].kernel
             assert kernels.str.startswith("cublas").any() and kernels.str.startswith("triton dot").any(), \
                 (proj, rows, kernels)
-            # the matrix-vector kernels at their rows only (past 16: cuBLAS's and the tensor-core probe's rows)
+            # the matrix-vector kernels at their rows only (past 16: cuBLAS's and the dot kernel's rows)
             assert (kernels.str.startswith("triton") & ~kernels.str.startswith("triton dot")).any() == (rows == 2), \
                 (proj, rows, kernels)
 

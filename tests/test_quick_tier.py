@@ -32,10 +32,12 @@ LONG = {
     "tests/test_fast_attention.py::test_split_kernel_reads_no_masked_slot_and_decodes_in_the_compiled_forward_under_the_interpreter",
     "tests/test_fast_attention.py::test_sinks_attention_kernels_under_the_interpreter_decode_hf_tokens",
     "tests/test_fast_argmax.py::test_argmax_op_under_the_interpreter_and_in_compiled_greedy_decodes",
+    "tests/test_fast_dot.py::test_dot_kernel_under_the_interpreter_and_in_compiled_decodes",
     # inductor compiles on the CPU, with an empty cache (test_fast.py keeps one compile in the quick tier, and the
     # compiled forward of several families runs there: tests/test_fast_kernels.py, tests/test_experts.py)
     "tests/test_linear.py::test_fused_projections_run_as_one_product_per_group",
     "tests/test_linear.py::test_fast_step_on_cpu_calls_the_linear_operator",
+    "tests/test_fast_dot.py::test_fast_step_on_cpu_with_the_dot_swap_decodes_hf_tokens",
     "tests/test_experts.py::test_zoo_moe_sample_decodes_with_fast_kernels",
     "tests/test_experts.py::test_fast_step_on_cpu_gpt_oss_runs_the_experts_operator",
     "tests/test_experts.py::test_fast_step_on_cpu_qwen3_moe_runs_the_experts_operator",

@@ -135,7 +135,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_every_shipped_file_is_valid_and_names_its_provenance():
     """The shipped files parse, hold every field, and each section names the committed files its values came from;
-    the H100 file's from H100 sweeps, but for batch_lines, the H200's copy until an H100 bench-batches."""
+    the H100 file's from H100 sweeps, but for batch_lines, the H200's copy until an H100 bench-batches, and dot, the
+    split-K dot kernel's rule, which no GPU has swept yet."""
     names = sorted(os.listdir(CONFIGS))
     assert names == ["defaults.json", os.path.basename(H100), os.path.basename(H200)]
     h100 = tuning.read(H100)
@@ -145,6 +146,9 @@ def test_every_shipped_file_is_valid_and_names_its_provenance():
         files = h100.provenance(section)["files"]
         if section == "batch_lines":
             assert "no H100 sweep yet" in h100.provenance(section)["sweep"]
+        elif section == "dot":   # the split-K dot kernel's rule, not swept yet on either GPU: each file says so
+            assert not files and all("no sweep yet" in tune.provenance(section)["sweep"]
+                                     for tune in (h100, tuning.read(H200), tuning.defaults())), section
         else:
             assert files and all(f.startswith("profiles/h100/") for f in files), (section, files)
     assert h100.data["capability"] == [9, 0] and h100.data["device"] == "NVIDIA H100 80GB HBM3"

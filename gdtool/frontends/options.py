@@ -259,8 +259,8 @@ def fast_scope() -> str:
     """Where kernels="fast" runs gdtool's own kernels, read from the tables the fast step decides with: the whole
     forward's families (`kernels.forward.FAMILIES`) and the batch each path takes (`forward.line_paths`, the
     same function `forward.plan` asks), the MoE blocks' families and limits (`kernels.experts.blocks`, where
-    `refusal` reads them), the linear layers' rows (`kernels.linear.MAX_ROWS`)."""
-    from ..kernels import forward, linear
+    `refusal` reads them), the linear layers' rows (`kernels.linear.MAX_ROWS`, `kernels.dot.MAX_ROWS`)."""
+    from ..kernels import dot, forward, linear
     from ..kernels.experts import blocks as experts
 
     def names(items):
@@ -280,7 +280,8 @@ def fast_scope() -> str:
     return (f"the whole forward of {names(measured)} at {' and '.join(lines)}, of {names(others)} at batch <= "
             f"{forward.gemv_rows(forward.line_paths(None))}; elsewhere, inside the compiled forward, the MoE blocks of "
             f"{names(moe.values())} at batch <= {experts.MAX_GROUPED_TOKENS}{smaller}, the attention (split-KV) and "
-            f"the linear layers at batch <= {linear.MAX_ROWS}; on CUDA only the paths whose CUDA tests passed "
+            f"the linear layers at batch <= {linear.MAX_ROWS} (<= {dot.MAX_ROWS} on the tensor cores with "
+            f"GDTOOL_DOT_LINEAR=1); on CUDA only the paths whose CUDA tests passed "
             "(kernels/triton.py CUDA_TESTED); docs/fast.md")
 
 

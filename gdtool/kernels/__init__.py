@@ -15,7 +15,10 @@
                   down with the weighted top-k sum; the grouped kernels from 2 tokens; Triton), swapped into
                   the compiled HF forward: a module per part (tiles, reference, router, small, oss, grouped,
                   blocks)
-    linear.py     any other model's linear layers at 1-4 rows in gemv.py's kernel (bias epilogue), swapped in too
+    linear.py     any other model's linear layers at 1-4 rows in gemv.py's kernel (bias epilogue), swapped in too;
+                  up to 64 rows in dot.py's (GDTOOL_DOT_LINEAR=1)
+    dot.py        products of up to 64 rows on the tensor cores: split-K tl.dot, the slices added in the last
+                  program of each column tile (Triton)
     swap.py       the swap: modules' forwards replaced for the length of a compiled call
     sampling.py   token selection: sort-free top-k/top-p sampling; a two-stage argmax (Triton)
     tail.py       the greedy fast step's tail in one kernel: the argmax's second stage, the state's update and

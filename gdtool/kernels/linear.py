@@ -1,4 +1,5 @@
-"""The linear layers of a model outside the fast forward, at 1-4 rows, in gdtool's matrix-vector kernel.
+"""The linear layers of a model outside the fast forward: at 1-4 rows in gdtool's matrix-vector kernel, up to 64 in
+its split-K dot kernel (GDTOOL_DOT_LINEAR=1).
 
 Where `forward.py` does not know a family (gpt-oss, and every other model that `kernels="fast"` runs as the
 compiled HF forward), the step's products are cuBLAS's or inductor's. At one token a projection is a
@@ -19,6 +20,11 @@ forward's line gave the batch to the matmuls (`forward.Plan.matmuls`: cuBLAS mea
 does not run (a CPU without the interpreter) the operator is F.linear itself: the swap is what the CPU tests
 exercise, and the kernel under the interpreter.
 
+Past those rows, or where the line gave the batch to the matmuls, up to 64 rows: with the switch `dot_linear`
+(GDTOOL_DOT_LINEAR=1, off by default) the same modules call `torch.ops.gdtool.dot_linear`, the tensor-core kernel of
+`dot.py` (cuBLAS's 64-row products of the narrow projections read at 43-67% of the copy bandwidth on the H100).
+It stays off until a bench shows it ahead of cuBLAS's products (gpu_run.sh's `bench-dot`).
+
 Projections fused by `fuse.fuse_projections` (q/k/v as one buffer, each module a view of its rows) run as one
 product while the step compiles, as fuse's own forwards do: the group's first module calls the operator over the
 whole buffer and hands the others their slices. One launch over 5120 rows instead of three, two of them 512-row
@@ -33,10 +39,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import gemv, swap
-from .triton import untested_on_cuda, usable
+from . import dot, gemv, swap
+from .triton import asked, untested_on_cuda, usable
 
-MAX_ROWS = gemv.ROWS_PER_PASS   # rows (batch x one decode token) the swap takes: one pass over each weight tile
+MAX_ROWS = gemv.ROWS_PER_PASS   # rows (batch x one decode token) the matrix-vector kernel takes: one pass a tile
 PATH = f"linear, <= {MAX_ROWS} rows"           # the kernel path's name (CUDA_TESTED)
 PATH_BIAS = f"linear, bias, <= {MAX_ROWS} rows"
 
@@ -66,15 +72,18 @@ class Layer:
 
 @dataclass
 class Plan:
-    """The decoder's linear layers at one batch size: which run gdtool's matrix-vector kernel, and why not."""
+    """The decoder's linear layers at one batch size: which run gdtool's kernel (`kernel`: "matrix-vector" or
+    "split-K dot"), and why not."""
     layers: list = field(default_factory=list)
+    kernel: str = "matrix-vector"
 
     @property
     def applies(self) -> bool:
         return any(layer.applies for layer in self.layers)
 
     def key(self) -> tuple:
-        return tuple(layer.name for layer in self.layers if layer.applies)
+        names = tuple(layer.name for layer in self.layers if layer.applies)
+        return (self.kernel,) + names if names else ()
 
     def note(self) -> str:
         """One line for the kernels note: how many linear layers run the kernel, and why the others do not."""
@@ -83,34 +92,47 @@ class Plan:
         mine = sum(layer.applies for layer in self.layers)
         reasons = sorted({layer.reason for layer in self.layers if not layer.applies})
         groups = sum(layer.applies and _group(layer.module) is not None for layer in self.layers)
-        line = f"linear layers {mine}/{len(self.layers)} in gdtool's matrix-vector kernel"
+        line = f"linear layers {mine}/{len(self.layers)} in gdtool's {self.kernel} kernel"
         line += f", {groups} fused groups as one product each" if groups else ""
         return line + (f" (the others HF's: {'; '.join(reasons)})" if reasons else "")
 
 
-def plan(model, batch: int, skip: tuple = ()) -> Plan:
+def kernel_for(batch: int, matmuls: bool = False) -> str | None:
+    """Which of gdtool's kernels takes the linear layers at `batch` rows: the matrix-vector kernel at up to MAX_ROWS
+    (not where the batch line gave the batch to the matmuls), else the split-K dot kernel up to `dot.MAX_ROWS` where
+    the switch `dot_linear` is on; None: HF's."""
+    if batch <= MAX_ROWS and not matmuls:
+        return "matrix-vector"
+    if batch <= dot.MAX_ROWS and asked("dot_linear"):
+        return "split-K dot"
+    return None
+
+
+def plan(model, batch: int, skip: tuple = (), matmuls: bool = False) -> Plan:
     """The model's nn.Linear modules at `batch` rows of one decode token each. `skip`: modules whose calls do
-    not happen in the step (the MoE blocks the experts plan replaces: their routers stay HF's, never called)."""
-    result = Plan()
+    not happen in the step (the MoE blocks the experts plan replaces: their routers stay HF's, never called);
+    `matmuls`: the fast forward's batch line gave this batch to the matmuls (`kernel_for`)."""
+    kernel = kernel_for(batch, matmuls)
+    if kernel is None:
+        return Plan()
+    result = Plan(kernel=kernel)
     output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     skipped = {id(m) for block in skip for m in block.modules()}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear) or module is output or id(module) in skipped:
             continue
-        why = _why_not(module, batch)
+        why = _why_not(module, kernel)
         layer = Layer(name, module, not why, why)
         if layer.applies:
-            layer.forward = make_forward(module)
+            layer.forward = make_forward(module, kernel)
         result.layers.append(layer)
     if not any(layer.applies for layer in result.layers):
         return Plan()   # nothing swapped: no note, no key
     return result
 
 
-def _why_not(module, batch: int) -> str:
+def _why_not(module, kernel: str) -> str:
     weight = module.weight
-    if batch > MAX_ROWS:
-        return f"batch {batch} > {MAX_ROWS} rows"
     if "forward" in vars(module) and not _fused(module):
         return "a forward set on the module itself (a hook, e.g. accelerate's offload)"
     if type(module).forward is not torch.nn.Linear.forward:
@@ -121,7 +143,8 @@ def _why_not(module, batch: int) -> str:
         return f"{str(weight.dtype).replace('torch.', '')} weights on CUDA (the kernel's cuda tests run bf16 and fp16)"
     if module.bias is not None and module.bias.dtype != weight.dtype:
         return "a bias in another dtype than the weight"
-    return untested_on_cuda(PATH_BIAS if module.bias is not None else PATH, weight.device)
+    paths = (PATH, PATH_BIAS) if kernel == "matrix-vector" else (dot.PATH, dot.PATH_BIAS)
+    return untested_on_cuda(paths[module.bias is not None], weight.device)
 
 
 def _fused(module) -> bool:
@@ -133,20 +156,23 @@ def _group(module):
     return vars(module).get("_gdtool_group")
 
 
-def make_forward(module):
-    """The module's forward through `linear`: HF's input ([..., K]), HF's result ([..., N]). A fused group's first
-    module, while compiling, computes the whole group and leaves each other member its slice (fuse's protocol)."""
+def make_forward(module, kernel: str = "matrix-vector"):
+    """The module's forward through `kernel`'s operator (`linear`, or `dot.linear` for "split-K dot"): HF's input
+    ([..., K]), HF's result ([..., N]). A fused group's first module, while compiling, computes the whole group and
+    leaves each other member its slice (fuse's protocol)."""
     original = vars(module).get("forward") or types.MethodType(type(module).forward, module)
     group = _group(module)
+    op, limit = (torch.ops.gdtool.linear, MAX_ROWS) if kernel == "matrix-vector" else \
+        (torch.ops.gdtool.dot_linear, dot.MAX_ROWS)
 
     def forward(x):
         rows = x.numel() // x.shape[-1]
-        if rows > MAX_ROWS or x.dtype != module.weight.dtype:  # a shape or dtype the decode step never has
+        if rows > limit or x.dtype != module.weight.dtype:  # a shape or dtype the decode step never has
             return original(x)
         flat = x.reshape(rows, x.shape[-1])
         pending = vars(module).get("_gdtool_pending")
         if group is not None and torch.compiler.is_compiling():
-            parts = torch.ops.gdtool.linear(flat, group.weight, group.bias).split(group.sizes, dim=-1)
+            parts = op(flat, group.weight, group.bias).split(group.sizes, dim=-1)
             for other, part in zip(group.linears[1:], parts[1:]):
                 other._gdtool_pending = (x, part)
             out = parts[0]
@@ -154,7 +180,7 @@ def make_forward(module):
             module._gdtool_pending = None
             out = pending[1]
         else:
-            out = torch.ops.gdtool.linear(flat, module.weight, module.bias)
+            out = op(flat, module.weight, module.bias)
         return out.reshape(*x.shape[:-1], module.weight.shape[0])
     return forward
 

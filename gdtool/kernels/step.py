@@ -211,10 +211,11 @@ class CompiledStep(Step):
             if kernels == "fast" and not self.fast_forward else None
         # kernels="fast" outside the fast forward at 1-4 rows: the decoder's nn.Linear modules in gdtool's
         # matrix-vector kernel (`linear.scope`), the MoE blocks the experts plan replaces left out; not where the
-        # fast forward's batch line gave the batch to the matmuls (cuBLAS measured faster there: forward.line_paths)
+        # fast forward's batch line gave the batch to the matmuls (cuBLAS measured faster there: forward.line_paths).
+        # Past those, up to 64 rows, its split-K dot kernel where GDTOOL_DOT_LINEAR=1 (`linear.kernel_for`)
         self.linear_plan = linear.plan(self.model, self.state.mask.shape[0],
-                                       skip=tuple(x.block for x in self.moe_plan.layers if x.applies)) \
-            if self.moe_plan is not None and not self.fast_plan.matmuls else None
+                                       skip=tuple(x.block for x in self.moe_plan.layers if x.applies),
+                                       matmuls=self.fast_plan.matmuls) if self.moe_plan is not None else None
         # kernels="fast" on gpt-oss (attention with sinks): its attention in gdtool's split-KV kernels
         self.sinks_kernel, self.sinks_note = attention.sinks_plan(self.model, kernels) \
             if not self.fast_forward else (False, "")

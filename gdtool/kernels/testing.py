@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import attention, gemv, sampling, window
+from . import attention, dot, gemv, sampling, tuning, window
 
 # ||out - exact|| / ||exact|| for one product-and-round chain, by the precision of the operands
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -71,6 +71,9 @@ class _Impl:
 
     def argmax(self, x):
         return (sampling.argmax if self.triton else sampling.argmax_reference)(x)
+
+    def dot(self, x, w, bias, config=None):
+        return dot.dot_linear(x, w, bias, config) if self.triton else dot.reference(x, w, bias)
 
 
 _impl = _Impl()
@@ -325,6 +328,18 @@ def check_window_roll(b, hkv, w, d, dtype, device, gen, config=None) -> Result:
                   "exact (HF's update)" if ok else f"{wrong} elements differ from HF's update")
 
 
+def check_dot(m, n, k, dtype, device, gen, bias=False, config=None) -> Result:
+    """The split-K tensor-core product (`dot.py`, the linear layers at up to 64 rows), with F.linear's bias."""
+    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+    w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device=device).to(dtype) if bias else None
+    out = _impl.dot(x, w, b, config)
+    exact = x.double() @ w.double().T + (b.double() if bias else 0)
+    config = tuple(config or dot.config_for(m, n, k, tuning.current(x.device)))
+    return judge("dot_linear" + ("+bias" if bias else ""), f"{m}x{k} @ {k}x{n}", dtype, out, dot.reference(x, w, b),
+                 exact, f"config {config}")
+
+
 def check_argmax(m, v, device, gen) -> Result:
     x = torch.randn(m, v, generator=gen, device=device).to(torch.bfloat16).float()  # bf16 logits: ties
     x[0, : v // 3] = x[0].max()          # a tie across blocks: the first index wins
@@ -412,7 +427,13 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad))
         results.append(check_attention(m, 8, 2, 32, cache, live, dtype, device, gen, pad, sinks=True))  # gpt-oss
     results.append(check_argmax(3, 5000, device, gen))
+    # the split-K tensor-core products (linear layers at up to 64 rows): K off the chunks, one and several slices
+    for m, n, k, bias, config in ((5, 40, 64, False, None), (16, 96, 100, True, (32, 32, 2, 4, 2)),
+                                  (33, 130, 256, False, (64, 64, 4, 4, 2)), (64, 40, 96, True, (16, 16, 4, 4, 3))):
+        results.append(check_dot(m, n, k, dtype, device, gen, bias, config))
     if large:
+        for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1152, 1024), (1152, 6912)):
+            results.append(check_dot(64, n, k, dtype, device, gen))   # Llama-1B's and Gemma-3-1B's at 64 rows
         for m in (1, 4):
             for n, k in ((2048, 2048), (2048, 8192), (4096, 4096), (4096, 14336)):
                 results.append(check_gemv(m, n, k, dtype, device, gen, False, True, False))

@@ -57,12 +57,13 @@ def env_flag(name: str, default: bool = False) -> bool:
 # unset), and set for a block by `switches(...)` (a probe's A/B, a test), as `pdl(...)` sets PDL and `tuning.use`
 # the tuning, never by patching a module's globals. What each one does is said where it is read:
 # `attention.fused_combine`, `attention.scope` (sliding_split), `gemv.early_norm`, `gemv.fold_embedding`,
-# `gemv.late_trigger`, `tail.refusal`, `sampling.argmax_refusal` (compiled_argmax). On CUDA a switched-on path still
+# `gemv.late_trigger`, `tail.refusal`, `sampling.argmax_refusal` (compiled_argmax), `linear.kernel_for` (dot_linear:
+# off until a bench shows the split-K dot kernel ahead of cuBLAS's products). On CUDA a switched-on path still
 # runs only once it passed its cuda tests there (`untested_on_cuda`).
 SWITCHES = {"fused_combine": ("GDTOOL_FUSED_COMBINE", True), "early_norm": ("GDTOOL_EARLY_NORM", True),
             "fold_embedding": ("GDTOOL_FOLD_EMBEDDING", True), "late_trigger": ("GDTOOL_LATE_TRIGGER", False),
             "one_kernel_tail": ("GDTOOL_ONE_KERNEL_TAIL", True), "sliding_split": ("GDTOOL_SLIDING_SPLIT", True),
-            "compiled_argmax": ("GDTOOL_COMPILED_ARGMAX", True)}
+            "compiled_argmax": ("GDTOOL_COMPILED_ARGMAX", True), "dot_linear": ("GDTOOL_DOT_LINEAR", False)}
 _FROM_ENV = {name: env_flag(variable, default) for name, (variable, default) in SWITCHES.items()}   # at import
 _switched: list[dict] = []
 

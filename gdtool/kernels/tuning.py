@@ -69,6 +69,7 @@ SCHEMA = {
                       "shapes": Rows(_CONFIG_FIELDS, ("hidden", "intermediate", "tokens"), catch_all=False,
                                      partial=True)},
     "experts_oss": {"gate_up_cols": INT, "down_cols": INT, "block_k": INT, "warps": INT, "grouped_from": INT},
+    "dot": {"block_n": INT, "block_k": INT, "warps": INT, "stages": INT, "programs_per_sm": NUMBER, "min_chunks": INT},
     "experts_grouped": {"from_tokens": INT,
                         "tiles": Rows(("block_m", "block_n", "block_k", "warps", "stages"), ("tokens",))},
 }
