@@ -429,7 +429,8 @@ def check_all(device="cuda", dtype=torch.bfloat16, large: bool | None = None, se
     results.append(check_argmax(3, 5000, device, gen))
     # the split-K tensor-core products (linear layers at up to 64 rows): K off the chunks, one and several slices
     for m, n, k, bias, config in ((5, 40, 64, False, None), (16, 96, 100, True, (32, 32, 2, 4, 2)),
-                                  (33, 130, 256, False, (64, 64, 4, 4, 2)), (64, 40, 96, True, (16, 16, 4, 4, 3))):
+                                  (33, 130, 256, False, (64, 64, 4, 4, 2)), (64, 40, 96, True, (16, 16, 4, 4, 3)),
+                                  (64, 64, 256, True, None)):   # the 64-row tile of the tuning: 64 x 128 chunks
         results.append(check_dot(m, n, k, dtype, device, gen, bias, config))
     if large:
         for n, k in ((3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (1152, 1024), (1152, 6912)):
