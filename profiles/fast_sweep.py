@@ -3,7 +3,8 @@
 Each seed draws `--per-model` cases of each tiny model of the fast forward's families (`tests/fastcases.py`: Llama,
 Qwen2, Qwen3, Mistral with a window wider or narrower than the cache, Gemma 3, Qwen3-MoE, Mixtral, Qwen2-MoE),
 1-64 rows against the default line or one moved to 0-16 rows, left padding, 2-14 new tokens, greedy or
-sampling with a repetition penalty, EOS off or firing in some rows. Each case decodes in every mode against
+sampling with a repetition penalty, EOS off or firing in some rows, the split-K dot kernel switched on in half of
+them (where the batch runs HF's forward compiled past the matrix-vector rows). Each case decodes in every mode against
 generate(): the tokens generate()'s, every mode's tokens and scores bit for bit its uncaptured twin's, and the step's
 account naming the path the plan chose (one pass, passes, the compiled matmuls past the line, or refused).
 The test suite runs seed 0's sample; this runs the seeds asked for.
@@ -72,6 +73,7 @@ def main(argv=None) -> int:
     cases = [case for seed in args.seeds for case in fastcases.cases(args.per_model, seed, models, args.wide)]
     print(f"{describe()}\n{len(cases)} cases: seeds {args.seeds.start}-{args.seeds.stop - 1}, {args.per_model} a model "
           f"each; {'Triton kernels, interpreted' if args.interpret else 'torch references'}", flush=True)
+    dots = sum(fastcases.dot_swap(case) for case in cases)
     start, paths, failures = time.perf_counter(), Counter(), []
     with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("spawn"),
                              initializer=quiet_worker) if args.jobs > 1 else nullcontext() as pool:
@@ -82,8 +84,8 @@ def main(argv=None) -> int:
                   f"{'ok' if not failed else f'{len(failed)} mismatched'} ({seconds:.1f} s)", flush=True)
             for line in failed:
                 print(f"    {line}", flush=True)
-    print(f"{len(cases)} cases ({', '.join(f'{paths[p]} {p}' for p in fastcases.PATHS)}), {len(failures)} mismatched, "
-          f"in {time.perf_counter() - start:.0f} s")
+    print(f"{len(cases)} cases ({', '.join(f'{paths[p]} {p}' for p in fastcases.PATHS)}; {dots} with the dot swap), "
+          f"{len(failures)} mismatched, in {time.perf_counter() - start:.0f} s")
     return 1 if failures else 0
 
 

@@ -13,6 +13,9 @@ it), on left padding, on the sampling settings and on EOS firing in some rows. E
     decode    2-14 new tokens; greedy, or sampling with a repetition penalty; EOS off, or a token the reference
               decodes in some row (it fires there, not in the others)
     modes     eager, forward-graph, step-graph (a random EOS polling interval), device-loop
+    dot       in half the cases (the drawn seed even) the switch `dot_linear` on: where the batch runs HF's forward
+              compiled past the matrix-vector kernels' rows, its linear layers in gdtool's split-K dot kernel
+              (`kernels/dot.py`; derived from the seed, so the other draws are those of the sweep before it)
 
 `run(case)` decodes it in every mode and checks what the option promises: every mode's tokens and scores bit
 for bit its uncaptured twin's (`gdtool.kernels.step.uncaptured_twin`: eager for eager and forward-graph, which
@@ -52,13 +55,15 @@ class Case:
     eos: tuple | None     # (row, step) of the reference's token taken for EOS, None: EOS off
     poll: object          # step-graph's eos_poll_interval
     seed: int
+    dot: bool = False     # the switch dot_linear on (GDTOOL_DOT_LINEAR=1)
 
     @property
     def name(self) -> str:
         line = "default" if self.line is None else self.line
         eos = "off" if self.eos is None else f"r{self.eos[0]}s{self.eos[1]}"
         return (f"{self.model}-b{self.batch}-line{line}-p{self.width}-pads{'.'.join(map(str, self.pads))}-"
-                f"n{self.new_tokens}-{'sample' if self.sampling else 'greedy'}-eos{eos}-poll{self.poll}-s{self.seed}")
+                f"n{self.new_tokens}-{'sample' if self.sampling else 'greedy'}-eos{eos}-poll{self.poll}-s{self.seed}"
+                + ("-dot" if self.dot else ""))
 
 
 def cases(per_model: int, seed: int = 0, models=MODELS, wide: float = 0.15) -> list[Case]:
@@ -75,8 +80,9 @@ def cases(per_model: int, seed: int = 0, models=MODELS, wide: float = 0.15) -> l
             pads = [rng.randint(0, width - 1) for _ in range(batch)]
             pads[rng.randrange(batch)] = 0   # one row unpadded: the padded width is the longest prompt
             eos = (rng.randrange(batch), rng.randint(1, new_tokens - 1)) if rng.random() < 0.4 else None
-            out.append(Case(model, batch, rows, width, tuple(pads), new_tokens, rng.random() < 0.4, eos,
-                            rng.choice(POLLS), rng.randrange(1 << 16)))
+            case = Case(model, batch, rows, width, tuple(pads), new_tokens, rng.random() < 0.4, eos,
+                        rng.choice(POLLS), rng.randrange(1 << 16))
+            out.append(Case(**{**vars(case), "dot": case.seed % 2 == 0}))
     return out
 
 
@@ -117,6 +123,23 @@ def path(case: Case, device: str = "cpu", dtype=None) -> str:
     return "matmuls" if plan.matmuls else "refused"
 
 
+def dot_swap(case: Case, device: str = "cpu", dtype=None) -> bool:
+    """Whether the case's linear layers run gdtool's split-K dot kernel: its switch on, the batch in HF's forward
+    compiled (past the line, or refused), at rows the matrix-vector kernel does not take (`linear.kernel_for`)."""
+    from gdtool.kernels import linear
+    taken = path(case, device, dtype)
+    if not case.dot or taken not in ("matmuls", "refused"):
+        return False
+    with switched(case):
+        return linear.kernel_for(case.batch, taken == "matmuls") == "split-K dot"
+
+
+def switched(case: Case):
+    """The case's switches of gdtool's kernels (dot_linear)."""
+    from gdtool.kernels import triton as fast_triton
+    return fast_triton.switches(dot_linear=case.dot)
+
+
 @contextlib.contextmanager
 def line(rows, device: str = "cpu"):
     """Within it, the matrix-vector rows are `rows` at every hidden size (None: the device's own batch lines)."""
@@ -140,16 +163,17 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
     settings = dict(SAMPLING) if case.sampling else dict(do_sample=False)
     settings.update(eos_token_id=None, pad_token_id=0)
     if case.eos is not None:   # the reference's token there: generate()'s (float32), else eager's with these kernels
-        with line(case.line, device):
+        with line(case.line, device), switched(case):
             tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] if device == "cpu" \
                 else decode(model, ids, mask, case.new_tokens, seed=case.seed, kernels="fast", **settings).tokens
         settings["eos_token_id"] = int(tokens[case.eos])
     ref_tokens = generate(model, ids, mask, case.new_tokens, seed=case.seed, **settings)[0] \
         if device == "cpu" and model.dtype == torch.float32 else None
     expect = "HF forward compiled" if path(case, device, dtype) in ("matmuls", "refused") else "fast decode forward"
+    dot = dot_swap(case, device, dtype)
     failures, outs = [], {}
     forget(model)   # a step compiled under another line would run its path again
-    with line(case.line, device):
+    with line(case.line, device), switched(case):
         for mode in MODES:
             poll = case.poll if mode == "step-graph" else None
             out = outs[mode, None] = decode(model, ids, mask, case.new_tokens, seed=case.seed, mode=mode,
@@ -163,6 +187,8 @@ def run(case: Case, device: str = "cpu", dtype=None) -> list[str]:
                                                                mode=mode, capture=capture, kernels="fast", **settings))]
     failures += [f"{case.name}: {expect!r} not in the step's account {note!r}"
                  for note in compiles(model).kernels if expect not in note]
+    failures += [f"{case.name}: the split-K dot kernel {'not ' if dot else ''}in the step's account {note!r}"
+                 for note in compiles(model).kernels if ("split-K dot kernel" in note) != dot]
     forget(model)
     return failures
 
@@ -176,4 +202,5 @@ def coverage(all_cases: list[Case]) -> dict[str, int]:
     got["greedy"] = sum(not c.sampling for c in all_cases)
     got["EOS on"] = sum(c.eos is not None for c in all_cases)
     got["line moved"] = sum(c.line is not None for c in all_cases)
+    got["dot swap"] = sum(dot_swap(c) for c in all_cases)
     return got

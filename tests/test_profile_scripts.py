@@ -806,8 +806,8 @@ def test_window_sweep_counts_cases_and_fails_on_a_mismatch(monkeypatch, capsys):
 @pytest.mark.slow  # ~33 s on 2 cores (inductor compiles, cold cache)
 def test_fast_sweep_counts_cases_per_path_and_fails_on_a_mismatch(monkeypatch, capsys):
     """profiles/fast_sweep.py: the suite's kernels="fast" sweep at other seeds. It prints every case with the path
-    the plan chose, counts the paths, prints each mismatch with its case's name and exits 1 on any; bad arguments
-    are refused by name."""
+    the plan chose, counts the paths and the cases with the dot swap, prints each mismatch with its case's name and
+    exits 1 on any; bad arguments are refused by name."""
     sys.path.insert(0, str(ROOT / "tests"))
     import fast_sweep
     import fastcases
@@ -816,7 +816,8 @@ def test_fast_sweep_counts_cases_per_path_and_fails_on_a_mismatch(monkeypatch, c
     assert fast_sweep.main(args) == 0
     out = capsys.readouterr().out
     assert all(f"{fastcases.path(c):8s} {c.name}: ok" in out for c in cases) and ", 0 mismatched" in out
-    assert f"4 cases ({', '.join(f'{sum(fastcases.path(c) == p for c in cases)} {p}' for p in fastcases.PATHS)})" in out
+    counts = ', '.join(f'{sum(fastcases.path(c) == p for c in cases)} {p}' for p in fastcases.PATHS)
+    assert f"4 cases ({counts}; {sum(map(fastcases.dot_swap, cases))} with the dot swap)" in out
     monkeypatch.setattr(fastcases, "run", lambda case: [f"{case.name} eager: tokens differ from generate()'s"])
     assert fast_sweep.main(args) == 1
     out = capsys.readouterr().out
